@@ -1,0 +1,3 @@
+from fsdp2gen.cli import main
+
+main()

@@ -1,0 +1,96 @@
+"""The template's questions, read from its copier.yml, and validation of answers against them.
+
+copier.yml is the single source of truth: the CLI's options, prompts, defaults
+and validators all come from it, so `fsdp2gen new` and `copier copy` accept
+exactly the same answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jinja2.sandbox import SandboxedEnvironment
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def template_dir() -> Path:
+    """The copier template: shipped inside the wheel, or `templates/` of a source checkout."""
+    for candidate in (PACKAGE_DIR / "templates", PACKAGE_DIR.parent / "templates"):
+        if (candidate / "copier.yml").is_file():
+            return candidate
+    raise FileNotFoundError(f"fsdp2gen's template is missing (looked in {PACKAGE_DIR} and its parent)")
+
+
+@dataclass(frozen=True)
+class Question:
+    name: str
+    type: str
+    help: str
+    default: Any
+    choices: tuple[tuple[str, str], ...] = ()  # (label, value)
+    validator: str = ""
+
+    @property
+    def choice_values(self) -> list[str]:
+        return [value for _, value in self.choices]
+
+    def convert(self, raw: str) -> Any:
+        """Parse a typed-in string as this question's type (raises ValueError)."""
+        return int(raw) if self.type == "int" else raw
+
+    def error(self, value: Any, answers: dict[str, Any]) -> str | None:
+        """The problem with `value` as an answer, or None if it is valid."""
+        if self.choices and value not in self.choice_values:
+            return f"{value!r} is not one of {', '.join(self.choice_values)}"
+        if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{value!r} is not an integer"
+        if not self.validator:
+            return None
+        defaults = {q.name: q.default for q in questions().values()}
+        context = {**defaults, **answers, self.name: value}
+        message = _jinja().from_string(self.validator).render(**context).strip()
+        return message or None
+
+
+@cache
+def _jinja() -> SandboxedEnvironment:
+    return SandboxedEnvironment()
+
+
+@cache
+def questions() -> dict[str, Question]:
+    """The questions a user answers, in copier.yml order (settings and `when: false` values left out)."""
+    spec = yaml.safe_load((template_dir() / "copier.yml").read_text())
+    found = {}
+    for name, entry in spec.items():
+        if name.startswith("_") or not isinstance(entry, dict) or entry.get("when") is False:
+            continue
+        choices = entry.get("choices") or {}
+        if isinstance(choices, list):
+            choices = {str(value): value for value in choices}
+        found[name] = Question(
+            name=name,
+            type=entry.get("type", "str"),
+            help=entry.get("help", name),
+            default=entry.get("default"),
+            choices=tuple((str(label), str(value)) for label, value in choices.items()),
+            validator=entry.get("validator", ""),
+        )
+    return found
+
+
+def validate(answers: dict[str, Any]) -> dict[str, str]:
+    """{question name: problem} for every invalid answer among `answers`."""
+    all_questions = questions()
+    problems = {}
+    for name, value in answers.items():
+        if name not in all_questions:
+            problems[name] = f"unknown question; known: {', '.join(all_questions)}"
+        elif message := all_questions[name].error(value, answers):
+            problems[name] = message
+    return problems

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fsdp2gen.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fsdp2gen(*args: str, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (`python -m fsdp2gen`), stdin not a terminal."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp2gen", *args],
+        cwd=cwd,
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def invoke(*args: str, input: str | None = None):
+    """Run the CLI in-process (typer's CliRunner), for prompts answered through `input`."""
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def generate(dest: Path, *options: str) -> Path:
+    result = fsdp2gen("new", str(dest), "--yes", *options)
+    assert result.returncode == 0, result.stderr
+    return dest
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Relative path -> content, for every file under `root`."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def torchrun_env() -> dict[str, str]:
+    # One thread per rank: 2 ranks on 2 cores; more threads only add contention.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One generated project per precision, shared by the tests that only read or run them."""
+    root = tmp_path_factory.mktemp("projects")
+    return {p: generate(root / f"run-{p}", "--gpus", "2", "--precision", p) for p in ("fp32", "bf16", "fp16")}

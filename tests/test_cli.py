@@ -1,0 +1,183 @@
+"""The fsdp2gen CLI: options, prompts, defaults without a terminal, and bad input."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp2gen import __version__
+from tests.conftest import fsdp2gen, invoke, tree
+
+
+def answers_of(project: Path) -> dict:
+    return yaml.safe_load((project / ".copier-answers.yml").read_text())
+
+
+def test_version_and_help() -> None:
+    assert fsdp2gen("--version").stdout == f"fsdp2gen {__version__}\n"
+    top = fsdp2gen("--help")
+    assert top.returncode == 0 and "new" in top.stdout
+    new = fsdp2gen("new", "--help")
+    assert new.returncode == 0
+    for option in ("--family", "--gpus", "--nodes", "--precision", "--bf16", "--fp16", "--fp32", "--checkpoint"):
+        assert option in new.stdout
+    # Choices and help come from the template's copier.yml.
+    assert "fp32|bf16|fp16" in new.stdout and "dcp|dcp-async|full" in new.stdout
+    assert "GPUs per node" in new.stdout
+
+
+def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
+    result = fsdp2gen(
+        "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
+        "--precision", "fp16", "--checkpoint", "dcp",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # nothing was missing, so no defaults were announced
+    answers = answers_of(tmp_path / "run")
+    assert {k: answers[k] for k in ("family", "gpus", "nodes", "precision", "checkpoint")} == {
+        "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16", "checkpoint": "dcp",
+    }  # fmt: skip
+    assert answers["_commit"] == f"v{__version__}"
+    assert answers["_src_path"].startswith("https://")
+
+
+@pytest.mark.parametrize("flag,precision", [("--bf16", "bf16"), ("--fp16", "fp16"), ("--fp32", "fp32")])
+def test_precision_shortcuts(tmp_path: Path, flag: str, precision: str) -> None:
+    result = fsdp2gen("new", str(tmp_path / "run"), "-y", flag)
+    assert result.returncode == 0, result.stderr
+    assert answers_of(tmp_path / "run")["precision"] == precision
+
+
+def test_without_a_terminal_missing_answers_take_defaults_and_are_announced(tmp_path: Path) -> None:
+    result = fsdp2gen("new", str(tmp_path / "run"), "--gpus", "2")
+    assert result.returncode == 0
+    assert result.stderr == (
+        "fsdp2gen: stdin is not a terminal; using defaults family=llama, nodes=1, precision=bf16, "
+        "checkpoint=dcp (pass --yes to accept silently)\n"
+    )
+    answers = answers_of(tmp_path / "run")
+    assert (answers["gpus"], answers["nodes"], answers["precision"]) == (2, 1, "bf16")
+
+
+def test_yes_accepts_defaults_silently(tmp_path: Path) -> None:
+    result = fsdp2gen("new", str(tmp_path / "run"), "-y")
+    assert result.returncode == 0 and result.stderr == ""
+    assert answers_of(tmp_path / "run")["gpus"] == 8
+
+
+def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
+    dest = tmp_path / "run"
+    result = fsdp2gen("new", str(dest), "-y", "--nodes", "2")
+    lines = result.stdout.splitlines()
+    files = tree(dest)
+    assert len(files) == 13
+    assert lines[0] == (
+        f"Created {dest} (family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp) with {len(files)} files:"
+    )
+    assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
+    assert f"  cd {dest}" in lines
+    assert "  NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20   # 2 CPU processes, gloo" in lines
+    assert any("scripts/run_multinode.sh" in line for line in lines[1 + len(files) :])
+
+
+def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
+    # family, nodes, precision and checkpoint are asked (gpus was given); an invalid answer is asked again.
+    result = invoke("new", str(tmp_path / "run"), "--gpus", "2", "--interactive", input="llama\n0\n2\nfp16\n\n")
+    assert result.exit_code == 0, result.output
+    prompts = re.findall(r"^(.*?) \[.*?\]: ", result.output, flags=re.M)
+    assert prompts == [
+        "Model family to train (llama)",
+        "Number of nodes",
+        "Number of nodes",
+        "Training precision (bf16 and fp16 keep fp32 master weights and fp32 gradient reduction) (fp32, bf16, fp16)",
+        "Checkpoint style (dcp, dcp-async, full)",
+    ]
+    assert "Error: must be at least 1, e.g. --nodes 2" in result.output
+    answers = answers_of(tmp_path / "run")
+    assert (answers["gpus"], answers["nodes"], answers["precision"], answers["checkpoint"]) == (2, 2, "fp16", "dcp")
+
+
+def test_prompt_rejects_a_non_integer_and_an_unknown_choice(tmp_path: Path) -> None:
+    result = invoke("new", str(tmp_path / "run"), "--interactive", input="gpt\nllama\nabc\n4\n1\nbf16\ndcp\n")
+    assert result.exit_code == 0, result.output
+    assert "Error: 'gpt' is not one of llama" in result.output
+    assert "Error: 'abc' is not a valid int" in result.output
+    assert answers_of(tmp_path / "run")["gpus"] == 4
+
+
+def test_no_interactive_never_prompts(tmp_path: Path) -> None:
+    result = invoke("new", str(tmp_path / "run"), "--no-interactive", input="should not be read\n")
+    assert result.exit_code == 0
+    assert "using defaults" in result.output
+
+
+BAD_INPUT = [
+    (["--gpus", "0"], "fsdp2gen: error: --gpus: must be at least 1, e.g. --gpus 8"),
+    (["--gpus", "-1"], "fsdp2gen: error: --gpus: must be at least 1, e.g. --gpus 8"),
+    (["--gpus", "abc"], "fsdp2gen: error: Invalid value for '--gpus': "),
+    (["--nodes", "0"], "fsdp2gen: error: --nodes: must be at least 1, e.g. --nodes 2"),
+    (["--family", "gpt"], "fsdp2gen: error: Invalid value for '--family': "),
+    (["--precision", "fp8"], "fsdp2gen: error: Invalid value for '--precision': "),
+    (["--checkpoint", "zip"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
+    (["--checkpoint", "full"], "fsdp2gen: error: --checkpoint: 'full' is not yet supported"),
+    (["--bf16", "--fp32"], "fsdp2gen: error: conflicting precision options --bf16 --fp32; give only one"),
+    (["--fp16", "--precision", "bf16"], "fsdp2gen: error: conflicting precision options --fp16 --precision bf16"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_answers_exit_2_with_one_line_and_write_nothing(tmp_path: Path, options: list[str], message: str) -> None:
+    result = fsdp2gen("new", "run", "-y", *options, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(message), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_empty_destination_needs_force(tmp_path: Path) -> None:
+    dest = tmp_path / "run"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    result = fsdp2gen("new", str(dest), "-y")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"fsdp2gen: error: {dest} exists and is not empty; choose another DEST or pass --force to write into it\n"
+    )
+    assert tree(dest) == {"notes.txt": b"mine"}
+    forced = fsdp2gen("new", str(dest), "-y", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "train.py").is_file()
+
+
+def test_empty_destination_folder_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    assert fsdp2gen("new", str(tmp_path / "run"), "-y").returncode == 0
+    assert (tmp_path / "run" / "train.py").is_file()
+
+
+def test_destination_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("x")
+    result = fsdp2gen("new", str(tmp_path / "run"), "-y")
+    assert result.returncode == 2
+    assert result.stderr == f"fsdp2gen: error: {tmp_path / 'run'} exists and is not a folder; choose another DEST\n"
+
+
+def test_unwritable_destination(tmp_path: Path) -> None:
+    # /proc refuses new folders even to root, which ignores permission bits.
+    result = fsdp2gen("new", "/proc/fsdp2gen-run", "-y")
+    assert result.returncode == 2
+    assert result.stderr.startswith("fsdp2gen: error: cannot write /proc/fsdp2gen-run: ")
+    assert result.stderr.rstrip().endswith("choose a DEST you can write to")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_nested_destination_parents_are_created(tmp_path: Path) -> None:
+    result = fsdp2gen("new", str(tmp_path / "a" / "b" / "run"), "-y")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "a" / "b" / "run" / "train.py").is_file()
+    # The staging folder lived in the nearest existing ancestor and is gone.
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["run"]

@@ -1,0 +1,50 @@
+"""generated_examples/ holds committed outputs; regenerating them from their answers must match exactly.
+
+After an intended template change, refresh them with:
+    FSDP2GEN_UPDATE_GOLDENS=1 python -m pytest tests/test_goldens.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, generate, tree
+
+EXAMPLES = REPO / "generated_examples"
+# name -> answers; every name must exist in generated_examples/ and vice versa.
+GOLDENS = {
+    "llama-1gpu-fp32": {"family": "llama", "gpus": 1, "nodes": 1, "precision": "fp32", "checkpoint": "dcp"},
+    "llama-8gpu-bf16": {"family": "llama", "gpus": 8, "nodes": 1, "precision": "bf16", "checkpoint": "dcp"},
+    "llama-2node-bf16": {"family": "llama", "gpus": 8, "nodes": 2, "precision": "bf16", "checkpoint": "dcp"},
+}
+
+
+def flags(answers: dict) -> list[str]:
+    return [item for name, value in answers.items() for item in (f"--{name}", str(value))]
+
+
+def test_every_golden_is_listed() -> None:
+    assert sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()) == sorted(GOLDENS)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_golden_regenerates_identically(tmp_path: Path, name: str) -> None:
+    golden = EXAMPLES / name
+    if os.environ.get("FSDP2GEN_UPDATE_GOLDENS") == "1":
+        shutil.rmtree(golden, ignore_errors=True)
+        generate(golden, *flags(GOLDENS[name]))
+    recorded = yaml.safe_load((golden / ".copier-answers.yml").read_text())
+    answers = {key: value for key, value in recorded.items() if not key.startswith("_")}
+    assert answers == GOLDENS[name]
+    fresh = generate(tmp_path / name, *flags(answers))
+    expected, actual = tree(golden), tree(fresh)
+    assert sorted(actual) == sorted(expected)
+    changed = [path for path in expected if expected[path] != actual[path]]
+    assert changed == [], f"{name}: {changed} differ; if intended, run FSDP2GEN_UPDATE_GOLDENS=1 pytest {__file__}"
+    for path in expected:
+        assert os.access(golden / path, os.X_OK) == os.access(fresh / path, os.X_OK), path

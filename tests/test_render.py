@@ -1,0 +1,106 @@
+"""What the template renders: the six blocks, only the code the answers need, lint-clean Python."""
+
+from __future__ import annotations
+
+import ast
+import os
+import py_compile
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import generate, tree
+
+BLOCKS = ["init_distributed", "build_model_meta", "build_optimizer", "train_step", "checkpoint_save", "checkpoint_load"]
+
+
+def test_train_py_has_the_six_marked_blocks_in_order(projects: dict[str, Path]) -> None:
+    for project in projects.values():
+        source = (project / "train.py").read_text()
+        markers = re.findall(r"^# fsdp2gen: block (\w+)\ndef (\w+)\(", source, flags=re.M)
+        assert markers == [(name, name) for name in BLOCKS]
+        assert source.count("# fsdp2gen: block") == 6
+        # main() calls the blocks in this order.
+        main = next(
+            node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "main"
+        )
+        called = [n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        order = [name for name in called if name in BLOCKS]
+        assert order == ["init_distributed", "build_model_meta", "build_optimizer", "checkpoint_load", "train_step",
+                         "checkpoint_save"]  # fmt: skip
+
+
+def test_generated_python_passes_ruff_and_compiles(projects: dict[str, Path]) -> None:
+    for project in projects.values():
+        for path in project.rglob("*.py"):
+            py_compile.compile(str(path), doraise=True)
+        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project,
+                              capture_output=True, text=True)  # fmt: skip
+        assert lint.returncode == 0, lint.stdout
+        fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."], cwd=project,
+                             capture_output=True, text=True)  # fmt: skip
+        assert fmt.returncode == 0, fmt.stdout
+
+
+def test_seed_rules_hold_in_train_py(projects: dict[str, Path]) -> None:
+    for project in projects.values():
+        source = (project / "train.py").read_text()
+        calls = {ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)}
+        assert not any(call.endswith((".forward", "no_sync", "torch.save", ".state_dict")) for call in calls - {
+            "self.scheduler.state_dict", "self.scaler.state_dict"}), calls  # fmt: skip
+        assert "model.set_requires_gradient_sync" in calls
+        assert re.search(r"dist\.barrier\(\)\n    dist\.destroy_process_group\(\)", source)
+        # meta build -> blocks -> root -> to_empty -> init, in that order.
+        steps = ['torch.device("meta")', "fully_shard(\n            block", "fully_shard(model", "model.to_empty(",
+                 "model.init_weights("]  # fmt: skip
+        positions = [source.index(step) for step in steps]
+        assert positions == sorted(positions)
+        # set_device comes before init_process_group.
+        assert source.index("torch.cuda.set_device") < source.index("dist.init_process_group")
+
+
+def test_precision_renders_only_its_own_code(projects: dict[str, Path]) -> None:
+    fp32, bf16, fp16 = (projects[p].joinpath("train.py").read_text() for p in ("fp32", "bf16", "fp16"))
+    assert "MixedPrecisionPolicy" not in fp32 and "GradScaler" not in fp32
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in bf16
+    assert "GradScaler" not in bf16
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)" in fp16
+    assert "scaler.scale(loss).backward()" in fp16 and '"loss_scale"' in fp16
+    for source in (fp32, bf16, fp16):
+        assert "{%" not in source and "{{" not in source
+
+
+def test_nodes_and_gpus_shape_the_launchers(tmp_path: Path) -> None:
+    one = generate(tmp_path / "one", "--gpus", "4", "--nodes", "1")
+    two = generate(tmp_path / "two", "--gpus", "8", "--nodes", "2")
+    assert not (one / "scripts" / "run_multinode.sh").exists()
+    assert 'NPROC="${NPROC:-4}"' in (one / "scripts" / "run_local.sh").read_text()
+    multinode = (two / "scripts" / "run_multinode.sh").read_text()
+    assert 'NNODES="${NNODES:-2}"' in multinode and 'NPROC="${NPROC:-8}"' in multinode
+    assert "--rdzv-backend c10d" in multinode
+    for script in (one / "scripts" / "run_local.sh", two / "scripts" / "run_multinode.sh"):
+        assert os.access(script, os.X_OK)
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_multinode_script_names_missing_variables(tmp_path: Path) -> None:
+    project = generate(tmp_path / "two", "--nodes", "2")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
+    result = subprocess.run(["scripts/run_multinode.sh"], cwd=project, env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "set MASTER_ADDR to the hostname or IP of node 0" in result.stderr
+
+
+def test_project_name_comes_from_the_folder(tmp_path: Path) -> None:
+    project = generate(tmp_path / "My_Run")
+    assert 'name = "my-run"' in (project / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_answers_file_records_every_answer(projects: dict[str, Path], precision: str) -> None:
+    files = tree(projects[precision])
+    answers = files[".copier-answers.yml"].decode()
+    assert f"precision: {precision}\n" in answers and "gpus: 2\n" in answers
