@@ -7,30 +7,45 @@ copier.yml (see questions.py). Errors are one line on stderr with exit code 2.
 from __future__ import annotations
 
 import enum
+import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
 
 from fsdp2gen import __version__
-from fsdp2gen.questions import Question, questions, validate
+from fsdp2gen.questions import Question, load_answers_file, questions, validate
 from fsdp2gen.render import DestinationError, check_destination, render_project
 
 EXIT_BAD_INPUT = 2
 
 
-class OneLineErrors(TyperGroup):
-    """Report usage errors as `fsdp2gen: error: ...` on one line (exit 2), for people and agents alike."""
+class BadInput(Exception):
+    """Input the user can fix; reported as one line (or a JSON object) with exit code 2."""
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+
+def fail(message: str) -> NoReturn:
+    raise BadInput(message)
+
+
+class OneLineErrors(TyperGroup):
+    """Report bad input as `fsdp2gen: error: ...` on one line, or as JSON under --json, with exit code 2."""
+
+    def main(self, args: list[str] | None = None, *rest: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
         try:
-            result = super().main(*args, standalone_mode=False, **kwargs)
-        except typer.TyperException as error:
-            # Usage errors (bad option value, missing argument); typer >= 0.29 vendors click.
-            fail(error.format_message() if hasattr(error, "format_message") else str(error))
+            result = super().main(argv, *rest, standalone_mode=False, **kwargs)
+        except (BadInput, typer.TyperException) as error:
+            # TyperException covers usage errors: bad option value, missing argument (typer vendors click).
+            message = error.format_message() if hasattr(error, "format_message") else str(error)
+            if "--json" in argv:
+                typer.echo(json.dumps({"error": message, "code": EXIT_BAD_INPUT}))
+            else:
+                typer.echo(f"fsdp2gen: error: {message}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
         except typer.Abort:
             typer.echo("fsdp2gen: aborted", err=True)
             sys.exit(1)
@@ -39,17 +54,14 @@ class OneLineErrors(TyperGroup):
         sys.exit(result if isinstance(result, int) else 0)
 
 
-def fail(message: str) -> None:
-    typer.echo(f"fsdp2gen: error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
-
-
 def _choices_enum(question: Question) -> type[enum.StrEnum]:
     """A str Enum of the question's choices, so the CLI grows with the template."""
     return enum.StrEnum(question.name.capitalize(), {value: value for value in question.choice_values})
 
 
 QUESTIONS = questions()
+# Asked (or defaulted) by `new`; project_name is not asked: copier derives it from DEST's folder name.
+ASKED = [name for name in QUESTIONS if name != "project_name"]
 Family = _choices_enum(QUESTIONS["family"])
 Precision = _choices_enum(QUESTIONS["precision"])
 Checkpoint = _choices_enum(QUESTIONS["checkpoint"])
@@ -60,6 +72,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
+    pretty_exceptions_enable=False,
 )
 
 
@@ -83,20 +96,42 @@ def _help(name: str) -> str:
     return f"{question.help} [default: {question.default}]"
 
 
+FamilyOption = Annotated[Family | None, typer.Option(help=_help("family"))]
+GpusOption = Annotated[int | None, typer.Option(help=_help("gpus"))]
+NodesOption = Annotated[int | None, typer.Option(help=_help("nodes"))]
+PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision"))]
+CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object (the result, or the error).")]
+
+
+def _given_answers(**options: Any) -> dict[str, Any]:
+    """The answers given as options (enums as their values), each checked by the template's validator."""
+    answers = {name: value.value if isinstance(value, enum.Enum) else value for name, value in options.items()}
+    answers = {name: value for name, value in answers.items() if value is not None}
+    for name, problem in validate(answers).items():
+        fail(f"{QUESTIONS[name].flag}: {problem}")
+    return answers
+
+
 @app.command()
 def new(
     dest: Annotated[
         Path,
         typer.Argument(metavar="DEST", help="Folder to create; its name becomes the project name.", show_default=False),
     ],
-    family: Annotated[Family | None, typer.Option(help=_help("family"))] = None,
-    gpus: Annotated[int | None, typer.Option(help=_help("gpus"))] = None,
-    nodes: Annotated[int | None, typer.Option(help=_help("nodes"))] = None,
-    precision: Annotated[Precision | None, typer.Option(help=_help("precision"))] = None,
+    family: FamilyOption = None,
+    gpus: GpusOption = None,
+    nodes: NodesOption = None,
+    precision: PrecisionOption = None,
     bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
     fp16: Annotated[bool, typer.Option("--fp16", help="Same as --precision fp16.")] = False,
     fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
-    checkpoint: Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))] = None,
+    checkpoint: CheckpointOption = None,
+    project_name: Annotated[str | None, typer.Option(help="Project name [default: DEST's folder name]")] = None,
+    answers_file: Annotated[
+        Path | None,
+        typer.Option(help="YAML file of answers (the keys of .copier-answers.yml); flags may not contradict it."),
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Use defaults for every answer not given.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Allow writing into a non-empty DEST.")] = False,
     interactive: Annotated[
@@ -107,6 +142,10 @@ def new(
             show_default=False,
         ),
     ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List the files that would be written; write nothing.")
+    ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Generate an FSDP2 training project in DEST."""
     shortcuts = [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag]
@@ -116,37 +155,75 @@ def new(
     if shortcuts:
         precision = Precision(shortcuts[0])
 
-    given = {"family": family, "gpus": gpus, "nodes": nodes, "precision": precision, "checkpoint": checkpoint}
-    answers = {name: value.value if isinstance(value, enum.Enum) else value for name, value in given.items()}
-    answers = {name: value for name, value in answers.items() if value is not None}
-    for name, problem in validate(answers).items():
-        fail(f"--{name}: {problem}")
+    answers = _given_answers(family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint)
+    if project_name is not None:
+        answers.update(_given_answers(project_name=project_name))
+    if answers_file is not None:
+        answers = _merge_answers_file(answers_file, answers)
     try:
         check_destination(dest.absolute(), force=force)
     except DestinationError as error:
         fail(str(error))
 
-    missing = [name for name in QUESTIONS if name not in answers]
+    missing = [name for name in ASKED if name not in answers]
     if interactive is None:
-        interactive = sys.stdin.isatty()
-    if missing and not yes and interactive:
+        interactive = _stdin_is_terminal()
+    if missing and not yes and interactive and not as_json:
         for name in missing:
             answers[name] = _ask(QUESTIONS[name], answers)
-    elif missing:
-        for name in missing:
-            answers[name] = QUESTIONS[name].default
-        if not yes:
-            used = ", ".join(f"{name}={answers[name]}" for name in missing)
-            typer.echo(
-                f"fsdp2gen: stdin is not a terminal; using defaults {used} (pass --yes to accept silently)", err=True
-            )
+        missing = []
+    for name in missing:
+        answers[name] = QUESTIONS[name].default
+    if missing and not yes and not as_json:
+        used = ", ".join(f"{name}={answers[name]}" for name in missing)
+        typer.echo(
+            f"fsdp2gen: stdin is not a terminal; using defaults {used} (pass --yes to accept silently)", err=True
+        )
 
-    answers = {name: answers[name] for name in QUESTIONS}
     try:
-        written = render_project(dest, answers, force=force)
+        written, answers = render_project(dest, answers, force=force, dry_run=dry_run)
     except (DestinationError, ValueError) as error:
         fail(str(error))
-    _report(dest, answers, written)
+    commands = next_commands(dest, answers)
+    if as_json:
+        report = {
+            "dest": str(dest.absolute()),
+            "dry_run": dry_run,
+            "answers": answers,
+            "defaults_used": missing,
+            "files": written,
+            "next": [{"command": command, "why": why} for command, why in commands],
+        }
+        typer.echo(json.dumps(report, indent=2))
+        return
+    verb = "Would create" if dry_run else "Created"
+    summary = ", ".join(f"{name}={value}" for name, value in answers.items())
+    typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
+    for path in written:
+        typer.echo(f"  {path}")
+    if not dry_run:
+        typer.echo("\nNext:")
+        for command, why in commands:
+            typer.echo(f"  {command}" + (f"   # {why}" if why else ""))
+
+
+def _merge_answers_file(path: Path, flag_answers: dict[str, Any]) -> dict[str, Any]:
+    """Answers from `path` plus those given as flags; a flag that contradicts the file is an error."""
+    try:
+        from_file = load_answers_file(path)
+    except ValueError as error:
+        fail(str(error))
+    for name, value in flag_answers.items():
+        if name in from_file and from_file[name] != value:
+            fail(f"--{name} {value} contradicts {name}: {from_file[name]} in {path}; drop one of them")
+    return {**from_file, **flag_answers}
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # stdin was closed
+        return False
 
 
 def _ask(question: Question, answers: dict[str, Any]) -> Any:
@@ -167,19 +244,71 @@ def _ask(question: Question, answers: dict[str, Any]) -> Any:
         typer.echo(f"Error: {problem}", err=True)
 
 
-def _report(dest: Path, answers: dict[str, Any], written: list[str]) -> None:
-    summary = ", ".join(f"{name}={value}" for name, value in answers.items())
-    typer.echo(f"Created {dest} ({summary}) with {len(written)} files:")
-    for path in written:
-        typer.echo(f"  {path}")
-    typer.echo("\nNext:")
-    typer.echo(f"  cd {shlex.quote(str(dest))}")
-    typer.echo("  pip install -e '.[test]'")
-    typer.echo("  NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20   # 2 CPU processes, gloo")
-    typer.echo(f"  scripts/run_local.sh   # {answers['gpus']} GPU(s) with nccl")
+def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
+    """(command, why) pairs to run after generation, in order."""
+    commands = [
+        (f"cd {shlex.quote(str(dest))}", ""),
+        ("pip install -e '.[test]'", ""),
+        ("NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20", "2 CPU processes, gloo"),
+        ("scripts/run_local.sh", f"{answers['gpus']} GPU(s) with nccl"),
+    ]
     if answers["nodes"] > 1:
-        typer.echo("  MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/run_multinode.sh   # on each node")
-    typer.echo("  pytest   # the project's own tests")
+        commands.append(
+            ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/run_multinode.sh", "on each node")
+        )
+    commands.append(("pytest", "the project's own tests"))
+    return commands
+
+
+class Conflict(enum.StrEnum):
+    inline = "inline"
+    rej = "rej"
+
+
+@app.command()
+def update(
+    path: Annotated[Path, typer.Argument(help="The generated project (a clean git checkout).")] = Path("."),
+    family: FamilyOption = None,
+    gpus: GpusOption = None,
+    nodes: NodesOption = None,
+    precision: PrecisionOption = None,
+    checkpoint: CheckpointOption = None,
+    conflict: Annotated[
+        Conflict, typer.Option(help="How to show conflicts: inline markers or .rej files, as copier does.")
+    ] = Conflict.inline,
+    vcs_ref: Annotated[
+        str | None, typer.Option(help="Template version (git tag) to update to [default: newest]")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Update a generated project to a newer template version, keeping your edits (runs `copier update`)."""
+    from fsdp2gen.update import UpdateError, update_project
+
+    answers = _given_answers(family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint)
+    try:
+        conflicts = update_project(path, answers, conflict=conflict.value, vcs_ref=vcs_ref)
+    except UpdateError as error:
+        fail(str(error))
+    if as_json:
+        typer.echo(json.dumps({"project": str(path.absolute()), "answers": answers, "conflicts": conflicts}, indent=2))
+    elif conflicts:
+        typer.echo(f"Updated {path} with conflicts to resolve in: {', '.join(conflicts)}")
+    else:
+        typer.echo(f"Updated {path}; review with `git diff` and commit")
+
+
+@app.command("questions")
+def list_questions(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the questions as a JSON list.")] = False,
+) -> None:
+    """The questions `new` asks, with their types, choices, defaults and help."""
+    described = [question.describe() for question in QUESTIONS.values()]
+    if as_json:
+        typer.echo(json.dumps(described, indent=2))
+        return
+    for item in described:
+        choices = f" ({', '.join(item['choices'])})" if item["choices"] else ""
+        typer.echo(f"--{item['name']} {item['type'].upper()}{choices} [default: {item['default']}]\n    {item['help']}")
 
 
 def main() -> None:

@@ -36,8 +36,24 @@ class Question:
     validator: str = ""
 
     @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
     def choice_values(self) -> list[str]:
         return [value for _, value in self.choices]
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description, for agents that build their own prompt."""
+        return {
+            "name": self.name,
+            "flag": self.flag,
+            "type": self.type,
+            "help": self.help,
+            "default": self.default,
+            "choices": self.choice_values,
+            "choice_help": {value: label for label, value in self.choices},
+        }
 
     def convert(self, raw: str) -> Any:
         """Parse a typed-in string as this question's type (raises ValueError)."""
@@ -51,7 +67,7 @@ class Question:
             return f"{value!r} is not an integer"
         if not self.validator:
             return None
-        defaults = {q.name: q.default for q in questions().values()}
+        defaults = {q.name: q.default for q in questions().values() if "{{" not in str(q.default)}
         context = {**defaults, **answers, self.name: value}
         message = _jinja().from_string(self.validator).render(**context).strip()
         return message or None
@@ -59,7 +75,8 @@ class Question:
 
 @cache
 def _jinja() -> SandboxedEnvironment:
-    return SandboxedEnvironment()
+    # The filters copier gives validators (regex_search and friends), so both evaluate them alike.
+    return SandboxedEnvironment(extensions=["jinja2_ansible_filters.AnsibleCoreFiltersExtension"])
 
 
 @cache
@@ -94,3 +111,19 @@ def validate(answers: dict[str, Any]) -> dict[str, str]:
         elif message := all_questions[name].error(value, answers):
             problems[name] = message
     return problems
+
+
+def load_answers_file(path: Path) -> dict[str, Any]:
+    """Validated answers from a YAML file with the keys of `.copier-answers.yml` (`_`-keys are ignored)."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read answers file {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"answers file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"answers file {path} must be a mapping like 'gpus: 8', got {type(loaded).__name__}")
+    answers = {str(key): value for key, value in loaded.items() if not str(key).startswith("_")}
+    for name, problem in validate(answers).items():
+        raise ValueError(f"{name} in {path}: {problem}")
+    return answers

@@ -13,8 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fsdp2gen import __version__
-from fsdp2gen.questions import template_dir
+from fsdp2gen.questions import questions, template_dir
 
 # Where `copier update` fetches newer template versions from. The packaged template is
 # rendered offline, so the answers file is stamped with this repository and the version tag.
@@ -37,8 +39,13 @@ def check_destination(dest: Path, *, force: bool) -> None:
         raise DestinationError(f"cannot create {dest}: {anchor} is not writable; choose a DEST you can write to")
 
 
-def render_project(dest: Path, answers: dict[str, Any], *, force: bool = False) -> list[str]:
-    """Render the template with `answers` into `dest`; return the written files, relative to `dest`."""
+def render_project(
+    dest: Path, answers: dict[str, Any], *, force: bool = False, dry_run: bool = False
+) -> tuple[list[str], dict[str, Any]]:
+    """Render the template with `answers` into `dest`; return its files (relative) and the recorded answers.
+
+    With `dry_run` the rendered staging folder is discarded and nothing is written.
+    """
     import copier  # imported here: it costs ~0.5 s, which --help and errors should not pay
 
     dest = dest.absolute()
@@ -51,14 +58,15 @@ def render_project(dest: Path, answers: dict[str, Any], *, force: bool = False) 
             copier.run_copy(
                 str(template_dir()), staging, data=answers, defaults=True, unsafe=False, quiet=True, overwrite=True
             )
-            _stamp_answers_file(staging / ANSWERS_FILE)
+            recorded = _stamp_answers_file(staging / ANSWERS_FILE)
             written = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-            _move_into_place(staging, dest)
+            if not dry_run:
+                _move_into_place(staging, dest)
     except OSError as error:
         raise DestinationError(
             f"cannot write {dest}: {error.strerror or error}; choose a DEST you can write to"
         ) from None
-    return written
+    return written, recorded
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -67,11 +75,16 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def _stamp_answers_file(path: Path) -> None:
-    """Record the canonical template repository and version instead of this machine's template path."""
+def _stamp_answers_file(path: Path) -> dict[str, Any]:
+    """Record the canonical template repository and version instead of this machine's template path.
+
+    Returns the answers as recorded, in question order.
+    """
     text = path.read_text()
     text = re.sub(r"^_src_path: .*$", f"_commit: v{__version__}\n_src_path: {TEMPLATE_REPOSITORY}", text, flags=re.M)
     path.write_text(text)
+    recorded = yaml.safe_load(text)
+    return {name: recorded[name] for name in questions() if name in recorded}
 
 
 def _move_into_place(staging: Path, dest: Path) -> None:

@@ -73,9 +73,10 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     result = fsdp2gen("new", str(dest), "-y", "--nodes", "2")
     lines = result.stdout.splitlines()
     files = tree(dest)
-    assert len(files) == 13
+    assert len(files) == 14
     assert lines[0] == (
-        f"Created {dest} (family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp) with {len(files)} files:"
+        f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp) "
+        f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
     assert f"  cd {dest}" in lines

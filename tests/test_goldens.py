@@ -25,7 +25,7 @@ GOLDENS = {
 
 
 def flags(answers: dict) -> list[str]:
-    return [item for name, value in answers.items() for item in (f"--{name}", str(value))]
+    return [item for name, value in answers.items() for item in ("--" + name.replace("_", "-"), str(value))]
 
 
 def test_every_golden_is_listed() -> None:
@@ -40,7 +40,7 @@ def test_golden_regenerates_identically(tmp_path: Path, name: str) -> None:
         generate(golden, *flags(GOLDENS[name]))
     recorded = yaml.safe_load((golden / ".copier-answers.yml").read_text())
     answers = {key: value for key, value in recorded.items() if not key.startswith("_")}
-    assert answers == GOLDENS[name]
+    assert answers == {"project_name": name, **GOLDENS[name]}
     fresh = generate(tmp_path / name, *flags(answers))
     expected, actual = tree(golden), tree(fresh)
     assert sorted(actual) == sorted(expected)
