@@ -311,5 +311,79 @@ def list_questions(
         typer.echo(f"--{item['name']} {item['type'].upper()}{choices} [default: {item['default']}]\n    {item['help']}")
 
 
+@app.command()
+def check(
+    paths: Annotated[
+        list[Path],
+        typer.Argument(metavar="PATH...", help="Python files, or folders searched for *.py.", show_default=False),
+    ],
+    output_format: Annotated[str, typer.Option("--format", help="text (like ruff) or json.")] = "text",
+) -> None:
+    """Find FSDP2 mistakes in training scripts without running them; exit 1 when something is found."""
+    # Imported here so that `fsdp2gen --help` and `new` do not pay for it.
+    from fsdp2gen import check as checker
+
+    if output_format not in ("text", "json"):
+        fail(f"--format {output_format}: choose text or json")
+    try:
+        findings = checker.check_paths(paths)
+    except checker.CheckInputError as error:
+        fail(str(error))
+    if output_format == "json":
+        typer.echo(checker.format_json(findings))
+    elif findings:
+        typer.echo(checker.format_text(findings))
+    raise typer.Exit(1 if findings else 0)
+
+
+@app.command()
+def plan(
+    family: Annotated[Family | None, typer.Option(help="Model family. [default: llama]", show_default=False)] = None,
+    size: Annotated[
+        str | None, typer.Option(help="Llama 3 size preset: 1b, 3b, 8b, 70b or 405b.", show_default=False)
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs per node. [default: 8, or the project's]")] = None,
+    nodes: Annotated[int | None, typer.Option(help="Number of nodes. [default: 1, or the project's]")] = None,
+    precision: Annotated[
+        Precision | None, typer.Option(help="Compute precision. [default: bf16, or the project's]")
+    ] = None,
+    offload: Annotated[bool, typer.Option("--offload", help="Keep parameters, gradients, optimizer on CPU.")] = False,
+    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: none, selective or full.")] = "none",
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (FSDP over the rest).")] = 1,
+    batch: Annotated[
+        int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
+    ] = None,
+    seq: Annotated[int | None, typer.Option(help="Sequence length. [default: 8192, or the project's]")] = None,
+    gpu: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Per-GPU memory of FSDP2 training (state, buffers, activations) and whether it fits."""
+    from fsdp2gen import plan as planner
+
+    try:
+        request = planner.build_request(
+            family=family.value if family else None,
+            size=size,
+            config=config,
+            gpus=gpus,
+            nodes=nodes,
+            precision=precision.value if precision else None,
+            offload=offload,
+            ac=ac,
+            tp=tp,
+            batch=batch,
+            seq=seq,
+            gpu=gpu,
+        )
+    except planner.PlanError as error:
+        fail(str(error))
+    result = planner.estimate(request)
+    typer.echo(planner.format_json(result) if as_json else planner.format_text(result))
+
+
 def main() -> None:
     app()

@@ -1,0 +1,784 @@
+"""`fsdp2gen check`: find FSDP2 mistakes in training scripts by reading them, never running them.
+
+Only Python's `ast` is used: no torch import, no code executed, so it runs anywhere in milliseconds.
+Every rule fires only on evidence inside the file it reads (a `fully_shard` call, an import, a
+call order in one function); when the evidence lives elsewhere the rule stays silent, so that a
+finding is worth reading. `# fsdp2gen: noqa FSDPxxx` on a finding's line silences it.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+import tokenize
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    catches: str  # one line for the README table
+    fix: str
+
+
+RULES = {
+    rule.code: rule
+    for rule in (
+        Rule(
+            "FSDP001",
+            "optimizer built from a model's parameters before `fully_shard` was applied to that model",
+            "create the optimizer after every fully_shard call",
+        ),
+        Rule(
+            "FSDP002",
+            "`fully_shard` applied to the root module before its blocks (bottom-up order violated)",
+            "call fully_shard on each block first, then on the root",
+        ),
+        Rule(
+            "FSDP003",
+            "`.forward(...)` called directly on a sharded module, skipping FSDP2's all-gather hooks",
+            "call the module itself: model(x)",
+        ),
+        Rule(
+            "FSDP004",
+            "`torch.save` of a sharded model's `state_dict()` (each rank writes only its own DTensor shards)",
+            "save with torch.distributed.checkpoint (dcp.save), or get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) and torch.save on rank 0",
+        ),
+        Rule(
+            "FSDP005",
+            "`no_sync()` on an FSDP2 module (FSDP2 has no no_sync)",
+            "call model.set_requires_gradient_sync(False) on accumulation steps and True on the last",
+        ),
+        Rule(
+            "FSDP006",
+            "model built on the `meta` device but never `to_empty`-ed, or `to_empty` with no initialisation after it",
+            "after fully_shard call model.to_empty(device=...), then initialise every parameter and buffer "
+            "(e.g. model.init_weights() or reset_parameters()) or load a checkpoint",
+        ),
+        Rule(
+            "FSDP007",
+            "`init_process_group` on CUDA without pinning the process to its GPU from `LOCAL_RANK`",
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group (or pass device_id=)",
+        ),
+        Rule(
+            "FSDP008",
+            "`torch.load` without `weights_only=True` (unpickling can run arbitrary code)",
+            "pass weights_only=True",
+        ),
+        Rule(
+            "FSDP009",
+            "warning: `MixedPrecisionPolicy` reduces gradients in bf16/fp16 (lossy sum over ranks)",
+            "reduce_dtype=torch.float32",
+        ),
+        Rule(
+            "FSDP010",
+            "`destroy_process_group()` not preceded by a barrier (a peer may still be in a collective)",
+            "call dist.barrier() right before destroy_process_group()",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, order=True)
+class Finding:
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+    fix: str
+
+
+class CheckInputError(Exception):
+    """A path that cannot be read or parsed; the CLI reports it as bad input (exit 2)."""
+
+
+NOQA = re.compile(r"#\s*fsdp2gen:\s*noqa\b(?P<codes>(?:[\s,:]+FSDP\d{3})*)", re.IGNORECASE)
+LOSSY_DTYPES = {"torch.bfloat16", "torch.float16", "torch.half"}
+STATE_DICT_GETTERS = {"get_model_state_dict", "get_state_dict"}
+# Names of calls that initialise (or load) parameters after to_empty.
+INIT_CALL = re.compile(
+    r"init|reset_parameters|load|set_.*state_dict|apply|fill_|normal_|uniform_|zero_|copy_|constant_|ones_"
+)
+NOT_INIT_CALLS = {"init_process_group", "init_device_mesh", "__init__"}
+
+
+def _is(qualname: str | None, *names: str) -> bool:
+    """True if `qualname` is torch.<any submodules>.<name> for one of `names`."""
+    return bool(qualname) and qualname.startswith("torch.") and qualname.rsplit(".", 1)[-1] in names
+
+
+def _call_name(call: ast.Call) -> str:
+    """The last name of what is called: `model.init_weights(...)` -> init_weights."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _argument(call: ast.Call, position: int, keyword: str) -> ast.expr | None:
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return kw.value
+    if position < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+        return call.args[position]
+    return None
+
+
+def _is_true(node: ast.expr | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def _is_constant(node: ast.expr | None, value: object) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is type(value) and node.value == value
+
+
+class _Scope:
+    """One function body (or the module, or a class body): the unit in which call order is judged."""
+
+    def __init__(self, node: ast.AST, module: _Module) -> None:
+        self.node = node
+        self.module = module
+        own = list(self._own_nodes(node))
+        self.nodes = sorted((n for n in own if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset))
+        self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
+        # name -> [(line, value, is_loop)]: the assignments that `path` follows to see through aliases.
+        self.assignments: dict[str, list[tuple[int, ast.expr, bool]]] = {}
+        for n in own:
+            if isinstance(n, ast.Assign | ast.AnnAssign) and n.value is not None:
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for target in targets:
+                    for name in self._target_names(target):
+                        self.assignments.setdefault(name.id, []).append((n.lineno, n.value, False))
+            elif isinstance(n, ast.For | ast.AsyncFor | ast.comprehension):
+                iterated = n.iter
+                # `for i, block in enumerate(model.layers)`: block comes from model.layers.
+                if isinstance(iterated, ast.Call) and _call_name(iterated) in ("enumerate", "reversed", "list"):
+                    iterated = iterated.args[0] if iterated.args else iterated
+                for name in self._target_names(n.target):
+                    self.assignments.setdefault(name.id, []).append((n.target.lineno, iterated, True))
+        for entries in self.assignments.values():
+            entries.sort(key=lambda entry: entry[0])
+
+    @staticmethod
+    def _own_nodes(root: ast.AST) -> Iterator[ast.AST]:
+        """Every node of this scope, not descending into nested functions, classes or lambdas."""
+        stack = list(ast.iter_child_nodes(root))
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+                continue
+            yield node
+            stack.extend(ast.iter_child_nodes(node))
+
+    @staticmethod
+    def _target_names(target: ast.expr) -> Iterator[ast.Name]:
+        if isinstance(target, ast.Name):
+            yield target
+        elif isinstance(target, ast.Tuple | ast.List):
+            for element in target.elts:
+                yield from _Scope._target_names(element)
+
+    def latest(self, name: str, before: int) -> tuple[ast.expr, bool] | None:
+        """The value last assigned to `name` on a line before `before` (or the for-loop it iterates)."""
+        found = None
+        for line, value, is_loop in self.assignments.get(name, []):
+            if line < before or (is_loop and line == before):
+                found = (value, is_loop)
+        return found
+
+    def path(self, node: ast.expr, depth: int = 0) -> str | None:
+        """What object `node` denotes, as text with aliases resolved: `for b in model.layers` -> model.layers[*]."""
+        if depth > 20:
+            return None
+        if isinstance(node, ast.Name):
+            assigned = self.latest(node.id, node.lineno)
+            if assigned is None:
+                return node.id
+            value, is_loop = assigned
+            if is_loop:
+                inner = self.path(value, depth + 1)
+                return f"{inner}[*]" if inner else node.id
+            if isinstance(value, ast.Call) and self.module.is_fully_shard(value):
+                # fully_shard returns the module it was given.
+                value = _argument(value, 0, "module")
+            if isinstance(value, ast.Name | ast.Attribute | ast.Subscript):
+                return self.path(value, depth + 1) or node.id
+            return node.id
+        if isinstance(node, ast.Attribute):
+            inner = self.path(node.value, depth + 1)
+            return f"{inner}.{node.attr}" if inner else None
+        if isinstance(node, ast.Subscript):
+            inner = self.path(node.value, depth + 1)
+            return f"{inner}[*]" if inner else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            # model.modules(), model.layers.children(): everything they yield lies inside model.
+            inner = self.path(node.func, depth + 1)
+            return f"{inner}()" if inner else None
+        return None
+
+    def returns(self, path: str) -> bool:
+        return any(isinstance(n, ast.Return) and n.value is not None and self.path(n.value) == path for n in self.nodes)
+
+
+def _inside(path: str | None, root: str | None) -> bool:
+    """`path` is `root` or something reached from it (model.layers[*] is inside model)."""
+    if not path or not root:
+        return False
+    return path == root or path.startswith((root + ".", root + "["))
+
+
+class _Module:
+    def __init__(self, tree: ast.Module, path: str) -> None:
+        self.tree = tree
+        self.path = path
+        nodes = list(ast.walk(tree))
+        self.imports: dict[str, str] = {}
+        self.star_modules: list[str] = []
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    # `import torch.distributed` binds `torch`; `import torch.distributed as dist` binds `dist`.
+                    name = alias.asname or alias.name.split(".")[0]
+                    self.imports[name] = alias.name if alias.asname else name
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if alias.name == "*":
+                        self.star_modules.append(node.module)
+                    else:
+                        self.imports[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        self.defined = {n.name for n in nodes if isinstance(n, definitions)}
+        self.calls = [n for n in nodes if isinstance(n, ast.Call)]
+        self.called_names = {n.func.id for n in self.calls if isinstance(n.func, ast.Name)}
+        self.strings = [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        self.scopes = [_Scope(tree, self)] + [_Scope(n, self) for n in nodes if isinstance(n, definitions)]
+        self.findings: list[Finding] = []
+        # Every path that some fully_shard call sharded, in any scope: evidence for FSDP003/004/005.
+        self.sharded: list[str] = []
+        for scope in self.scopes:
+            for call in scope.calls:
+                target = _argument(call, 0, "module") if self.is_fully_shard(call) else None
+                sharded = scope.path(target) if target is not None else None
+                if sharded:
+                    self.sharded.append(sharded.replace("()", ""))
+        self.uses_fully_shard = any(self.is_fully_shard(n) for n in self.calls)
+
+    def qualname(self, node: ast.expr) -> str | None:
+        """`dist.barrier` -> torch.distributed.barrier, through any import alias."""
+        if isinstance(node, ast.Name):
+            if node.id in self.imports:
+                return self.imports[node.id]
+            # `from torch.distributed import *`: a bare name this file does not define comes from there.
+            torch_stars = [m for m in self.star_modules if m.startswith("torch")]
+            return f"{torch_stars[0]}.{node.id}" if torch_stars and node.id not in self.defined else None
+        if isinstance(node, ast.Attribute):
+            inner = self.qualname(node.value)
+            return f"{inner}.{node.attr}" if inner else None
+        return None
+
+    def call_qualname(self, call: ast.Call) -> str | None:
+        return self.qualname(call.func)
+
+    def is_fully_shard(self, call: ast.Call) -> bool:
+        qualname = self.call_qualname(call) or ""
+        return qualname.startswith("torch.distributed.") and qualname.endswith(".fully_shard")
+
+    def is_sharded(self, path: str | None) -> bool:
+        if not path:
+            return False
+        path = path.replace("()", "")
+        return any(_inside(path, root) for root in self.sharded)
+
+    def report(self, node: ast.AST, code: str, message: str) -> None:
+        self.findings.append(Finding(self.path, node.lineno, node.col_offset + 1, code, message, RULES[code].fix))
+
+
+def _optimizer_owners(module: _Module, scope: _Scope, call: ast.Call) -> set[str]:
+    """Paths of the models whose .parameters() feed this torch.optim call, through variables too."""
+    owners: set[str] = set()
+    seen: set[str] = set()
+
+    def visit(node: ast.AST, before: int) -> None:
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Call) and _call_name(inner) in ("parameters", "named_parameters"):
+                if isinstance(inner.func, ast.Attribute):
+                    owner = scope.path(inner.func.value)
+                    if owner:
+                        owners.add(owner)
+            elif isinstance(inner, ast.Name) and inner.id not in seen and inner.id not in module.imports:
+                seen.add(inner.id)
+                assigned = scope.latest(inner.id, before)
+                if assigned is not None and not assigned[1]:
+                    visit(assigned[0], before)
+
+    for argument in [*call.args, *(kw.value for kw in call.keywords)]:
+        visit(argument, call.lineno)
+    return owners
+
+
+def _rule_optimizer_before_shard(module: _Module) -> None:
+    for scope in module.scopes:
+        shards = [(c, scope.path(_argument(c, 0, "module"))) for c in scope.calls if module.is_fully_shard(c)]
+        shards = [(c, p) for c, p in shards if p and _argument(c, 0, "module") is not None]
+        for call in scope.calls:
+            qualname = module.call_qualname(call) or ""
+            if not qualname.startswith("torch.optim.") or ".lr_scheduler." in qualname:
+                continue
+            for owner in sorted(_optimizer_owners(module, scope, call)):
+                later = [
+                    c
+                    for c, p in shards
+                    if c.lineno > call.lineno and (_inside(p.replace("()", ""), owner) or _inside(owner, p))
+                ]
+                if later:
+                    shard_call = later[0]
+                    module.report(
+                        call,
+                        "FSDP001",
+                        f"optimizer built from {owner}.parameters() before fully_shard on line {shard_call.lineno}: "
+                        "it holds the replaced unsharded parameters and silently updates nothing",
+                    )
+
+
+def _rule_root_before_blocks(module: _Module) -> None:
+    for scope in module.scopes:
+        shards = []
+        for call in scope.calls:
+            target = _argument(call, 0, "module") if module.is_fully_shard(call) else None
+            if target is not None and scope.path(target):
+                shards.append((call, target, scope.path(target).replace("()", "")))
+        for index, (call, target, root) in enumerate(shards):
+            children = [(c, t) for c, t, p in shards[index + 1 :] if p != root and _inside(p, root)]
+            if children:
+                child_call, child = children[0]
+                module.report(
+                    call,
+                    "FSDP002",
+                    f"fully_shard({ast.unparse(target)}) runs before fully_shard({ast.unparse(child)}) on line "
+                    f"{child_call.lineno}: the root must be sharded last, after its blocks",
+                )
+
+
+def _rule_forward(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            func = call.func
+            if not (isinstance(func, ast.Attribute) and func.attr == "forward"):
+                continue
+            receiver = func.value
+            if isinstance(receiver, ast.Call) and _call_name(receiver) == "super":
+                continue
+            if module.is_sharded(scope.path(receiver)):
+                module.report(
+                    call,
+                    "FSDP003",
+                    f"{ast.unparse(receiver)}.forward(...) on a sharded module bypasses FSDP2's hooks, "
+                    "so its parameters are never all-gathered",
+                )
+
+
+def _full_state_options(scope: _Scope, options: ast.expr | None, before: int, depth: int = 0) -> bool | None:
+    """True/False if `options` visibly asks for full_state_dict=True or not; None when it cannot be told."""
+    if options is None:
+        return False
+    if isinstance(options, ast.Call) and _call_name(options) == "StateDictOptions":
+        return _is_true(_argument(options, 0, "full_state_dict"))
+    if isinstance(options, ast.Name) and depth < 5:
+        assigned = scope.latest(options.id, before)
+        if assigned is not None and not assigned[1]:
+            return _full_state_options(scope, assigned[0], before, depth + 1)
+    return None
+
+
+def _sharded_state_source(module: _Module, scope: _Scope, node: ast.AST, before: int, depth: int = 0) -> str | None:
+    """Describe the sharded state dict inside `node` (directly or via a variable), or None."""
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Call):
+            name = _call_name(inner)
+            if name == "state_dict" and isinstance(inner.func, ast.Attribute):
+                owner = scope.path(inner.func.value)
+                if module.is_sharded(owner):
+                    return f"{ast.unparse(inner.func.value)}.state_dict()"
+            elif name in STATE_DICT_GETTERS and module.uses_fully_shard:
+                qualname = module.call_qualname(inner) or ""
+                if (
+                    qualname.startswith("torch.distributed.")
+                    and _full_state_options(scope, _argument(inner, 99, "options"), inner.lineno) is False
+                ):
+                    return f"{name}(...) without full_state_dict=True"
+        elif isinstance(inner, ast.Name) and depth < 5 and inner.id not in module.imports:
+            assigned = scope.latest(inner.id, before)
+            if assigned is not None and not assigned[1]:
+                found = _sharded_state_source(module, scope, assigned[0], before, depth + 1)
+                if found:
+                    return found
+    return None
+
+
+def _rule_save_sharded(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            if module.call_qualname(call) != "torch.save":
+                continue
+            saved = _argument(call, 0, "obj")
+            source = _sharded_state_source(module, scope, saved, call.lineno) if saved is not None else None
+            if source:
+                module.report(
+                    call,
+                    "FSDP004",
+                    f"torch.save of {source}: on a sharded model each rank writes only its own DTensor shards",
+                )
+
+
+def _rule_no_sync(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            if isinstance(call.func, ast.Attribute) and call.func.attr == "no_sync":
+                if module.is_sharded(scope.path(call.func.value)):
+                    module.report(
+                        call,
+                        "FSDP005",
+                        f"{ast.unparse(call.func.value)}.no_sync() on a module sharded with fully_shard: "
+                        "FSDP2 has no no_sync()",
+                    )
+
+
+def _is_meta(module: _Module, node: ast.expr | None) -> bool:
+    """'meta' or torch.device('meta')."""
+    if _is_constant(node, "meta"):
+        return True
+    return (
+        isinstance(node, ast.Call)
+        and module.call_qualname(node) == "torch.device"
+        and bool(node.args)
+        and _is_constant(node.args[0], "meta")
+    )
+
+
+def _meta_models(module: _Module, scope: _Scope) -> list[tuple[ast.AST, ast.Name]]:
+    """(where, name) for every variable this scope builds on the meta device."""
+    built: list[tuple[ast.AST, ast.Name]] = []
+    for node in scope.nodes:
+        if isinstance(node, ast.With | ast.AsyncWith):
+            meta = any(
+                _is_meta(module, item.context_expr)
+                or (module.qualname(getattr(item.context_expr, "func", None)) or "").endswith("init_empty_weights")
+                for item in node.items
+            )
+            if meta:
+                for statement in ast.walk(node):
+                    if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call):
+                        built += [(statement, t) for t in statement.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            value = node.value
+            # A class built with device="meta" (not a tensor factory), or module.to("meta").
+            meta = (_call_name(value)[:1].isupper() and _is_meta(module, _argument(value, 99, "device"))) or (
+                _call_name(value) == "to" and bool(value.args) and _is_meta(module, value.args[0])
+            )
+            if meta:
+                built += [(node, t) for t in node.targets if isinstance(t, ast.Name)]
+    return built
+
+
+def _is_init_call(call: ast.Call) -> bool:
+    name = _call_name(call)
+    return name not in NOT_INIT_CALLS and bool(INIT_CALL.search(name))
+
+
+def _caller_in_file(module: _Module, scope: _Scope) -> bool:
+    """A function's result may be finished by its caller: only judge it when that caller is in this file."""
+    return isinstance(scope.node, ast.Module) or getattr(scope.node, "name", None) in module.called_names
+
+
+def _trained(module: _Module, scope: _Scope, name: str) -> bool:
+    """`name` is sharded, called, or handed to an optimizer (through .parameters()) in this file."""
+    for call in scope.calls:
+        func = call.func
+        if isinstance(func, ast.Name) and func.id == name:
+            return True
+        if isinstance(func, ast.Attribute) and func.attr == "parameters" and scope.path(func.value) == name:
+            return True
+    return module.is_sharded(name)
+
+
+def _initialises(scope: _Scope, calls: list[ast.Call], owner: str) -> bool:
+    """One of `calls` initialises or loads `owner`: an init-like call on it, or with it among the arguments."""
+    for call in calls:
+        if not _is_init_call(call):
+            continue
+        # The receiver, even wrapped (`cast(Model, model).init_weights()`), and the arguments.
+        parts = [call.func.value] if isinstance(call.func, ast.Attribute) else []
+        parts += [*call.args, *(kw.value for kw in call.keywords)]
+        touched = [n for part in parts for n in ast.walk(part) if isinstance(n, ast.Name | ast.Attribute)]
+        if any(_inside((scope.path(node) or "").replace("()", ""), owner) for node in touched):
+            return True
+    return False
+
+
+def _callers_initialise(module: _Module, function: ast.AST) -> bool:
+    """Every caller in this file that keeps the returned model (x = f(...)) initialises it afterwards."""
+    name = getattr(function, "name", None)
+    for scope in module.scopes:
+        for node in scope.nodes:
+            is_call = isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            if not (is_call and isinstance(node.value.func, ast.Name) and node.value.func.id == name):
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    later = [c for c in scope.calls if c.lineno > node.lineno]
+                    if not _initialises(scope, later, target.id):
+                        return False
+    return True
+
+
+def _rule_meta_init(module: _Module) -> None:
+    materialised = any(
+        _call_name(c) == "to_empty" or (_call_name(c) == "load_state_dict" and _is_true(_argument(c, 99, "assign")))
+        for c in module.calls
+    )
+    for scope in module.scopes:
+        if not materialised:
+            for where, name in _meta_models(module, scope):
+                if not _trained(module, scope, name.id):
+                    continue  # meta models that only describe shapes are fine
+                if scope.returns(name.id) and not _caller_in_file(module, scope):
+                    continue
+                module.report(
+                    where,
+                    "FSDP006",
+                    f"{name.id} is built on the meta device but nothing calls to_empty(): "
+                    "its parameters have no storage",
+                )
+        for call in scope.calls:
+            if _call_name(call) != "to_empty" or not isinstance(call.func, ast.Attribute):
+                continue
+            owner = (scope.path(call.func.value) or "").replace("()", "")
+            later = [c for c in scope.calls if c.lineno > call.lineno or (c.lineno == call.lineno and c is not call)]
+            if not owner or _initialises(scope, later, owner):
+                continue
+            if scope.returns(owner) and (not _caller_in_file(module, scope) or _callers_initialise(module, scope.node)):
+                continue  # returned to a caller elsewhere, or to callers here that initialise it
+            module.report(
+                call,
+                "FSDP006",
+                f"{ast.unparse(call.func.value)}.to_empty() leaves every parameter and buffer uninitialised "
+                "(garbage memory) and nothing initialises them afterwards",
+            )
+
+
+def _rule_device_before_process_group(module: _Module) -> None:
+    pins = [
+        (scope, call)
+        for scope in module.scopes
+        for call in scope.calls
+        # torch.cuda.set_device, torch.accelerator.set_device_index, or through a handle (torch.xpu, ...).
+        if _call_name(call) in ("set_device", "set_device_index")
+    ]
+    global_pins = [(scope, pin) for scope, pin in pins if pin.args and _global_rank(module, scope, pin.args[0])]
+    for _, pin in global_pins:
+        module.report(
+            pin,
+            "FSDP007",
+            f"{ast.unparse(pin)} uses the global rank: on every node after the first it names a GPU "
+            "that does not exist",
+        )
+    cuda_in_file = any("nccl" in s or s.startswith("cuda") for s in module.strings) or any(
+        (module.call_qualname(c) or "").startswith("torch.cuda.") or _call_name(c) == "cuda" for c in module.calls
+    )
+    for scope in module.scopes:
+        for call in scope.calls:
+            if not _is(module.call_qualname(call), "init_process_group") or len(pins) > len(global_pins):
+                continue
+            if any(pin_scope is scope for pin_scope, _ in global_pins):
+                continue  # reported at the set_device call
+            world_size = _argument(call, 99, "world_size")
+            if _argument(call, 99, "device_id") is not None or (
+                isinstance(world_size, ast.Constant) and world_size.value == 1
+            ):
+                continue  # pinned, or a single process
+            backend = _argument(call, 0, "backend")
+            if isinstance(backend, ast.Constant) and isinstance(backend.value, str):
+                on_cuda = "nccl" in backend.value
+            else:
+                # No literal backend: the default (or a variable) means NCCL when the script uses CUDA.
+                on_cuda = cuda_in_file
+            if on_cuda:
+                module.report(
+                    call,
+                    "FSDP007",
+                    "init_process_group on CUDA without torch.cuda.set_device(LOCAL_RANK) first: "
+                    "ranks can share GPU 0 and NCCL can hang",
+                )
+
+
+def _global_rank(module: _Module, scope: _Scope, node: ast.expr | None, depth: int = 0) -> bool:
+    """True if `node` is visibly the global rank (dist.get_rank(), os.environ['RANK'])."""
+    if node is None or depth > 5:
+        return False
+    if isinstance(node, ast.Call):
+        if _is(module.call_qualname(node), "get_rank"):
+            return True
+        if _call_name(node) in ("int", "get", "getenv") and node.args:
+            return _global_rank(module, scope, node.args[0], depth + 1)
+        return False
+    if isinstance(node, ast.Subscript):
+        return _is_constant(node.slice, "RANK")
+    if isinstance(node, ast.Constant):
+        return node.value == "RANK"
+    if isinstance(node, ast.Name):
+        assigned = scope.latest(node.id, node.lineno)
+        return assigned is not None and not assigned[1] and _global_rank(module, scope, assigned[0], depth + 1)
+    return False
+
+
+def _rule_torch_load(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            if module.call_qualname(call) == "torch.load" and not _is_true(_argument(call, 99, "weights_only")):
+                module.report(call, "FSDP008", "torch.load without weights_only=True can run arbitrary pickled code")
+
+
+def _rule_reduce_dtype(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            if not _is(module.call_qualname(call), "MixedPrecisionPolicy"):
+                continue
+            reduce_dtype = _argument(call, 1, "reduce_dtype")
+            param_dtype = _argument(call, 0, "param_dtype")
+            reduce_name = module.qualname(reduce_dtype) if reduce_dtype is not None else None
+            param_name = module.qualname(param_dtype) if param_dtype is not None else None
+            if reduce_name in LOSSY_DTYPES:
+                shown = ast.unparse(reduce_dtype)
+                module.report(
+                    call,
+                    "FSDP009",
+                    f"warning: reduce_dtype={shown} sums every rank's gradients in {shown}: lossy gradient reduction",
+                )
+            elif param_name in LOSSY_DTYPES and (
+                reduce_dtype is None or (isinstance(reduce_dtype, ast.Constant) and reduce_dtype.value is None)
+            ):
+                shown = ast.unparse(param_dtype)
+                module.report(
+                    call,
+                    "FSDP009",
+                    f"warning: no reduce_dtype, so gradients are reduced in param_dtype={shown}: "
+                    "lossy gradient reduction",
+                )
+
+
+def _rule_destroy_without_barrier(module: _Module) -> None:
+    for scope in module.scopes:
+        for call in scope.calls:
+            if not _is(module.call_qualname(call), "destroy_process_group"):
+                continue
+            barriers = [
+                c
+                for c in scope.calls
+                if c.lineno < call.lineno and (_is(module.call_qualname(c), "barrier", "monitored_barrier"))
+            ]
+            if not barriers:
+                module.report(
+                    call,
+                    "FSDP010",
+                    "destroy_process_group() without a barrier before it: a rank can tear the group down "
+                    "while a peer is still in a collective",
+                )
+
+
+RULE_CHECKS = (
+    _rule_optimizer_before_shard,
+    _rule_root_before_blocks,
+    _rule_forward,
+    _rule_save_sharded,
+    _rule_no_sync,
+    _rule_meta_init,
+    _rule_device_before_process_group,
+    _rule_torch_load,
+    _rule_reduce_dtype,
+    _rule_destroy_without_barrier,
+)
+
+
+def _suppressed(source: str) -> dict[int, set[str] | None]:
+    """Line -> codes silenced by `# fsdp2gen: noqa FSDPxxx` (None: every code) on that line."""
+    suppressed: dict[int, set[str] | None] = {}
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return suppressed
+    for token in tokens:
+        if token.type != tokenize.COMMENT:
+            continue
+        match = NOQA.search(token.string)
+        if match:
+            codes = set(re.findall(r"FSDP\d{3}", match.group("codes").upper()))
+            suppressed[token.start[0]] = codes or None
+    return suppressed
+
+
+def check_source(source: str, path: str = "<string>") -> list[Finding]:
+    """Findings for one file's text, sorted, without the suppressed ones. Raises SyntaxError."""
+    tree = ast.parse(source, filename=path)
+    module = _Module(tree, path)
+    for rule_check in RULE_CHECKS:
+        rule_check(module)
+    # Tokenizing is the slowest step: only do it when there is something to suppress.
+    suppressed = _suppressed(source) if module.findings and "noqa" in source else {}
+    kept = {
+        f
+        for f in module.findings
+        if f.line not in suppressed or (suppressed[f.line] is not None and f.code not in suppressed[f.line])
+    }
+    return sorted(kept)
+
+
+def python_files(paths: Iterable[Path]) -> list[Path]:
+    """The given files, and every *.py under the given folders (hidden folders and caches skipped)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            for found in sorted(path.rglob("*.py")):
+                parts = found.relative_to(path).parts
+                if not any(part.startswith(".") or part == "__pycache__" for part in parts):
+                    files.append(found)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise CheckInputError(f"{path}: no such file or folder; pass Python files or folders")
+    return files
+
+
+def check_paths(paths: Iterable[Path]) -> list[Finding]:
+    """Check every file; the first unreadable or unparsable one raises CheckInputError (nothing is reported)."""
+    findings: list[Finding] = []
+    for file in python_files(paths):
+        try:
+            source = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CheckInputError(f"{file}: cannot read (not UTF-8 text); fix the file or exclude it") from None
+        except OSError as error:
+            raise CheckInputError(f"{file}: cannot read ({error.strerror}); fix the file or exclude it") from None
+        try:
+            findings += check_source(source, str(file))
+        except SyntaxError as error:
+            where = f"{file}:{error.lineno}" if error.lineno else str(file)
+            detail = "" if error.msg == "invalid syntax" else f" ({error.msg})"
+            raise CheckInputError(f"{where}: invalid syntax{detail}; fix the file or exclude it") from None
+    return findings
+
+
+def format_text(findings: list[Finding]) -> str:
+    """`path:line:col: CODE message; fix: hint`, one line each, like ruff."""
+    lines = [f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}; fix: {f.fix}" for f in findings]
+    if findings:
+        files = len({f.path for f in findings})
+        lines.append(f"Found {len(findings)} problem{'s' * (len(findings) != 1)} in {files} file{'s' * (files != 1)}.")
+    return "\n".join(lines)
+
+
+def format_json(findings: list[Finding]) -> str:
+    return json.dumps([asdict(f) for f in findings], indent=2)

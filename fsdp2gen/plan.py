@@ -1,0 +1,543 @@
+"""`fsdp2gen plan`: per-GPU memory of FSDP2 training of the generated Llama model, before launching it.
+
+The estimate follows what a generated project's train.py and model.py actually do:
+
+- fully_shard keeps each rank's parameter shards in fp32 (the model is built in fp32); with bf16/fp16
+  the MixedPrecisionPolicy casts them for compute only, so the shards *are* the master weights
+  (no extra copy). Shards are dim-0 chunks padded to ceil(rows / ranks), like FSDP2 allocates them.
+- Gradients are reduce-scattered in fp32 (reduce_dtype=float32), so the gradient shards are fp32.
+- AdamW keeps exp_avg and exp_avg_sq (fp32, shaped like the shards) and one 4-byte step per tensor.
+- Each transformer block is one FSDP unit, the root (embeddings, final norm, output) another. The root
+  stays gathered from forward until the end of backward; blocks are gathered one at a time with the
+  next one prefetched.
+- Activations are the tensors autograd saves for backward in model.py's forward and the fp32 loss,
+  counted op by op (see `block_activation_bytes`). The attention is scaled_dot_product_attention with a
+  flash/memory-efficient kernel: no seq x seq matrix is kept.
+
+The generator must not import torch, so everything here is arithmetic on shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FP32 = 4
+INT64 = 8
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+AC_MODES = ("none", "selective", "full")
+MIB, GIB = 2**20, 2**30
+# Left for the CUDA context, NCCL's own buffers and allocator fragmentation.
+USABLE_FRACTION = 0.9
+
+
+class PlanError(ValueError):
+    """Input the user can fix; the CLI reports it as one line with exit code 2."""
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 128256
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# Llama 3 (8b, 70b), 3.1 (405b) and 3.2 (1b, 3b) shapes. model.py never ties the output layer to the
+# embedding, so 1b and 3b carry one more vocab x dim matrix than Meta's tied checkpoints.
+LLAMA_SIZES = {
+    "1b": LlamaShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
+    "3b": LlamaShape(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
+    "8b": LlamaShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "70b": LlamaShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    "405b": LlamaShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+}
+
+# ModelArgs and TrainingConfig defaults of the template (tests/test_plan.py keeps them in sync):
+# keys a config.toml leaves out take these values, exactly as the project's config.py does.
+TEMPLATE_MODEL = {
+    "dim": 256,
+    "n_layers": 4,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "vocab_size": 512,
+    "ffn_dim": 688,
+    "max_seq_len": 512,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "init_std": 0.02,
+}
+TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int  # total memory as nvidia-smi reports it
+
+
+GPUS = {
+    gpu.name: gpu
+    for gpu in (
+        Gpu("h100-80gb", 81559 * MIB),
+        Gpu("h200-141gb", 143771 * MIB),
+        Gpu("a100-80gb", 81920 * MIB),
+        Gpu("a100-40gb", 40960 * MIB),
+        Gpu("l40s-48gb", 46068 * MIB),
+        Gpu("a10-24gb", 23028 * MIB),
+        Gpu("rtx4090-24gb", 24564 * MIB),
+        Gpu("v100-32gb", 32768 * MIB),
+        Gpu("v100-16gb", 16384 * MIB),
+    )
+}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: LlamaShape
+    label: str  # "llama 8b" or the config file
+    gpus: int = 8
+    nodes: int = 1
+    precision: str = "bf16"
+    offload: bool = False
+    ac: str = "none"
+    tp: int = 1
+    seq_len: int = 8192
+    micro_batch: int | None = None  # samples per GPU per forward; None: from global_batch_size
+    global_batch_size: int | None = None
+    grad_accum_steps: int = 1
+    gpu: str = "h100-80gb"
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def fsdp_ranks(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def batch(self) -> int:
+        if self.micro_batch is not None:
+            return self.micro_batch
+        if self.global_batch_size is not None:
+            return self.global_batch_size // (self.fsdp_ranks * self.grad_accum_steps)
+        return 1
+
+
+def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """model.py's parameters in named_parameters() order, each as its tensor-parallel rank holds it.
+
+    With tp > 1, column-parallel weights (wq, wk, wv, w1, w3, embedding and output rows) split dim 0 and
+    row-parallel ones (wo, w2) dim 1, as torchtitan does; norms are replicated.
+    """
+    d, hd = model.dim, model.head_dim
+
+    def column(rows: int, cols: int) -> tuple[int, int]:
+        return (math.ceil(rows / tp), cols)
+
+    def row(rows: int, cols: int) -> tuple[int, int]:
+        return (rows, math.ceil(cols / tp))
+
+    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", column(model.vocab_size, d))]
+    for i in range(model.n_layers):
+        block = f"layers.{i}."
+        shapes += [
+            (block + "attention_norm.weight", (d,)),
+            (block + "attention.wq.weight", column(model.n_heads * hd, d)),
+            (block + "attention.wk.weight", column(model.n_kv_heads * hd, d)),
+            (block + "attention.wv.weight", column(model.n_kv_heads * hd, d)),
+            (block + "attention.wo.weight", row(d, model.n_heads * hd)),
+            (block + "ffn_norm.weight", (d,)),
+            (block + "feed_forward.w1.weight", column(model.ffn_dim, d)),
+            (block + "feed_forward.w2.weight", row(d, model.ffn_dim)),
+            (block + "feed_forward.w3.weight", column(model.ffn_dim, d)),
+        ]
+    shapes += [("norm.weight", (d,)), ("output.weight", column(model.vocab_size, d))]
+    return shapes
+
+
+def parameter_count(model: LlamaShape) -> int:
+    return sum(math.prod(shape) for _, shape in parameter_shapes(model))
+
+
+def shard_numel(shape: tuple[int, ...], ranks: int) -> int:
+    """Elements of the largest dim-0 shard (rank 0's); FSDP2 pads every rank's shard to this size."""
+    return math.ceil(shape[0] / ranks) * math.prod(shape[1:])
+
+
+def norm_activation_bytes(hidden: int, compute: int) -> int:
+    """RMSNorm's saved tensors for `hidden` elements, in model.py's fp32-normalising forward.
+
+    fp32: the input (pow, mul) and the normalised x (weight mul). bf16/fp16: two fp32 copies of the input
+    (x.float() is called twice) and the normalised x cast back to the compute dtype.
+    """
+    return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
+
+
+def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
+    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens."""
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    kv = tokens * model.n_kv_heads * model.head_dim
+    ffn = tokens * model.ffn_dim
+    saved = 2 * norm_activation_bytes(hidden, compute)
+    # Inputs of wq/wk/wv (one tensor), rotated q, k, v, the attention output (laid out as batch, seq, heads,
+    # so wo's input is a view of it), and the input of w1/w3.
+    saved += compute * (hidden + hidden + 2 * kv + hidden + hidden)
+    # w1 output (silu), silu output and w3 output (their product), and w2's input.
+    saved += 4 * compute * ffn
+    # rsqrt of both norms and attention's logsumexp, in fp32.
+    saved += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    if compute != FP32:
+        # MixedPrecisionPolicy casts the block's cos/sin inputs to the compute dtype.
+        saved += 2 * seq_len * (model.head_dim // 2) * compute
+    return saved
+
+
+def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
+    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets."""
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    return (
+        norm_activation_bytes(hidden, compute)
+        + FP32 * tokens
+        + compute * hidden
+        + FP32 * tokens * model.vocab_size
+        + 2 * INT64 * tokens
+        + FP32  # cross_entropy's total_weight
+    )
+
+
+def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1) -> int:
+    """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
+
+    full: every block keeps only its input, and backward recomputes one block at a time.
+    selective: every second block is checkpointed (torchtitan's selective_ac_option=2).
+    With tp > 1 (sequence and loss parallel) every rank holds 1/tp of them.
+    """
+    block = block_activation_bytes(model, batch, seq_len, compute)
+    block_input = compute * batch * seq_len * model.dim
+    checkpointed = {"none": 0, "selective": model.n_layers // 2, "full": model.n_layers}[ac]
+    kept = (model.n_layers - checkpointed) * block + checkpointed * block_input
+    recompute = block if checkpointed else 0
+    return math.ceil((kept + recompute + head_activation_bytes(model, batch, seq_len, compute)) / tp)
+
+
+@dataclass
+class Lever:
+    option: str
+    saves_bytes: int
+    total_bytes: int
+    fits: bool
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    parameters: int  # of the whole model
+    per_gpu: dict[str, int]
+    activations: dict[str, int]  # by AC mode
+    host_per_gpu: int  # with --offload: the state that lives in CPU memory
+    usable_bytes: int
+    fits: bool
+    levers: list[Lever]
+
+
+def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
+    model, ranks = request.model, request.fsdp_ranks
+    compute = COMPUTE_BYTES[request.precision]
+    shapes = parameter_shapes(model, request.tp)
+    sharded = sum(shard_numel(shape, ranks) for _, shape in shapes)
+    block_unit = sum(math.prod(shape) for name, shape in shapes if name.startswith("layers.0."))
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    state = {
+        "parameters": FP32 * sharded,
+        "gradients": FP32 * sharded,
+        "optimizer_state": 2 * FP32 * sharded + FP32 * len(shapes),
+    }
+    activations = {
+        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
+    }
+    per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
+    per_gpu |= {
+        # rope_cos and rope_sin: fp32 buffers, not sharded.
+        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        # The root stays gathered through forward and backward; a block and the prefetched next one.
+        "all_gather_buffers": compute * (root_unit + 2 * block_unit),
+        # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
+        # are copied into an fp32 reduce-scatter input.
+        "reduce_scatter_buffers": compute * root_unit + (compute + FP32) * block_unit,
+        "activations": activations[request.ac],
+    }
+    per_gpu["total"] = sum(per_gpu.values())
+    usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
+    plan = Plan(
+        request=request,
+        parameters=parameter_count(model),
+        per_gpu=per_gpu,
+        activations=activations,
+        host_per_gpu=sum(state.values()) if request.offload else 0,
+        usable_bytes=usable,
+        fits=per_gpu["total"] <= usable,
+        levers=[],
+    )
+    if with_levers and not plan.fits:
+        plan.levers = _levers(plan)
+    return plan
+
+
+def _levers(plan: Plan) -> list[Lever]:
+    """Each single change that lowers the per-GPU total, largest saving first."""
+    request = plan.request
+    options: list[tuple[str, PlanRequest]] = []
+    for mode in ("full", "selective"):
+        if AC_MODES.index(mode) > AC_MODES.index(request.ac):
+            options.append((f"--ac {mode}", replace(request, ac=mode)))
+    if not request.offload:
+        options.append(("--offload", replace(request, offload=True)))
+    if request.batch > 1:
+        smaller = f"--batch {request.batch // 2}"
+        if request.micro_batch is None and request.global_batch_size is not None:
+            smaller += " (twice the grad_accum_steps)"
+        options.append((smaller, replace(request, micro_batch=request.batch // 2)))
+    more = replace(request, nodes=request.nodes * 2)
+    if request.micro_batch is None and request.global_batch_size is not None:
+        if request.global_batch_size % (more.fsdp_ranks * request.grad_accum_steps):
+            more = replace(more, micro_batch=request.batch)  # the global batch cannot be split further
+    options.append((f"--nodes {more.nodes} ({more.world_size} GPUs)", more))
+    levers = []
+    for option, changed in options:
+        total = estimate(changed, with_levers=False).per_gpu["total"]
+        if total < plan.per_gpu["total"]:
+            levers.append(Lever(option, plan.per_gpu["total"] - total, total, total <= plan.usable_bytes))
+    return sorted(levers, key=lambda lever: -lever.saves_bytes)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise PlanError(f"{name} must be at least 1, got {value}")
+
+
+def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """([model], [training]) of a generated project's config.toml, and the project's recorded answers."""
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise PlanError(f"config file {path} not found; pass a generated project's config.toml") from None
+    except OSError as error:
+        raise PlanError(f"{path}: cannot read ({error.strerror})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise PlanError(f"{path}: invalid TOML ({error}); fix the file") from None
+    sections = {name: raw.get(name, {}) for name in ("model", "training")}
+    for name, table in sections.items():
+        if not isinstance(table, dict):
+            raise PlanError(f"{path}: [{name}] must be a table, got {table!r}")
+    model = dict(TEMPLATE_MODEL)
+    for key, value in sections["model"].items():
+        expected = type(TEMPLATE_MODEL[key]) if key in TEMPLATE_MODEL else None
+        if expected is None:
+            raise PlanError(f"{path}: unknown key model.{key}; known: {', '.join(TEMPLATE_MODEL)}")
+        if type(value) is not expected and not (expected is float and type(value) is int):
+            raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}")
+        model[key] = value
+    training = dict(TEMPLATE_TRAINING)
+    for key in TEMPLATE_TRAINING:
+        value = sections["training"].get(key, training[key])
+        if type(value) is not int or value < 1:
+            raise PlanError(f"{path}: training.{key} must be a positive int, got {value!r}")
+        training[key] = value
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+        if model[key] < 1:
+            raise PlanError(f"{path}: model.{key} must be at least 1, got {model[key]}")
+    # GPUs, nodes and precision the project was generated for (flags override them).
+    answers: dict[str, Any] = {}
+    answers_file = path.parent / ".copier-answers.yml"
+    if answers_file.is_file():
+        try:
+            loaded = yaml.safe_load(answers_file.read_text())
+        except yaml.YAMLError as error:
+            raise PlanError(f"{answers_file}: invalid YAML ({error}); fix or delete it") from None
+        answers = loaded if isinstance(loaded, dict) else {}
+        for key in ("gpus", "nodes"):
+            if key in answers and (type(answers[key]) is not int or answers[key] < 1):
+                raise PlanError(f"{answers_file}: {key} must be a positive int, got {answers[key]!r}")
+    return model, training, answers
+
+
+def build_request(
+    *,
+    family: str | None = None,
+    size: str | None = None,
+    config: Path | None = None,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    precision: str | None = None,
+    offload: bool = False,
+    ac: str = "none",
+    tp: int = 1,
+    batch: int | None = None,
+    seq: int | None = None,
+    gpu: str = "h100-80gb",
+) -> PlanRequest:
+    """Check the command-line options (raising PlanError) and turn them into a PlanRequest."""
+    if size is not None and config is not None:
+        raise PlanError("--size and --config both given; the model comes from one of them")
+    for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
+        _positive(name, value)
+    if ac not in AC_MODES:
+        raise PlanError(f"--ac {ac}: choose one of {', '.join(AC_MODES)}")
+    if gpu not in GPUS:
+        raise PlanError(f"--gpu {gpu}: unknown GPU; choose one of {', '.join(GPUS)}")
+    if precision is not None and precision not in COMPUTE_BYTES:
+        raise PlanError(f"--precision {precision}: choose one of {', '.join(COMPUTE_BYTES)}")
+
+    global_batch, accum, answers = None, 1, {}
+    if config is not None:
+        model_keys, training, answers = _read_config(config)
+        if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
+            raise PlanError(f"family {answers.get('family', family)}: only llama is planned")
+        model = LlamaShape(**{key: model_keys[key] for key in LlamaShape.__dataclass_fields__})
+        label = str(config)
+        seq_len = seq or training["seq_len"]
+        global_batch, accum = training["global_batch_size"], training["grad_accum_steps"]
+    elif size is not None:
+        if (family or "llama") != "llama":
+            raise PlanError(f"--family {family}: only llama is planned")
+        if size.lower() not in LLAMA_SIZES:
+            raise PlanError(f"--size {size}: unknown size; choose one of {', '.join(LLAMA_SIZES)}")
+        seq_len = seq or 8192
+        model = replace(LLAMA_SIZES[size.lower()], max_seq_len=max(8192, seq_len))
+        label = f"llama {size.lower()}"
+    else:
+        raise PlanError(f"give --size ({', '.join(LLAMA_SIZES)}) or --config PATH/config.toml")
+
+    # The same checks as model.py's ModelArgs and train.py.
+    if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
+        raise PlanError(f"{label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
+    if seq_len > model.max_seq_len:
+        raise PlanError(f"seq_len {seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+    request = PlanRequest(
+        model=model,
+        label=label,
+        gpus=gpus or int(answers.get("gpus", 8)),
+        nodes=nodes or int(answers.get("nodes", 1)),
+        precision=precision or str(answers.get("precision", "bf16")),
+        offload=offload,
+        ac=ac,
+        tp=tp,
+        seq_len=seq_len,
+        micro_batch=batch,
+        global_batch_size=global_batch,
+        grad_accum_steps=accum,
+        gpu=gpu,
+    )
+    if request.precision not in COMPUTE_BYTES:
+        raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
+    if request.world_size % tp:
+        raise PlanError(f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor")
+    if model.n_kv_heads % tp or model.ffn_dim % tp:
+        raise PlanError(f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim})")
+    if batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
+        raise PlanError(
+            f"training.global_batch_size ({global_batch}) is not divisible by {request.fsdp_ranks} data-parallel "
+            f"ranks x grad_accum_steps ({accum}); change the config or pass --batch"
+        )
+    return request
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count} B"
+
+
+ROWS = {
+    "parameters": "parameters (fp32 shards = master weights)",
+    "gradients": "gradients (fp32 shards)",
+    "optimizer_state": "optimizer state (AdamW: 2 fp32 states)",
+    "model_buffers": "model buffers (rotary tables)",
+    "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
+    "reduce_scatter_buffers": "reduce-scatter buffers (root + 1 block)",
+}
+
+
+def format_text(plan: Plan) -> str:
+    request, model = plan.request, plan.request.model
+    compute = {"fp32": "fp32", "bf16": "bf16 compute", "fp16": "fp16 compute"}[request.precision]
+    lines = [
+        f"{request.label}: {plan.parameters / 1e9:.2f}B parameters, {model.n_layers} blocks, dim {model.dim}",
+        f"{request.gpus} GPU(s) x {request.nodes} node(s), FSDP over {request.fsdp_ranks} ranks"
+        + (f" x TP {request.tp}" if request.tp > 1 else "")
+        + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens per GPU"
+        + (", state offloaded to CPU" if request.offload else ""),
+        "",
+        f"{'per GPU':<48}{'memory':>12}",
+    ]
+    for key, label in ROWS.items():
+        value = plan.per_gpu[key]
+        if request.offload and key in ("parameters", "gradients", "optimizer_state"):
+            label += " [CPU]"
+        lines.append(f"{label:<48}{_size(value):>12}")
+    for mode, label in (("none", "no AC"), ("selective", "selective AC"), ("full", "full AC")):
+        used = " (used)" if mode == request.ac else ""
+        lines.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
+    lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")
+    if request.offload:
+        lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
+    gpu = GPUS[request.gpu]
+    verdict = "fits" if plan.fits else f"does NOT fit (short by {_size(plan.per_gpu['total'] - plan.usable_bytes)})"
+    lines.append(f"{request.gpu}: {_size(plan.usable_bytes)} usable of {_size(gpu.memory_bytes)}: {verdict}")
+    if plan.levers:
+        best = plan.levers[0]
+        outcome = "fits" if best.fits else "still does not fit"
+        lines.append(
+            f"largest lever: {best.option} saves {_size(best.saves_bytes)} (total {_size(best.total_bytes)}, {outcome})"
+        )
+        for lever in plan.levers[1:]:
+            lines.append(f"  other lever: {lever.option} saves {_size(lever.saves_bytes)}")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    request = plan.request
+    return {
+        "model": {"label": request.label, "parameters": plan.parameters, **asdict(request.model)},
+        "setup": {
+            "gpus": request.gpus,
+            "nodes": request.nodes,
+            "world_size": request.world_size,
+            "fsdp_ranks": request.fsdp_ranks,
+            "tp": request.tp,
+            "precision": request.precision,
+            "offload": request.offload,
+            "ac": request.ac,
+            "micro_batch": request.batch,
+            "seq_len": request.seq_len,
+        },
+        "per_gpu_bytes": plan.per_gpu,
+        "activations_bytes": plan.activations,
+        "host_bytes_per_gpu": plan.host_per_gpu,
+        "gpu": {"name": request.gpu, "memory_bytes": GPUS[request.gpu].memory_bytes, "usable_bytes": plan.usable_bytes},
+        "fits": plan.fits,
+        "levers": [asdict(lever) for lever in plan.levers],
+    }
+
+
+def format_json(plan: Plan) -> str:
+    return json.dumps(to_json(plan), indent=2)

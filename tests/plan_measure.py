@@ -1,0 +1,90 @@
+"""Measure what `fsdp2gen plan` estimates, in a real FSDP2 run of a generated project (torchrun, gloo on CPU).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/plan_measure.py PROJECT CONFIG OUT.json
+
+Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
+then the root, to_empty, init_weights, AdamW), runs one forward/backward/step on a micro-batch, and
+writes per rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of
+the tensors autograd saved for backward (unique storages, parameters and buffers excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    return local(tensor).numel() * local(tensor).element_size()
+
+
+def main() -> None:
+    project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    sys.path.insert(0, str(project))
+    from config import parse_args
+    from train import build_model_meta, build_optimizer, init_distributed
+
+    config = parse_args(["--config", config_path, "--job.device", "cpu"])
+    training = config.training
+    device, mesh = init_distributed(config.job)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_model_meta(config, mesh, device)
+    optimizer, _ = build_optimizer(model, training, device)
+    micro_batch = training.global_batch_size // (world_size * training.grad_accum_steps)
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, config.model.vocab_size, (micro_batch, training.seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    saved: dict[int, int] = {}  # storage address -> bytes, so that views of one tensor count once
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        # Parameters (FSDP2's gathered ones while their block runs) and buffers are not activations.
+        held = {local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # Everything saved stays alive until backward starts: the end of forward is the peak.
+    activations = sum(saved.values())
+    loss.backward()
+    optimizer.step()
+
+    params = list(model.parameters())
+    measured = {
+        "rank": rank,
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params),
+        "optimizer_state": sum(
+            local_bytes(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if torch.is_tensor(value)
+        ),
+        "parameter_count": sum(p.numel() for p in params),
+        "activations": activations,
+        "micro_batch": micro_batch,
+    }
+    gathered: list[dict] = [{} for _ in range(world_size)]
+    dist.all_gather_object(gathered, measured)
+    if rank == 0:
+        out.write_text(json.dumps({"world_size": world_size, "ranks": gathered}, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

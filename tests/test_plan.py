@@ -1,0 +1,269 @@
+"""`fsdp2gen plan`: estimates checked against real FSDP2 runs of a generated project (torchrun, gloo on CPU),
+against the template's model, against published Llama 3 parameter counts, and the CLI around them."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp2gen.plan import (
+    GPUS,
+    LLAMA_SIZES,
+    TEMPLATE_MODEL,
+    TEMPLATE_TRAINING,
+    LlamaShape,
+    PlanRequest,
+    estimate,
+    parameter_count,
+    parameter_shapes,
+)
+from tests.conftest import REPO, invoke, torchrun_env
+
+TEMPLATE = REPO / "templates" / "project"
+# A tiny model, quick on 2 CPU cores. vocab_size 130 is not divisible by 4: FSDP2 pads the 4-rank shards.
+TINY_CONFIG = """
+[model]
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 130
+ffn_dim = 172
+max_seq_len = 64
+
+[training]
+seq_len = 32
+global_batch_size = 8
+"""
+
+
+def dataclass_defaults(path: Path, class_name: str) -> dict[str, object]:
+    """Field defaults of a dataclass in a source file, read with ast (the template imports torch)."""
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return {
+        n.target.id: ast.literal_eval(n.value)
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None
+    }
+
+
+def test_template_defaults_are_the_ones_plan_assumes() -> None:
+    assert dataclass_defaults(TEMPLATE / "model.py", "ModelArgs") == TEMPLATE_MODEL
+    training = dataclass_defaults(TEMPLATE / "config.py", "TrainingConfig")
+    assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
+
+
+def test_parameter_shapes_are_the_template_models_own() -> None:
+    """Names, order and shapes equal Transformer.named_parameters() of the template's model.py (on meta)."""
+    torch = pytest.importorskip("torch")
+    # The template's model.py under a name of its own, so that no other `model` module is shadowed.
+    spec = importlib.util.spec_from_file_location("fsdp2gen_template_model", TEMPLATE / "model.py")
+    template_model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = template_model
+    try:
+        spec.loader.exec_module(template_model)
+    finally:
+        del sys.modules[spec.name]
+    ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
+    shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**{k: getattr(shape, k) for k in LlamaShape.__dataclass_fields__}))
+    assert [(name, tuple(p.shape)) for name, p in model.named_parameters()] == parameter_shapes(shape)
+    rope = sum(b.numel() * b.element_size() for b in model.buffers())
+    request = PlanRequest(model=shape, label="t", gpus=1, seq_len=40, micro_batch=1, precision="fp32")
+    assert estimate(request).per_gpu["model_buffers"] == rope
+
+
+@pytest.mark.parametrize(
+    "size,published,tied",
+    [
+        # Meta's model cards; 1b and 3b tie the output layer to the embedding, model.py does not.
+        ("1b", 1_235_814_400, True),
+        ("3b", 3_212_749_824, True),
+        ("8b", 8_030_261_248, False),
+        ("70b", 70_553_706_496, False),
+        ("405b", 405_853_388_800, False),
+    ],
+)
+def test_llama_presets_match_published_parameter_counts(size: str, published: int, tied: bool) -> None:
+    shape = LLAMA_SIZES[size]
+    untied_extra = shape.vocab_size * shape.dim if tied else 0
+    assert parameter_count(shape) == published + untied_extra
+
+
+def measure(project: Path, config: Path, ranks: int, out: Path) -> dict:
+    """Run tests/plan_measure.py under torchrun with `ranks` gloo processes; its per-rank measurements."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command += [str(REPO / "tests" / "plan_measure.py"), str(project), str(config), str(out)]
+    result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("ranks,precision", [(2, "fp32"), (4, "bf16")])
+def test_plan_matches_a_real_sharded_run(projects: dict[str, Path], tmp_path: Path, ranks: int, precision: str) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_CONFIG)
+    measured = measure(projects[precision], config, ranks, tmp_path / "measured.json")
+    result = invoke("plan", "--config", str(config), "--gpus", str(ranks), "--precision", precision, "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    per_gpu = plan["per_gpu_bytes"]
+    assert measured["world_size"] == ranks == plan["setup"]["fsdp_ranks"]
+    assert plan["setup"]["micro_batch"] == measured["ranks"][0]["micro_batch"] == 8 // ranks
+    assert plan["model"]["parameters"] == measured["ranks"][0]["parameter_count"]
+    # The plan is per GPU for the largest shard (rank 0's; later ranks hold FSDP2's padding): within 1%.
+    for part in ("parameters", "gradients", "optimizer_state"):
+        largest = max(rank[part] for rank in measured["ranks"])
+        assert abs(per_gpu[part] - largest) <= 0.01 * largest, (part, per_gpu[part], largest)
+    # The peak of autograd's saved tensors, the same on every rank (same micro-batch): within 25%.
+    saved = {rank["activations"] for rank in measured["ranks"]}
+    assert len(saved) == 1
+    (saved_bytes,) = saved
+    assert abs(per_gpu["activations"] - saved_bytes) <= 0.25 * saved_bytes, (per_gpu["activations"], saved_bytes)
+    print(f"\n{ranks} ranks {precision}: plan {per_gpu} vs measured {measured['ranks']}")
+
+
+def plan_json(*args: str) -> dict:
+    result = invoke("plan", *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
+    plan = plan_json("--size", "8b", "--gpus", "8", "--precision", "bf16", "--seq", "8192", "--batch", "1")
+    per_gpu = plan["per_gpu_bytes"]
+    params = 8_030_261_248
+    # Every matrix of the 8b model has a row count divisible by 8: shards are exactly 1/8, fp32.
+    assert per_gpu["parameters"] == per_gpu["gradients"] == 4 * params // 8
+    assert per_gpu["optimizer_state"] == 2 * 4 * params // 8 + 4 * (2 + 9 * 32 + 1)
+    assert per_gpu["total"] == sum(v for k, v in per_gpu.items() if k != "total")
+    assert plan["activations_bytes"]["full"] < plan["activations_bytes"]["selective"] < per_gpu["activations"]
+    assert not plan["fits"]
+    assert plan["levers"][0]["option"] == "--ac full" and plan["levers"][0]["fits"]
+    savings = [lever["saves_bytes"] for lever in plan["levers"]]
+    assert savings == sorted(savings, reverse=True)
+    with_ac = plan_json("--size", "8b", "--gpus", "8", "--ac", "full")
+    assert with_ac["fits"] and with_ac["levers"] == []
+    assert with_ac["per_gpu_bytes"]["total"] == plan["levers"][0]["total_bytes"]
+
+
+def test_text_table_names_every_part_and_the_verdict() -> None:
+    result = invoke("plan", "--size", "8b", "--gpus", "8", "--gpu", "h100-80gb")
+    assert result.exit_code == 0 and result.stderr == ""
+    text = result.stdout
+    for row in (
+        "parameters (fp32 shards = master weights)",
+        "gradients (fp32 shards)",
+        "optimizer state (AdamW: 2 fp32 states)",
+        "all-gather buffers",
+        "reduce-scatter buffers",
+        "activations, no AC (used)",
+        "activations, full AC",
+        "total",
+    ):
+        assert row in text, row
+    assert "h100-80gb: " in text and "does NOT fit" in text
+    assert "largest lever: --ac full saves " in text and "fits)" in text
+
+
+def test_offload_moves_the_state_off_the_gpu() -> None:
+    on_gpu = plan_json("--size", "70b", "--gpus", "8", "--ac", "full")
+    offloaded = plan_json("--size", "70b", "--gpus", "8", "--ac", "full", "--offload")
+    state = ("parameters", "gradients", "optimizer_state")
+    assert all(offloaded["per_gpu_bytes"][part] == 0 for part in state)
+    assert offloaded["host_bytes_per_gpu"] == sum(on_gpu["per_gpu_bytes"][part] for part in state)
+    difference = on_gpu["per_gpu_bytes"]["total"] - offloaded["per_gpu_bytes"]["total"]
+    assert difference == offloaded["host_bytes_per_gpu"]
+
+
+def test_more_gpus_shard_the_state_further_and_tp_splits_the_matrices() -> None:
+    eight = plan_json("--size", "70b", "--gpus", "8")["per_gpu_bytes"]
+    sixteen = plan_json("--size", "70b", "--gpus", "8", "--nodes", "2")["per_gpu_bytes"]
+    assert sixteen["parameters"] * 2 == eight["parameters"]
+    assert sixteen["activations"] == eight["activations"]
+    tp = plan_json("--size", "70b", "--gpus", "8", "--nodes", "2", "--tp", "8")
+    assert tp["setup"]["fsdp_ranks"] == 2
+    # Everything but the 2 x 80 + 1 norm vectors (replicated under TP) is split 8 ways, then sharded 2 ways.
+    norms = (2 * 80 + 1) * 8192
+    assert tp["per_gpu_bytes"]["parameters"] == 4 * ((70_553_706_496 - norms) // 16 + norms // 2)
+    assert tp["per_gpu_bytes"]["activations"] * 8 >= sixteen["activations"]
+
+
+def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
+    plan = plan_json("--config", str(REPO / "generated_examples" / "llama-2node-bf16" / "config.toml"))
+    assert plan["setup"] == {
+        "gpus": 8,
+        "nodes": 2,
+        "world_size": 16,
+        "fsdp_ranks": 16,
+        "tp": 1,
+        "precision": "bf16",
+        "offload": False,
+        "ac": "none",
+        "micro_batch": 2,  # global_batch_size 32 over 16 ranks
+        "seq_len": 256,
+    }
+    assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512
+    fp32 = plan_json("--config", str(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.toml"))
+    assert (fp32["setup"]["gpus"], fp32["setup"]["precision"], fp32["setup"]["micro_batch"]) == (1, "fp32", 32)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--size", "9b"], "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
+        ([], "give --size (1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
+        (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
+        (["--size", "8b", "--gpu", "tpu-v5"], "--gpu tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
+        (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0"),
+        (["--size", "8b", "--ac", "some"], "--ac some: choose one of none, selective, full"),
+        (["--size", "8b", "--config", "c.toml"], "--size and --config both given; the model comes from one of them"),
+        (["--config", "no/c.toml"], "config file no/c.toml not found; pass a generated project's config.toml"),
+        (
+            ["--config", str(REPO / "generated_examples" / "llama-8gpu-bf16" / "config.toml"), "--gpus", "3"],
+            "training.global_batch_size (32) is not divisible by 3 data-parallel ranks x grad_accum_steps (1); "
+            "change the config or pass --batch",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_on_stderr_and_exit_2(args: list[str], message: str) -> None:
+    result = invoke("plan", *args)
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
+
+
+def test_bad_input_under_json_is_a_json_error() -> None:
+    result = invoke("plan", "--size", "9b", "--json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout) == {
+        "error": "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b",
+        "code": 2,
+    }
+
+
+def test_bad_toml_is_bad_input(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[model]\ndim = 64\nheads = 4\n")
+    result = invoke("plan", "--config", str(config))
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"fsdp2gen: error: {config}: unknown key model.heads; known: dim, n_layers")
+    config.write_text("[model\n")
+    result = invoke("plan", "--config", str(config))
+    assert result.exit_code == 2 and "invalid TOML" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_help_lists_the_presets_and_gpus_that_exist() -> None:
+    top = invoke("--help")
+    assert top.exit_code == 0 and "check" in top.stdout and "plan" in top.stdout
+    result = invoke("plan", "--help")
+    assert result.exit_code == 0
+    assert "1b, 3b, 8b, 70b or 405b" in result.stdout and list(LLAMA_SIZES) == ["1b", "3b", "8b", "70b", "405b"]
+    for gpu in ("h100-80gb", "a100-40gb", "h200-141gb"):
+        assert gpu in GPUS and gpu in result.stdout
