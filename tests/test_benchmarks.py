@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -18,3 +19,44 @@ def test_generate_benchmark_runs_and_reports_ratios() -> None:
         assert any(re.fullmatch(rf"{re.escape(name)} +\d+\.\d{{3}} s \(median of 1\)", line) for line in lines), name
     assert re.search(r"^new / copier copy += \d+\.\d\d$", result.stdout, flags=re.M)
     assert re.search(r"^--help / python -c pass = \d+\.\d\d$", result.stdout, flags=re.M)
+
+
+def run_benchmark(*command: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_step_overhead_benchmark_runs_and_reports_the_ratio() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/step_overhead.py", "--tiny", "--steps", "2", "--repeat", "2")
+    assert re.search(r"^world size 2 \(gloo, CPU", out, flags=re.M), out
+    for name in ("generated train_step", "hand-written loop"):
+        assert re.search(rf"^{name} +\d+\.\d\d ms/step \(median of 2\)$", out, flags=re.M), out
+    assert re.search(r"^generated / hand-written = \d+\.\d{3}$", out, flags=re.M), out
+    assert re.search(r"^median of per-repetition ratios = \d+\.\d{3}$", out, flags=re.M), out
+
+
+def test_build_memory_benchmark_runs_and_reports_ratios() -> None:
+    # World size 2 only: each world size is one more torchrun launch, and the code path is the same.
+    out = run_benchmark(sys.executable, "benchmarks/build_memory.py", "--tiny", "--worlds", "2")
+    row = r"^(tiny-[ab]) +\d+\.\d\dM +\d+\.\d +2 +([01]) +\d+\.\d +\d+\.\d +\d+\.\d\d$"
+    rows = sorted(re.findall(row, out, flags=re.M))
+    assert rows == [(model, rank) for model in ("tiny-a", "tiny-b") for rank in ("0", "1")], out
+    assert re.search(r"^worst ratio tiny-b world 2 = \d+\.\d\d$", out, flags=re.M), out
+    assert re.search(r"^worst ratio = \d+\.\d\d: (meets|MISSES) the 1\.2 target$", out, flags=re.M), out
+    assert re.search(r"^hf --pretrained: ", out, flags=re.M), out
+
+
+def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
+    # PEAK_FLOPS stands in for the device's bf16 peak, so that the MFU line is computed on CPU too.
+    env = {**os.environ, "PYTHON": sys.executable, "PEAK_FLOPS": "1e11"}
+    out = run_benchmark("bash", "benchmarks/gpu.sh", "--device", "cpu", "--tiny", env=env)
+    header = r"^device cpu \| torch \S+ \| [\d.]+M parameters \| \d+\.\d{3} GFLOP/token at seq 32 \| batch 2 \| 2 steps"
+    assert re.search(header, out, flags=re.M), out
+    eager = (
+        r"^eager: [\d,]+ tokens/s/GPU \| \d+\.\d{3} TFLOP/s \| MFU \d+\.\d% of 0\.1 TFLOP/s \| peak [\d,]+ MiB "
+        r"\| loss \d+\.\d{3} -> \d+\.\d{3} \| 2 steps, 1 timed$"
+    )
+    assert re.search(eager, out, flags=re.M), out
+    # A template without a compile option says so; one with it reports a second run.
+    assert re.search(r"^compile: (not available in this template version|[\d,]+ tokens/s/GPU)", out, flags=re.M), out

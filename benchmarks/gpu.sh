@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Tokens/s, MFU and peak memory of a generated project on one GPU: a ~1B Llama shape, bf16, ~50 steps.
+#
+#   benchmarks/gpu.sh                        # one GPU (H100/H200), nccl, ~1B model, 50 steps
+#   benchmarks/gpu.sh --device cpu --tiny    # dry run: tiny model, 2 steps, gloo on CPU (what the tests run)
+#   benchmarks/gpu.sh --float8               # also the float8 variant, if the template has one
+#   STEPS=30 BATCH=8 PEAK_FLOPS=989e12 benchmarks/gpu.sh
+#
+# Generates a project (`fsdp2gen new --gpus 1 --bf16`), trains it with torchrun (1 process) and reads
+# outputs/metrics.jsonl. Prints one line per variant: tokens/s/GPU (median after the first 10 steps),
+# achieved TFLOP/s (ModelArgs.flops_per_token(seq_len) x tokens/s), MFU against the device's bf16 dense
+# peak (989e12 for H100 SXM / H200; PEAK_FLOPS overrides), and peak memory. Variants: eager always;
+# compile (and float8 with --float8) only where the project's config.toml has such a key.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+DEVICE=cuda
+TINY=""
+FLOAT8=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    --tiny) TINY=1; shift ;;
+    --float8) FLOAT8=1; shift ;;
+    *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8]" >&2; exit 2 ;;
+  esac
+done
+if [[ -n "$TINY" ]]; then
+  STEPS="${STEPS:-2}"
+  SHAPE=(--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 172
+         --model.vocab_size 128 --model.max_seq_len 64 --training.seq_len 32 --training.global_batch_size "${BATCH:-2}")
+else
+  STEPS="${STEPS:-50}"
+  # Llama 3.2 1B's shape (1.5B parameters with the untied 128k-vocabulary output); batch 4 x 2048 tokens
+  # keeps the fp32 logits and AdamW state well inside 80 GB.
+  SHAPE=(--model.dim 2048 --model.n_layers 16 --model.n_heads 32 --model.n_kv_heads 8 --model.ffn_dim 8192
+         --model.vocab_size 128256 --model.max_seq_len 2048 --training.seq_len 2048
+         --training.global_batch_size "${BATCH:-4}")
+fi
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+PROJECT="$WORK/llama-1b"
+"$PYTHON" -m fsdp2gen new "$PROJECT" --gpus 1 --bf16 --yes >/dev/null
+
+# Fresh runs only, a short warm-up, and no checkpoint before the last step.
+OVERRIDES=("${SHAPE[@]}" --job.device "$DEVICE" --training.steps "$STEPS" --training.warmup_steps 2
+           --checkpoint.interval "$STEPS" --checkpoint.resume never --job.log_every 10)
+if grep -q '^model_only_final' "$PROJECT/config.toml"; then
+  # The final checkpoint is not what is measured: write the weights only.
+  OVERRIDES+=(--checkpoint.model_only_final true)
+fi
+
+config_section() {  # config_section KEY: the [section] of config.toml that has KEY, or nothing
+  "$PYTHON" - "$PROJECT/config.toml" "$1" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    config = tomllib.load(f)
+print(next((name for name, table in config.items() if isinstance(table, dict) and sys.argv[2] in table), ""))
+PY
+}
+
+train() {  # train VARIANT [OVERRIDE...]: a fresh run into $WORK/VARIANT
+  local variant="$1"
+  shift
+  if ! (cd "$PROJECT" && OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run --standalone \
+          --nproc-per-node 1 train.py --config config.toml "${OVERRIDES[@]}" "$@" --job.output_dir "$WORK/$variant") \
+          >"$WORK/$variant.log" 2>&1; then
+    echo "$variant: FAILED"
+    tail -n 30 "$WORK/$variant.log"
+    return 1
+  fi
+}
+
+report() {  # report VARIANT...: the setup, then one line per variant from its metrics.jsonl
+  # One Python process for all variants: importing torch costs seconds.
+  (cd "$PROJECT" && "$PYTHON" - "$WORK" "$DEVICE" "$*" "${OVERRIDES[@]}" <<'PY'
+import json, os, statistics, sys
+import torch
+from config import parse_args
+from model import Transformer
+
+work, device, variants = sys.argv[1], sys.argv[2], sys.argv[3].split()
+config = parse_args(["--config", "config.toml", *sys.argv[4:]])
+with torch.device("meta"):  # counts parameters without allocating them
+    parameters = sum(p.numel() for p in Transformer(config.model).parameters())
+flops_per_token = config.model.flops_per_token(config.training.seq_len)
+name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+print(f"device {name} | torch {torch.__version__} | {parameters / 1e6:,.1f}M parameters | "
+      f"{flops_per_token / 1e9:.3f} GFLOP/token at seq {config.training.seq_len} | "
+      f"batch {config.training.global_batch_size} | {config.training.steps} steps bf16")
+# bf16 dense peaks (no sparsity); H100 SXM and H200 have the same tensor cores.
+peak = float(os.environ.get("PEAK_FLOPS") or 0) or (989e12 if "H100" in name or "H200" in name else 0)
+for variant in variants:
+    with open(os.path.join(work, variant, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    # The first steps pay for the CUDA context, allocator growth and (with compile) compilation.
+    timed = records[min(10, len(records) - 1):]
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in timed)  # one process: per GPU
+    flops = flops_per_token * tokens_per_s
+    if peak:
+        mfu = f"MFU {100 * flops / peak:.1f}% of {peak / 1e12:g} TFLOP/s"
+    else:
+        mfu = "MFU n/a (bf16 peak of this device unknown; set PEAK_FLOPS)"
+    print(f"{variant}: {tokens_per_s:,.0f} tokens/s/GPU | {flops / 1e12:.3f} TFLOP/s | {mfu} | "
+          f"peak {max(r['peak_mem_mib'] for r in records):,.0f} MiB | "
+          f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} | {len(records)} steps, {len(timed)} timed")
+PY
+  )
+}
+
+status=0
+variants=()
+notes=()
+if train eager; then variants+=(eager); else status=1; fi
+for key in compile float8; do
+  [[ "$key" == float8 && -z "$FLOAT8" ]] && continue
+  section="$(config_section "$key")"
+  if [[ -z "$section" ]]; then
+    notes+=("$key: not available in this template version")
+  elif train "$key" "--$section.$key" true; then
+    variants+=("$key")
+  else
+    status=1
+  fi
+done
+if [[ ${#variants[@]} -gt 0 ]]; then
+  report "${variants[@]}" || status=1
+fi
+if [[ ${#notes[@]} -gt 0 ]]; then
+  printf '%s\n' "${notes[@]}"
+fi
+exit "$status"
