@@ -65,6 +65,7 @@ ASKED = [name for name in QUESTIONS if name != "project_name"]
 Family = _choices_enum(QUESTIONS["family"])
 Precision = _choices_enum(QUESTIONS["precision"])
 Checkpoint = _choices_enum(QUESTIONS["checkpoint"])
+Launcher = _choices_enum(QUESTIONS["launcher"])
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -101,6 +102,7 @@ GpusOption = Annotated[int | None, typer.Option(help=_help("gpus"))]
 NodesOption = Annotated[int | None, typer.Option(help=_help("nodes"))]
 PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision"))]
 CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
+LauncherOption = Annotated[Launcher | None, typer.Option(help=_help("launcher"))]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object (the result, or the error).")]
 
 
@@ -127,6 +129,7 @@ def new(
     fp16: Annotated[bool, typer.Option("--fp16", help="Same as --precision fp16.")] = False,
     fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
     checkpoint: CheckpointOption = None,
+    launcher: LauncherOption = None,
     project_name: Annotated[str | None, typer.Option(help="Project name [default: DEST's folder name]")] = None,
     answers_file: Annotated[
         Path | None,
@@ -155,7 +158,9 @@ def new(
     if shortcuts:
         precision = Precision(shortcuts[0])
 
-    answers = _given_answers(family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint)
+    answers = _given_answers(
+        family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint, launcher=launcher
+    )
     if project_name is not None:
         answers.update(_given_answers(project_name=project_name))
     if answers_file is not None:
@@ -252,6 +257,8 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
         ("NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20", "2 CPU processes, gloo"),
         ("scripts/run_local.sh", f"{answers['gpus']} GPU(s) with nccl"),
     ]
+    if answers["launcher"] == "slurm":
+        commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))
     if answers["nodes"] > 1:
         commands.append(
             ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/run_multinode.sh", "on each node")
@@ -273,6 +280,7 @@ def update(
     nodes: NodesOption = None,
     precision: PrecisionOption = None,
     checkpoint: CheckpointOption = None,
+    launcher: LauncherOption = None,
     conflict: Annotated[
         Conflict, typer.Option(help="How to show conflicts: inline markers or .rej files, as copier does.")
     ] = Conflict.inline,
@@ -284,7 +292,9 @@ def update(
     """Update a generated project to a newer template version, keeping your edits (runs `copier update`)."""
     from fsdp2gen.update import UpdateError, update_project
 
-    answers = _given_answers(family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint)
+    answers = _given_answers(
+        family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint, launcher=launcher
+    )
     try:
         conflicts = update_project(path, answers, conflict=conflict.value, vcs_ref=vcs_ref)
     except UpdateError as error:

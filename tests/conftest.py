@@ -51,3 +51,14 @@ def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One generated project per precision, shared by the tests that only read or run them."""
     root = tmp_path_factory.mktemp("projects")
     return {p: generate(root / f"run-{p}", "--gpus", "2", "--precision", p) for p in ("fp32", "bf16", "fp16")}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One generated project per checkpoint style other than dcp (which `projects` covers), in mixed precision."""
+    root = tmp_path_factory.mktemp("checkpoint-projects")
+    styles = {"dcp-async": "bf16", "full": "fp16"}
+    return {
+        style: generate(root / f"run-{style}", "--gpus", "2", "--precision", precision, "--checkpoint", style)
+        for style, precision in styles.items()
+    }

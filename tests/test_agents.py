@@ -17,9 +17,10 @@ def test_json_report_matches_the_files_on_disk(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stderr == ""
     report = json.loads(result.stdout)
     assert report["answers"] == {
-        "project_name": "run", "family": "llama", "gpus": 2, "nodes": 1, "precision": "fp32", "checkpoint": "dcp"
+        "project_name": "run", "family": "llama", "gpus": 2, "nodes": 1, "precision": "fp32", "checkpoint": "dcp",
+        "launcher": "torchrun",
     }  # fmt: skip
-    assert report["defaults_used"] == ["family", "nodes", "checkpoint"]
+    assert report["defaults_used"] == ["family", "nodes", "checkpoint", "launcher"]
     assert report["dry_run"] is False and report["dest"] == str(tmp_path / "run")
     assert report["files"] == sorted(tree(tmp_path / "run"))
     assert report["next"][0] == {"command": f"cd {tmp_path / 'run'}", "why": ""}
@@ -30,7 +31,7 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     dest = tmp_path / "a" / "run"
     result = fsdp2gen("new", str(dest), "-y", "--dry-run", "--json")
     assert result.returncode == 0
-    assert json.loads(result.stdout)["files"][:3] == [".copier-answers.yml", ".gitignore", "AGENTS.md"]
+    assert json.loads(result.stdout)["files"][:3] == [".copier-answers.yml", ".github/workflows/ci.yml", ".gitignore"]
     assert list(tmp_path.iterdir()) == []
     text = fsdp2gen("new", str(dest), "-y", "--dry-run")
     assert text.stdout.startswith(f"Would create {dest} (")
@@ -71,7 +72,7 @@ def test_answers_file_errors(tmp_path: Path) -> None:
     cases = {
         "gpus: 0\n": "gpus in {path}: must be at least 1, e.g. --gpus 8",
         "colour: red\n": "colour in {path}: unknown question; known: project_name, family, gpus, nodes, precision, "
-        "checkpoint",
+        "checkpoint, launcher",
         "- gpus\n": "answers file {path} must be a mapping like 'gpus: 8', got list",
         "gpus: [\n": "answers file {path} is not valid YAML: ",
     }

@@ -32,13 +32,14 @@ def test_version_and_help() -> None:
 def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     result = fsdp2gen(
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
-        "--precision", "fp16", "--checkpoint", "dcp",
+        "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing was missing, so no defaults were announced
     answers = answers_of(tmp_path / "run")
-    assert {k: answers[k] for k in ("family", "gpus", "nodes", "precision", "checkpoint")} == {
-        "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16", "checkpoint": "dcp",
+    assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
+        "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
+        "checkpoint": "dcp", "launcher": "slurm",
     }  # fmt: skip
     assert answers["_commit"] == f"v{__version__}"
     assert answers["_src_path"].startswith("https://")
@@ -56,7 +57,7 @@ def test_without_a_terminal_missing_answers_take_defaults_and_are_announced(tmp_
     assert result.returncode == 0
     assert result.stderr == (
         "fsdp2gen: stdin is not a terminal; using defaults family=llama, nodes=1, precision=bf16, "
-        "checkpoint=dcp (pass --yes to accept silently)\n"
+        "checkpoint=dcp, launcher=torchrun (pass --yes to accept silently)\n"
     )
     answers = answers_of(tmp_path / "run")
     assert (answers["gpus"], answers["nodes"], answers["precision"]) == (2, 1, "bf16")
@@ -73,9 +74,9 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     result = fsdp2gen("new", str(dest), "-y", "--nodes", "2")
     lines = result.stdout.splitlines()
     files = tree(dest)
-    assert len(files) == 14
     assert lines[0] == (
-        f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp) "
+        f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
+        "launcher=torchrun) "
         f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
@@ -86,7 +87,7 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
 
 def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
     # family, nodes, precision and checkpoint are asked (gpus was given); an invalid answer is asked again.
-    result = invoke("new", str(tmp_path / "run"), "--gpus", "2", "--interactive", input="llama\n0\n2\nfp16\n\n")
+    result = invoke("new", str(tmp_path / "run"), "--gpus", "2", "--interactive", input="llama\n0\n2\nfp16\n\nslurm\n")
     assert result.exit_code == 0, result.output
     prompts = re.findall(r"^(.*?) \[.*?\]: ", result.output, flags=re.M)
     assert prompts == [
@@ -95,14 +96,16 @@ def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
         "Number of nodes",
         "Training precision (bf16 and fp16 keep fp32 master weights and fp32 gradient reduction) (fp32, bf16, fp16)",
         "Checkpoint style (dcp, dcp-async, full)",
+        "How jobs are launched (torchrun scripts are always included) (torchrun, slurm)",
     ]
     assert "Error: must be at least 1, e.g. --nodes 2" in result.output
     answers = answers_of(tmp_path / "run")
     assert (answers["gpus"], answers["nodes"], answers["precision"], answers["checkpoint"]) == (2, 2, "fp16", "dcp")
+    assert answers["launcher"] == "slurm"
 
 
 def test_prompt_rejects_a_non_integer_and_an_unknown_choice(tmp_path: Path) -> None:
-    result = invoke("new", str(tmp_path / "run"), "--interactive", input="gpt\nllama\nabc\n4\n1\nbf16\ndcp\n")
+    result = invoke("new", str(tmp_path / "run"), "--interactive", input="gpt\nllama\nabc\n4\n1\nbf16\ndcp\ntorchrun\n")
     assert result.exit_code == 0, result.output
     assert "Error: 'gpt' is not one of llama" in result.output
     assert "Error: 'abc' is not a valid int" in result.output
@@ -123,7 +126,7 @@ BAD_INPUT = [
     (["--family", "gpt"], "fsdp2gen: error: Invalid value for '--family': "),
     (["--precision", "fp8"], "fsdp2gen: error: Invalid value for '--precision': "),
     (["--checkpoint", "zip"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
-    (["--checkpoint", "full"], "fsdp2gen: error: --checkpoint: 'full' is not yet supported"),
+    (["--checkpoint", "async"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
     (["--bf16", "--fp32"], "fsdp2gen: error: conflicting precision options --bf16 --fp32; give only one"),
     (["--fp16", "--precision", "bf16"], "fsdp2gen: error: conflicting precision options --fp16 --precision bf16"),
 ]

@@ -18,9 +18,46 @@ from tests.conftest import REPO, generate, tree
 EXAMPLES = REPO / "generated_examples"
 # name -> answers; every name must exist in generated_examples/ and vice versa.
 GOLDENS = {
-    "llama-1gpu-fp32": {"family": "llama", "gpus": 1, "nodes": 1, "precision": "fp32", "checkpoint": "dcp"},
-    "llama-8gpu-bf16": {"family": "llama", "gpus": 8, "nodes": 1, "precision": "bf16", "checkpoint": "dcp"},
-    "llama-2node-bf16": {"family": "llama", "gpus": 8, "nodes": 2, "precision": "bf16", "checkpoint": "dcp"},
+    "llama-1gpu-fp32": {
+        "family": "llama",
+        "gpus": 1,
+        "nodes": 1,
+        "precision": "fp32",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+    },
+    "llama-8gpu-bf16": {
+        "family": "llama",
+        "gpus": 8,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+    },
+    "llama-2node-bf16": {
+        "family": "llama",
+        "gpus": 8,
+        "nodes": 2,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+    },
+    "llama-2gpu-fp32-async": {
+        "family": "llama",
+        "gpus": 2,
+        "nodes": 1,
+        "precision": "fp32",
+        "checkpoint": "dcp-async",
+        "launcher": "torchrun",
+    },
+    "llama-4gpu-bf16-full": {
+        "family": "llama",
+        "gpus": 4,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "full",
+        "launcher": "torchrun",
+    },
 }
 
 

@@ -60,12 +60,46 @@ def test_two_ranks_equal_one_plain_process_in_fp32(projects: dict[str, Path], tm
         assert a["lr"] == b["lr"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_generated_projects_own_tests_pass(projects: dict[str, Path], precision: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                            cwd=projects[precision], env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+def run_own_tests(project: Path, *paths: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
-    assert re.search(r"^6 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("precision,paths,count", [
+    # The whole suite once: 4 training tests + 6 checkpoint tests (resume, restart, reshard, export, 2 x bad
+    # checkpoints). Mixed precision changes the training code, not the checkpoint code (the fp16 scaler state
+    # is checkpointed by the `full` project below), so there the training tests suffice: they keep CI short.
+    ("fp32", [], 10), ("bf16", ["tests/test_training.py"], 4), ("fp16", ["tests/test_training.py"], 4),
+])  # fmt: skip
+def test_generated_projects_own_tests_pass(
+    projects: dict[str, Path], precision: str, paths: list[str], count: int
+) -> None:
+    stdout = run_own_tests(projects[precision], *paths)
+    assert re.search(rf"^{count} passed in ", stdout, flags=re.M), stdout[-2000:]
+
+
+@pytest.mark.parametrize("style,count", [("dcp-async", 11), ("full", 10)])
+def test_checkpoint_style_projects_own_tests_pass(checkpoint_projects: dict[str, Path], style: str, count: int) -> None:
+    # dcp-async adds the test that training goes on while a checkpoint is written.
+    stdout = run_own_tests(checkpoint_projects[style])
+    assert re.search(rf"^{count} passed in ", stdout, flags=re.M), stdout[-2000:]
+
+
+def test_checkpoint_style_projects_are_lint_clean_and_keep_the_blocks(checkpoint_projects: dict[str, Path]) -> None:
+    for project in checkpoint_projects.values():
+        for args in (["check"], ["format", "--check"]):
+            lint = subprocess.run([sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=project,
+                                  capture_output=True, text=True)  # fmt: skip
+            assert lint.returncode == 0, lint.stdout
+        source = (project / "train.py").read_text()
+        blocks = re.findall(r"^# fsdp2gen: block (\w+)\ndef (\w+)\(", source, flags=re.M)
+        assert [name for name, _ in blocks] == [function for _, function in blocks] == [
+            "init_distributed", "build_model_meta", "build_optimizer", "train_step", "checkpoint_save",
+            "checkpoint_load",
+        ]  # fmt: skip
+        assert "{%" not in source and "{{" not in source
 
 
 def test_init_check_catches_blocks_left_uninitialised(projects: dict[str, Path], tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, generate, torchrun_env
 
 WORKFLOW = REPO / ".github" / "workflows" / "ci.yml"
 
@@ -60,3 +60,38 @@ def test_gpu_smoke_script_refuses_without_a_gpu() -> None:
     result = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr == "gpu_smoke: no GPU visible; run with DEVICE=cpu NPROC=2 TINY=1\n"
+
+
+def schema_check(path: Path) -> subprocess.CompletedProcess:
+    # check-jsonschema ships GitHub's workflow schema, so this runs offline.
+    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows",
+                           str(path)], capture_output=True, text=True)  # fmt: skip
+
+
+def test_workflows_are_valid_github_actions(tmp_path: Path) -> None:
+    assert schema_check(WORKFLOW).returncode == 0
+    project = generate(tmp_path / "run", "--gpus", "2")
+    generated = project / ".github" / "workflows" / "ci.yml"
+    result = schema_check(generated)
+    assert result.returncode == 0, result.stdout
+    # The check can fail: a job without runs-on is rejected.
+    broken = tmp_path / "broken.yml"
+    broken.write_text(generated.read_text().replace("    runs-on: ubuntu-latest\n", ""))
+    assert schema_check(broken).returncode != 0
+
+
+def test_generated_workflow_runs_the_tests_on_cpu_and_gpu(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2")
+    workflow = yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())
+    jobs = workflow["jobs"]
+    assert set(jobs) == {"cpu", "gpu"}
+    assert jobs["gpu"]["runs-on"] == '${{ fromJSON(inputs.gpu_runner_labels || \'["self-hosted", "linux", "gpu"]\') }}'
+    default = workflow[True]["workflow_dispatch"]["inputs"]["gpu_runner_labels"]["default"]
+    assert yaml.safe_load(default) == ["self-hosted", "linux", "gpu"]
+    cpu_runs = [step["run"] for step in jobs["cpu"]["steps"] if "run" in step]
+    gpu_runs = [step["run"] for step in jobs["gpu"]["steps"] if "run" in step]
+    assert "pytest -q" in cpu_runs and "python -m pytest -q" in gpu_runs
+    smoke = next(run for run in gpu_runs if "scripts/run_local.sh" in run)
+    assert "--training.steps 20" in smoke and "losses[-1] < 0.9 * losses[0]" in smoke
+    for run in cpu_runs + gpu_runs:
+        assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0, run

@@ -14,16 +14,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import resource
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -50,7 +54,18 @@ def init_distributed(job: JobConfig) -> tuple[torch.device, DeviceMesh]:
         device = torch.device("cpu")
         backend = "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+            # One torchrun runs every rank. It keeps one store for all its restarts (--max-restarts), where
+            # restarted workers would read the addresses the previous attempt's workers left and fail to
+            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys.
+            # (With several nodes each torchrun counts only its own restarts, so this would split the ranks;
+            # there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a fresh store per attempt, instead.)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"attempt_{attempt}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
+        )
     else:
         # Started without torchrun: a group of one, no rendezvous needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -156,47 +171,148 @@ class TrainState(Stateful):
         model: Transformer,
         optimizer: torch.optim.Optimizer,
         scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        # Optimizer steps taken; the data position follows from it (see data.py).
+        self.global_batch_size, self.device = global_batch_size, device
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
         self.step = 0
+        # checkpoint_load turns this off when the world size changed: RNG streams belong to ranks.
+        self.with_rng = True
 
     def state_dict(self) -> dict:
         # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {
+        state = {
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
         }
+        if self.with_rng:
+            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        check_data_position(state["step"], state["samples_seen"], self.global_batch_size)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if self.with_rng:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's random number generators: torch (and CUDA), numpy, python."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        },
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    numpy_state = state["numpy"]
+    key = numpy_state["key"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", key, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def check_data_position(step: int, samples_seen: int, global_batch_size: int) -> None:
+    """Refuse a resume with another global batch size: data.py starts step N at sample N x global_batch_size,
+    so the resumed run would repeat or skip samples."""
+    if samples_seen != step * global_batch_size:
+        saved = samples_seen // step
+        stop(
+            f"the checkpoint was saved at step {step} after {samples_seen} samples (training.global_batch_size "
+            f"{saved}), but this run has training.global_batch_size {global_batch_size}. Resume with "
+            f"--training.global_batch_size {saved}, or start over with --checkpoint.resume never"
+        )
+
+
+def stop(message: str) -> NoReturn:
+    """End this rank with `message`. Every rank reaches this with the same message; only rank 0 prints it."""
+    raise SystemExit(message if dist.get_rank() == 0 else 1)
+
+
+def stop_if_rank0_failed(error: str | None) -> None:
+    """Share rank 0's error (or None) with every rank, so that all stop together instead of the others
+    waiting for rank 0 in their next collective."""
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        stop(shared[0])
 
 
 # fsdp2gen: block checkpoint_save
-def checkpoint_save(state: TrainState, checkpoint_dir: Path, keep_last: int) -> Path:
+def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> None:
     """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
 
     A crash mid-save leaves only a .tmp folder, which resume ignores.
     """
-    final = checkpoint_dir / f"step-{state.step}"
-    staging = final.with_name(final.name + ".tmp")
+    staging = start_staging(checkpoint_dir, state.step)
+    model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+    # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+    app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+    # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
+    # and the .metadata (written last, by rank 0) are on disk.
+    dcp.save(app_state, checkpoint_id=staging)
+    error = None
     if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"train": state}, checkpoint_id=staging)
-    dist.barrier()
+        try:
+            publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+        except OSError as exc:
+            error = f"could not finish checkpoint {staging}: {exc}"
+    stop_if_rank0_failed(error)
+
+
+def start_staging(checkpoint_dir: Path, step: int) -> Path:
+    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        for old in complete_checkpoints(checkpoint_dir)[:-keep_last]:
-            shutil.rmtree(old)
+        for leftover in checkpoint_dir.glob("step-*.tmp"):
+            shutil.rmtree(leftover)
     dist.barrier()
-    return final
+    return checkpoint_dir / f"step-{step}.tmp"
+
+
+def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
+    """checkpoint.json: what resume checks before loading any tensor, and what scripts/export.py reads."""
+    return {
+        "step": state.step,
+        "world_size": dist.get_world_size(),
+        "device": state.device.type,
+        "model_only": model_only,
+        "config": asdict(config),
+    }
+
+
+def publish(staging: Path, info: dict, keep_last: int) -> None:
+    """Rank 0, once every rank's part of step-N.tmp/ is written: describe it, rename it, prune old ones."""
+    (staging / "checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    shutil.rmtree(final, ignore_errors=True)
+    # The rename is atomic: step-N/ appears complete or not at all. (DCP's .metadata names the data
+    # files relative to the folder, so renaming it is safe.)
+    staging.rename(final)
+    # Older checkpoints go only now that a newer one is complete.
+    for old in complete_checkpoints(staging.parent)[:-keep_last]:
+        shutil.rmtree(old)
 
 
 def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -206,16 +322,82 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
 
 # fsdp2gen: block checkpoint_load
-def checkpoint_load(state: TrainState, checkpoint_dir: Path) -> Path | None:
+def checkpoint_load(state: TrainState, checkpoint_dir: Path, config: Config) -> Path | None:
     """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
-    # Rank 0 picks the folder so that every rank loads the same one even if the listing races a save.
-    found = complete_checkpoints(checkpoint_dir) if dist.get_rank() == 0 else []
-    choice = [str(found[-1]) if found else None]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    path, info = newest_checkpoint(checkpoint_dir)
+    if path is None:
         return None
-    dcp.load({"train": state}, checkpoint_id=choice[0])
-    return Path(choice[0])
+    check_resumable(path, info, config)
+    if info["model_only"]:
+        # The final checkpoint of a finished run (check_resumable made sure): nothing left to train.
+        state.step = info["step"]
+        return path
+    # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+    state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+    try:
+        # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
+        dcp.load({"train": state}, checkpoint_id=path)
+    except dcp.CheckpointException as exc:
+        # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
+        # them (and is a BaseException): report the first.
+        stop(unreadable(path, next(iter(exc.failures.values()))[0]))
+    except Exception as exc:
+        stop(unreadable(path, exc))
+    finally:
+        state.with_rng = True
+    return path
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, dict]:
+    """The newest complete step-N/ and its checkpoint.json, on every rank as rank 0 found them.
+
+    Rank 0 decides, so that every rank loads the same folder even if the listing races a save.
+    """
+    found: list = [None, {}, None]  # folder, checkpoint.json, error
+    if dist.get_rank() == 0:
+        complete = complete_checkpoints(checkpoint_dir)
+        if complete:
+            found[0] = complete[-1]
+            try:
+                found[1] = json.loads((complete[-1] / "checkpoint.json").read_text())
+            except (OSError, ValueError) as exc:
+                found[2] = unreadable(complete[-1], exc)
+    dist.broadcast_object_list(found, src=0)
+    if found[2] is not None:
+        stop(found[2])
+    return found[0], found[1]
+
+
+def check_resumable(path: Path, info: dict, config: Config) -> None:
+    """Stop before loading any tensor if `path` cannot continue this run as configured."""
+    saved_model = info["config"]["model"]
+    # Every model setting must match, except the length of the rotary tables and the initialisation
+    # scale, which a loaded checkpoint does not depend on.
+    changed = [
+        f"model.{key} {saved_model.get(key)!r} -> {value!r}"
+        for key, value in asdict(config.model).items()
+        if key not in ("max_seq_len", "init_std") and saved_model.get(key) != value
+    ]
+    if changed:
+        stop(
+            f"{path} holds a different model ({', '.join(changed)}); resume with the model settings in "
+            f"{path / 'checkpoint.json'}, or start over with --checkpoint.resume never"
+        )
+    if info["model_only"] and info["step"] < config.training.steps:
+        stop(
+            f"{path} is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended at step "
+            f"{info['step']}: it cannot continue training to step {config.training.steps}. Delete it "
+            f"(rm -r {path}) to resume from the previous checkpoint, or start over with --checkpoint.resume never"
+        )
+
+
+def unreadable(path: Path, exc: BaseException) -> str:
+    reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return (
+        f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {reason}); it is probably incomplete or corrupt. "
+        f"Delete it (rm -r {path}) to resume from the previous checkpoint, or start over with "
+        "--checkpoint.resume never"
+    )
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -242,12 +424,12 @@ def main() -> None:
 
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device)
 
     output_dir = Path(config.job.output_dir)
     checkpoint_dir = output_dir / "checkpoints"
     if config.checkpoint.resume == "auto":
-        resumed_from = checkpoint_load(state, checkpoint_dir)
+        resumed_from = checkpoint_load(state, checkpoint_dir, config)
         if resumed_from and rank == 0:
             print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
@@ -290,7 +472,10 @@ def main() -> None:
                     flush=True,
                 )
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
-            checkpoint_save(state, checkpoint_dir, config.checkpoint.keep_last)
+            save_started = time.perf_counter()
+            checkpoint_save(state, checkpoint_dir, config)
+            if rank == 0:
+                print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
 
     if metrics_file is not None:
         metrics_file.close()

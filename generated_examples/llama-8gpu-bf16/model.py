@@ -3,18 +3,20 @@
 The model is written so that FSDP2 can build it on the meta device and shard it
 block by block: every `TransformerBlock` becomes one `fully_shard` unit, and
 `init_weights` fills parameters *after* sharding without ever materialising a
-full copy of the model on one rank.
+full copy of the model, or even of one parameter, on one rank.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @dataclass
@@ -141,24 +143,23 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter and buffer, sharded or not, identically for any world size.
 
-        Each full tensor is drawn from one generator seeded with `seed`, in a fixed
-        order, and every rank keeps only its own shard. Random ops on a sharded
-        DTensor would instead give each rank the *same* local values, so a 4-rank
-        model would differ from a 1-rank one. Peak extra memory is one full tensor.
+        Each parameter's values are drawn from one generator seeded with `seed`, in a
+        fixed order and in fixed row blocks, and each rank keeps only the rows and
+        columns of its own shard. (Random ops on a sharded DTensor would instead give
+        every rank the *same* local values, so a 4-rank model would differ from a
+        1-rank one.) Extra memory is one block of at most INIT_BLOCK_ELEMENTS values.
         """
         device = self.output.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
         residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
             if name.endswith("norm.weight"):
-                full.fill_(1.0)
+                _fill_by_blocks(param, lambda block: block.fill_(1.0))
             elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 # Residual projections are scaled down so the residual stream does not grow with depth.
-                full.normal_(0.0, residual_std, generator=generator)
+                _fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
             else:
-                full.normal_(0.0, self.args.init_std, generator=generator)
-            _copy_full_tensor(param, full)
+                _fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
         self._init_rope(device)
 
     def _init_rope(self, device: torch.device) -> None:
@@ -169,11 +170,30 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(angles.sin())
 
 
-def _copy_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy `full` into `param`, keeping only this rank's shard when `param` is a DTensor."""
+# Row blocks of this many values at most are drawn at a time during initialisation.
+INIT_BLOCK_ELEMENTS = 1 << 22
+
+
+def _fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Fill the full tensor behind `param` block of rows by block of rows; keep this rank's part of each.
+
+    The blocks depend only on the full shape, so every world size consumes the
+    generator identically and gets the same values, without holding the full tensor.
+    """
     if isinstance(param, DTensor):
-        # src_data_rank=None: every rank already holds `full`, so slice locally, no communication.
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
+        local = param.to_local()
+        # Where this rank's shard sits in the full tensor, for any placement (FSDP, HSDP, TP). The helper is
+        # private but is what DTensor itself uses; it has kept this signature since torch 2.4.
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     else:
-        param.copy_(full)
+        local, local_shape, offset = param, tuple(param.shape), (0,) * param.ndim
+    rows, row_shape = param.shape[0], tuple(param.shape[1:])
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
+    # This rank's columns (all dimensions but the first), e.g. under tensor parallelism.
+    columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], local_shape[1:], strict=True))
+    for first in range(0, rows, rows_per_block):
+        last = min(rows, first + rows_per_block)
+        block = fill(torch.empty((last - first, *row_shape), dtype=param.dtype, device=local.device))
+        low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
+        if low < high:
+            local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])

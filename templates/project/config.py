@@ -54,7 +54,14 @@ class ParallelConfig:
 class CheckpointConfig:
     interval: int = 100
     keep_last: int = 2
+    model_only_final: bool = False
     resume: Literal["auto", "never"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"checkpoint.interval must be at least 1, got {self.interval}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""Export a checkpoint as one safetensors file + config.json, in one CPU process (no GPU, no torchrun).
+
+    python scripts/export.py                                    # the newest checkpoint in outputs/checkpoints
+    python scripts/export.py outputs/checkpoints/step-1000 --output exported
+
+The weights then load into a plain, non-distributed model:
+
+    model = Transformer(ModelArgs(**json.loads(Path("exported/config.json").read_text())))
+    model.init_weights(seed=0)  # computes the rotary tables, which are not saved; the weights are replaced next
+    model.load_state_dict(safetensors.torch.load_file("exported/model.safetensors"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+from model import ModelArgs, Transformer  # noqa: E402
+from train import complete_checkpoints  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Export a checkpoint as model.safetensors + config.json.")
+    parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
+    parser.add_argument("--checkpoints", type=Path, default=Path("outputs/checkpoints"),
+                        help="where to look for the newest checkpoint (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=Path("exported"), help="output folder (default: %(default)s)")
+    args = parser.parse_args()
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        complete = complete_checkpoints(args.checkpoints)
+        if not complete:
+            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
+        checkpoint = complete[-1]
+    try:
+        model_config = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["model"]
+    except (OSError, ValueError, KeyError) as error:
+        parser.exit(2, f"{checkpoint} is not a complete checkpoint ({error})\n")
+    # Names and shapes the weights must have: the model built on the meta device, which allocates nothing.
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in Transformer(ModelArgs(**model_config)).state_dict().items()}
+
+    args.output.mkdir(parents=True, exist_ok=True)
+    target = args.output / "model.safetensors"
+    partial = args.output / "model.safetensors.tmp"
+    source = checkpoint / "model.safetensors"
+    # The checkpoint already holds a safetensors file: check it against the model, then copy it.
+    with safe_open(source, framework="pt") as f:
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    check_names_and_shapes(found, expected, checkpoint)
+    shutil.copyfile(source, partial)
+    partial.replace(target)
+    (args.output / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
+    print(f"exported {checkpoint} -> {target} ({len(expected)} tensors) + {args.output / 'config.json'}")
+
+
+def check_names_and_shapes(found: dict[str, tuple], expected: dict[str, tuple], checkpoint: Path) -> None:
+    if found != expected:
+        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        reshaped = sorted(name for name in found.keys() & expected.keys() if found[name] != expected[name])
+        sys.exit(
+            f"{checkpoint} does not match the model in its checkpoint.json: missing {missing}, "
+            f"unexpected {unexpected}, different shapes {reshaped}"
+        )
+
+
+if __name__ == "__main__":
+    main()

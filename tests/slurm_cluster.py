@@ -1,0 +1,112 @@
+"""A real one-node SLURM cluster on localhost (munged + slurmctld + slurmd), for the launcher tests.
+
+Needs root, as on these machines; Debian's `slurm-wlm` and `munge` are installed on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SLURM_CONF = """\
+ClusterName=fsdp2gen-test
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _install_slurm() -> None:
+    tools = ("slurmctld", "slurmd", "sbatch", "munged")
+    if all(shutil.which(tool) for tool in tools):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], env=env, check=True, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"], env=env, check=True, capture_output=True)
+    if missing := [tool for tool in tools if shutil.which(tool) is None]:
+        raise RuntimeError(f"{', '.join(missing)} still missing after apt-get install slurm-wlm munge")
+
+
+def _munge_works() -> bool:
+    encoded = subprocess.run(["munge", "-n"], capture_output=True)
+    return (
+        encoded.returncode == 0
+        and subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True).returncode == 0
+    )
+
+
+def _start_munged() -> None:
+    for folder in ("/run/munge", "/var/log/munge", "/var/lib/munge"):
+        os.makedirs(folder, exist_ok=True)
+        shutil.chown(folder, "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+
+
+def _stop(pid_file: Path) -> None:
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+@contextmanager
+def local_slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict[str, str]]:
+    """Start the daemons under `root`; yield the environment that points sbatch at them; stop them."""
+    _install_slurm()
+    for folder in ("state", "spool"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    conf = root / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(root=root, cpus=cpus, ctld_port=free_port(), slurmd_port=free_port()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    started_munged = False
+    if not _munge_works():
+        _start_munged()
+        started_munged = True
+    try:
+        subprocess.run(["slurmctld", "-f", str(conf), "-L", str(root / "slurmctld.log")], env=env, check=True)
+        subprocess.run(
+            ["slurmd", "-f", str(conf), "-N", "localhost", "-L", str(root / "slurmd.log")], env=env, check=True
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+            if state.strip() == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"SLURM node never became idle; see {root}/slurmctld.log and slurmd.log")
+        yield env
+    finally:
+        _stop(root / "slurmd.pid")
+        _stop(root / "slurmctld.pid")
+        if started_munged:
+            subprocess.run(["pkill", "-x", "munged"])

@@ -1,0 +1,87 @@
+"""The generated launchers, for real: two torchrun "nodes" on 127.0.0.1, and sbatch on a local SLURM cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import generate, torchrun_env
+from tests.slurm_cluster import free_port, local_slurm_cluster
+
+TINY = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64",
+    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
+    "--training.lr", "1e-2", "--job.log_every", "1",
+]  # fmt: skip
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_node_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "1", "--fp32")
+    reference = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
+         "--job.output_dir", str(tmp_path / "one")],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            ["scripts/run_multinode.sh", *TINY, "--training.steps", "4", "--job.output_dir", str(tmp_path / "two")],
+            cwd=project,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **torchrun_env(),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "NODE_RANK": str(rank),
+                "NPROC": "1",
+                "DEVICE": "cpu",
+                "RDZV_ID": f"test-{port}",
+            },
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory):
+    with local_slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+def sbatch(project: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
+    # The test cluster has 2 CPUs and no GPUs: command-line options override the script's #SBATCH lines.
+    options = ["--wait", "--gpus-per-node=0", "--cpus-per-task=2", "--export=ALL,DEVICE=cpu,NPROC=2,OMP_NUM_THREADS=1"]
+    command = ["sbatch", *options, "scripts/slurm.sbatch", *TINY, *overrides]
+    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--launcher", "slurm", "--gpus", "2", "--fp32")
+    first = sbatch(project, slurm, "--training.steps", "3")
+    logs = {p.name: p.read_text() for p in (project / "logs").iterdir() if p.name != ".gitignore"}
+    assert first.returncode == 0, (first.stdout, first.stderr, logs)
+    assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3]
+    job_id = first.stdout.split()[-1]
+    assert "step      3 | loss" in logs[f"run-{job_id}.out"]
+    # A requeued or resubmitted job continues from the newest checkpoint.
+    second = sbatch(project, slurm, "--training.steps", "5")
+    assert second.returncode == 0, second.stderr
+    assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3, 4, 5]
+    job_id = second.stdout.split()[-1]
+    assert "resumed from outputs/checkpoints/step-3 at step 3" in (project / "logs" / f"run-{job_id}.out").read_text()
