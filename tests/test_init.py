@@ -17,8 +17,8 @@ def test_init_in_small_blocks_equals_eager_on_uneven_shards(tmp_path: Path, npro
     model = project / "model.py"
     # 1000 values per block: every parameter spans several blocks, and 3 ranks split 130 rows unevenly.
     source = model.read_text()
-    assert "INIT_BLOCK_ELEMENTS = 1 << 22\n" in source
-    model.write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 22\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
+    assert "INIT_BLOCK_ELEMENTS = 1 << 20\n" in source
+    model.write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 20\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          "tests/check_init.py", "--job.device", "cpu", "--model.vocab_size", "130", "--model.dim", "64",

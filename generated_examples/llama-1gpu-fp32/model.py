@@ -171,7 +171,7 @@ class Transformer(nn.Module):
 
 
 # Row blocks of this many values at most are drawn at a time during initialisation.
-INIT_BLOCK_ELEMENTS = 1 << 22
+INIT_BLOCK_ELEMENTS = 1 << 20
 
 
 def _fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor]) -> None:
