@@ -396,6 +396,18 @@ def unreadable(path: Path, exc: BaseException) -> str:
     )
 
 
+# Dense fp32 peak FLOP/s (no TF32) of known GPUs, for the MFU estimate; matched against the device name.
+PEAK_FLOPS = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40S": 91.6e12, "A10": 31.2e12, "V100": 15.7e12}
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """The device's peak from PEAK_FLOPS, or None (CPU, unknown GPU): then no MFU is reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
+
+
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -437,6 +449,9 @@ def main() -> None:
         )
     samples = ShuffledEpochs(dataset, training.seed)
     tokens_per_step = training.global_batch_size * training.seq_len
+    # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
+    peak_flops = peak_flops_per_device(device)
+    flops_per_token = config.model.flops_per_token(training.seq_len)
     metrics_file = None
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -457,6 +472,7 @@ def main() -> None:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_step / elapsed,
+                "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
                 "peak_mem_mib": peak_memory_mib(device),
             }
             metrics_file.write(json.dumps(record) + "\n")
