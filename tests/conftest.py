@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,20 @@ def generate(dest: Path, *options: str) -> Path:
 def tree(root: Path) -> dict[str, bytes]:
     """Relative path -> content, for every file under `root`."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# A model that trains in a second per step on 2 CPU ranks, for the tests that run generated projects.
+TINY = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64",
+    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
+    "--training.lr", "1e-2", "--job.log_every", "1",
+]  # fmt: skip
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    """The records of `output_dir/metrics.jsonl`, one per step."""
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def torchrun_env() -> dict[str, str]:

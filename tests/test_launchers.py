@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import generate, torchrun_env
+from tests.conftest import TINY, generate, metrics, torchrun_env
 from tests.slurm_cluster import free_port, local_slurm_cluster
-
-TINY = [
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64",
-    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
-    "--training.lr", "1e-2", "--job.log_every", "1",
-]  # fmt: skip
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_two_node_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:

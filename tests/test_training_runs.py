@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -10,18 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import torchrun_env
-
-TINY = [
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64",
-    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
-    "--training.lr", "1e-2", "--job.log_every", "1",
-]  # fmt: skip
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.conftest import TINY, metrics, torchrun_env
 
 
 def test_run_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
