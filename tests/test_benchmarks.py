@@ -60,3 +60,17 @@ def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
     assert re.search(eager, out, flags=re.M), out
     # A template without a compile option says so; one with it reports a second run.
     assert re.search(r"^compile: (not available in this template version|[\d,]+ tokens/s/GPU)", out, flags=re.M), out
+
+
+def test_checkpoint_benchmark_runs_and_reports_the_ratio() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/checkpoint.py", "--tiny")
+    assert re.search(r"^world size 2 \(gloo, CPU, 1 thread\(s\) per rank\), [\d.]+M parameters", out, flags=re.M), out
+    for style in ("dcp", "dcp-async", "full"):
+        row = rf"^{style} +[\d,]+\.\d MB +\d+\.\d{{3}} s +\d+\.\d{{3}} s +\d+\.\d{{3}} s$"
+        assert re.search(row, out, flags=re.M), out
+    ratio = r"^dcp-async blocked / dcp save = \d+\.\d{4}: (meets|MISSES) the 0\.10 target$"
+    assert re.search(ratio, out, flags=re.M), out
+    overlap = r"^train step while an async save is written: \d+\.\d{3} s \(without: \d+\.\d{3} s\)$"
+    assert re.search(overlap, out, flags=re.M), out
+    first = r"^first save of the run \(warm-up, blocked time\): dcp [\d.]+ s, dcp-async [\d.]+ s, full [\d.]+ s$"
+    assert re.search(first, out, flags=re.M), out
