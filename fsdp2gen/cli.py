@@ -60,12 +60,16 @@ def _choices_enum(question: Question) -> type[enum.StrEnum]:
 
 
 QUESTIONS = questions()
-# Asked (or defaulted) by `new`; project_name is not asked: copier derives it from DEST's folder name.
+# Answered by `new` (prompted for when missing on a terminal); project_name is not asked: copier derives
+# it from DEST's folder name.
 ASKED = [name for name in QUESTIONS if name != "project_name"]
+# The rest are performance options whose defaults suit most runs: never prompted for, only flags.
+PROMPTED = ["family", "gpus", "nodes", "precision", "checkpoint", "launcher"]
 Family = _choices_enum(QUESTIONS["family"])
 Precision = _choices_enum(QUESTIONS["precision"])
 Checkpoint = _choices_enum(QUESTIONS["checkpoint"])
 Launcher = _choices_enum(QUESTIONS["launcher"])
+ActivationCheckpointing = _choices_enum(QUESTIONS["activation_checkpointing"])
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -103,6 +107,14 @@ NodesOption = Annotated[int | None, typer.Option(help=_help("nodes"))]
 PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision"))]
 CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
 LauncherOption = Annotated[Launcher | None, typer.Option(help=_help("launcher"))]
+ReshardOption = Annotated[str | None, typer.Option(help=_help("reshard_after_forward"), show_default=False)]
+ActivationCheckpointingOption = Annotated[
+    ActivationCheckpointing | None, typer.Option(help=_help("activation_checkpointing"))
+]
+CompileOption = Annotated[bool | None, typer.Option("--compile/--no-compile", help=_help("compile"))]
+CpuOffloadOption = Annotated[bool | None, typer.Option("--cpu-offload/--no-cpu-offload", help=_help("cpu_offload"))]
+PrefetchOption = Annotated[bool | None, typer.Option("--prefetch/--no-prefetch", help=_help("prefetch"))]
+TensorboardOption = Annotated[bool | None, typer.Option("--tensorboard/--no-tensorboard", help=_help("tensorboard"))]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object (the result, or the error).")]
 
 
@@ -130,6 +142,12 @@ def new(
     fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
+    reshard_after_forward: ReshardOption = None,
+    activation_checkpointing: ActivationCheckpointingOption = None,
+    compile_blocks: CompileOption = None,
+    cpu_offload: CpuOffloadOption = None,
+    prefetch: PrefetchOption = None,
+    tensorboard: TensorboardOption = None,
     project_name: Annotated[str | None, typer.Option(help="Project name [default: DEST's folder name]")] = None,
     answers_file: Annotated[
         Path | None,
@@ -159,7 +177,18 @@ def new(
         precision = Precision(shortcuts[0])
 
     answers = _given_answers(
-        family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint, launcher=launcher
+        family=family,
+        gpus=gpus,
+        nodes=nodes,
+        precision=precision,
+        checkpoint=checkpoint,
+        launcher=launcher,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile_blocks,
+        cpu_offload=cpu_offload,
+        prefetch=prefetch,
+        tensorboard=tensorboard,
     )
     if project_name is not None:
         answers.update(_given_answers(project_name=project_name))
@@ -173,14 +202,15 @@ def new(
     missing = [name for name in ASKED if name not in answers]
     if interactive is None:
         interactive = _stdin_is_terminal()
-    if missing and not yes and interactive and not as_json:
-        for name in missing:
+    if interactive and not yes and not as_json:
+        for name in [name for name in missing if name in PROMPTED]:
             answers[name] = _ask(QUESTIONS[name], answers)
-        missing = []
+            missing.remove(name)
+    unasked = [name for name in missing if name in PROMPTED]
     for name in missing:
         answers[name] = QUESTIONS[name].default
-    if missing and not yes and not as_json:
-        used = ", ".join(f"{name}={answers[name]}" for name in missing)
+    if unasked and not yes and not as_json:
+        used = ", ".join(f"{name}={answers[name]}" for name in unasked)
         typer.echo(
             f"fsdp2gen: stdin is not a terminal; using defaults {used} (pass --yes to accept silently)", err=True
         )
@@ -281,6 +311,12 @@ def update(
     precision: PrecisionOption = None,
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
+    reshard_after_forward: ReshardOption = None,
+    activation_checkpointing: ActivationCheckpointingOption = None,
+    compile_blocks: CompileOption = None,
+    cpu_offload: CpuOffloadOption = None,
+    prefetch: PrefetchOption = None,
+    tensorboard: TensorboardOption = None,
     conflict: Annotated[
         Conflict, typer.Option(help="How to show conflicts: inline markers or .rej files, as copier does.")
     ] = Conflict.inline,
@@ -293,7 +329,18 @@ def update(
     from fsdp2gen.update import UpdateError, update_project
 
     answers = _given_answers(
-        family=family, gpus=gpus, nodes=nodes, precision=precision, checkpoint=checkpoint, launcher=launcher
+        family=family,
+        gpus=gpus,
+        nodes=nodes,
+        precision=precision,
+        checkpoint=checkpoint,
+        launcher=launcher,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile_blocks,
+        cpu_offload=cpu_offload,
+        prefetch=prefetch,
+        tensorboard=tensorboard,
     )
     try:
         conflicts = update_project(path, answers, conflict=conflict.value, vcs_ref=vcs_ref)

@@ -57,7 +57,13 @@ class Question:
 
     def convert(self, raw: str) -> Any:
         """Parse a typed-in string as this question's type (raises ValueError)."""
-        return int(raw) if self.type == "int" else raw
+        if self.type == "int":
+            return int(raw)
+        if self.type == "bool":
+            if raw.lower() not in ("true", "false", "yes", "no", "y", "n"):
+                raise ValueError(f"{raw!r} is not yes or no")
+            return raw.lower() in ("true", "yes", "y")
+        return raw
 
     def error(self, value: Any, answers: dict[str, Any]) -> str | None:
         """The problem with `value` as an answer, or None if it is valid."""
@@ -65,6 +71,8 @@ class Question:
             return f"{value!r} is not one of {', '.join(self.choice_values)}"
         if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
             return f"{value!r} is not an integer"
+        if self.type == "bool" and not isinstance(value, bool):
+            return f"{value!r} is not true or false"
         if not self.validator:
             return None
         defaults = {q.name: q.default for q in questions().values() if "{{" not in str(q.default)}

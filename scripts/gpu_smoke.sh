@@ -35,9 +35,13 @@ failed=0
 for name in $EXAMPLES; do
   project="$WORK/$name"
   "$PYTHON" -m fsdp2gen new "$project" --answers-file "$REPO/generated_examples/$name/.copier-answers.yml" --yes >/dev/null
+  EXTRA=()
+  if [[ "$DEVICE" == cpu ]] && grep -q '^compile = true' "$project/config.toml"; then
+    EXTRA=(--parallel.compile false)  # compiling costs minutes on CPU; on GPUs the smoke run compiles
+  fi
   run() {  # run OUTPUT_DIR: train under torchrun with the smoke overrides
     (cd "$project" && OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-      train.py "${OVERRIDES[@]}" --job.output_dir "$1") >"$1.log" 2>&1
+      train.py "${OVERRIDES[@]}" "${EXTRA[@]}" --job.output_dir "$1") >"$1.log" 2>&1
   }
   if run "$WORK/$name-full" && rm -rf "$WORK/$name-resumed" && mkdir -p "$WORK/$name-resumed/checkpoints" \
      && cp -r "$WORK/$name-full/checkpoints/step-$HALF" "$WORK/$name-resumed/checkpoints/" \

@@ -77,3 +77,11 @@ def checkpoint_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
         style: generate(root / f"run-{style}", "--gpus", "2", "--precision", precision, "--checkpoint", style)
         for style, precision in styles.items()
     }
+
+
+def run_own_tests(project: Path, *paths: str) -> str:
+    """Run a generated project's own pytest suite (or `paths` of it); fail with its output unless it passes."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout

@@ -18,9 +18,13 @@ def test_json_report_matches_the_files_on_disk(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["answers"] == {
         "project_name": "run", "family": "llama", "gpus": 2, "nodes": 1, "precision": "fp32", "checkpoint": "dcp",
-        "launcher": "torchrun",
+        "launcher": "torchrun", "reshard_after_forward": "true", "activation_checkpointing": "none", "compile": False,
+        "cpu_offload": False, "prefetch": False, "tensorboard": False,
     }  # fmt: skip
-    assert report["defaults_used"] == ["family", "nodes", "checkpoint", "launcher"]
+    assert report["defaults_used"] == [
+        "family", "nodes", "checkpoint", "launcher", "reshard_after_forward", "activation_checkpointing", "compile",
+        "cpu_offload", "prefetch", "tensorboard",
+    ]  # fmt: skip
     assert report["dry_run"] is False and report["dest"] == str(tmp_path / "run")
     assert report["files"] == sorted(tree(tmp_path / "run"))
     assert report["next"][0] == {"command": f"cd {tmp_path / 'run'}", "why": ""}
@@ -121,5 +125,5 @@ def test_agents_md_states_the_invariants(tmp_path: Path) -> None:
                   "checkpoint_load"):  # fmt: skip
         assert f"`{block}`" in bf16
     assert "set_requires_gradient_sync(False)" in bf16 and "never `model.forward(x)`" in bf16
-    assert "reduce_dtype=torch.float32" in bf16
-    assert "MixedPrecisionPolicy" not in (tmp_path / "fp32" / "AGENTS.md").read_text()
+    assert '`parallel.reduce_dtype = "float32"`' in bf16
+    assert "reduce_dtype" not in (tmp_path / "fp32" / "AGENTS.md").read_text()

@@ -95,7 +95,10 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
         "dist.init_process_group(",
     ),
     "FSDP008": ([(TO_EMPTY, TO_EMPTY + "    model.load_state_dict(torch.load('m.pt'))\n")], "torch.load("),
-    "FSDP009": ([("reduce_dtype=torch.float32)", "reduce_dtype=torch.bfloat16)")], "MixedPrecisionPolicy("),
+    "FSDP009": (
+        [("reduce_dtype=getattr(torch, parallel.reduce_dtype))", "reduce_dtype=torch.bfloat16)")],
+        "MixedPrecisionPolicy(",
+    ),
     "FSDP010": ([(BARRIER, "    dist.destroy_process_group()")], "dist.destroy_process_group()"),
 }
 

@@ -33,14 +33,22 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     result = fsdp2gen(
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
+        "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile", "--cpu-offload",
+        "--no-prefetch", "--tensorboard",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing was missing, so no defaults were announced
     answers = answers_of(tmp_path / "run")
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
-        "checkpoint": "dcp", "launcher": "slurm",
+        "checkpoint": "dcp", "launcher": "slurm", "reshard_after_forward": "4", "activation_checkpointing": "full",
+        "compile": True, "cpu_offload": True, "prefetch": False, "tensorboard": True,
     }  # fmt: skip
+    config = (tmp_path / "run" / "config.toml").read_text()
+    for line in ("reshard_after_forward = 4", "activation_checkpoint_every = 1", "compile = true",
+                 "cpu_offload = true", "tensorboard = true"):  # fmt: skip
+        assert re.search(rf"^{line}\b", config, flags=re.M), line
+    assert "prefetch_blocks" not in config
     assert answers["_commit"] == f"v{__version__}"
     assert answers["_src_path"].startswith("https://")
 
@@ -76,7 +84,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     files = tree(dest)
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
-        "launcher=torchrun) "
+        "launcher=torchrun, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
+        "cpu_offload=False, prefetch=False, tensorboard=False) "
         f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
@@ -129,7 +138,14 @@ BAD_INPUT = [
     (["--checkpoint", "async"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
     (["--bf16", "--fp32"], "fsdp2gen: error: conflicting precision options --bf16 --fp32; give only one"),
     (["--fp16", "--precision", "bf16"], "fsdp2gen: error: conflicting precision options --fp16 --precision bf16"),
-]
+    (["--reshard-after-forward", "yes"],
+     "fsdp2gen: error: --reshard-after-forward: must be true, false or a positive integer, e.g. "
+     "--reshard-after-forward 8\n"),
+    (["--gpus", "8", "--reshard-after-forward", "3"],
+     "fsdp2gen: error: --reshard-after-forward: 3 must divide the 8 GPUs and be at least 2; use true, false or a "
+     "divisor such as --reshard-after-forward 8\n"),
+    (["--activation-checkpointing", "some"], "fsdp2gen: error: Invalid value for '--activation-checkpointing': "),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("options,message", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else None)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, generate, torchrun_env
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -14,10 +16,10 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
         "--training.global_batch_size", "4", "--job.device", "cpu"]  # fmt: skip
 
 
-def probe(project: Path, mode: str, out: Path) -> list[dict]:
+def probe(project: Path, mode: str, out: Path, *overrides: str) -> list[dict]:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "precision_probe.py"), mode, *TINY],
+         str(REPO / "tests" / "precision_probe.py"), mode, *TINY, *overrides],
         cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project), "PROBE_OUT": str(out)},
         capture_output=True, text=True,
     )  # fmt: skip
@@ -25,13 +27,18 @@ def probe(project: Path, mode: str, out: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def test_bf16_parameters_are_bf16_inside_forward_and_fp32_outside(tmp_path: Path) -> None:
-    reports = probe(generate(tmp_path / "run", "--gpus", "2", "--bf16"), "bf16", tmp_path)
+@pytest.mark.parametrize("output_dtype,logits", [("float32", "torch.float32"), ("compute", "torch.bfloat16")])
+def test_bf16_parameters_are_bf16_inside_forward_and_fp32_outside(
+    tmp_path: Path, output_dtype: str, logits: str
+) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2", "--bf16")
+    reports = probe(project, "bf16", tmp_path, "--parallel.output_dtype", output_dtype)
     assert len(reports) == 2
     for report in reports:
         assert report["inside_forward"] == "torch.bfloat16"
         assert report["master"] == "torch.float32"
-        assert report["logits"] == "torch.bfloat16"
+        # parallel.output_dtype: the root's MixedPrecisionPolicy casts the logits (or leaves them in bf16).
+        assert report["logits"] == logits
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:

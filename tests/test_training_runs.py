@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, metrics, torchrun_env
+from tests.conftest import TINY, metrics, run_own_tests, torchrun_env
 
 
 def test_run_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
@@ -46,13 +46,6 @@ def test_two_ranks_equal_one_plain_process_in_fp32(projects: dict[str, Path], tm
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
         assert a["lr"] == b["lr"]
-
-
-def run_own_tests(project: Path, *paths: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:]
-    return result.stdout
 
 
 @pytest.mark.parametrize("precision,paths,count", [

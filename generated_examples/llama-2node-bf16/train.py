@@ -5,12 +5,13 @@ Launch one process per GPU with torchrun (`scripts/run_local.sh` does this):
     torchrun --nproc-per-node 8 train.py --config config.toml --training.steps 100
 
 `python train.py` alone runs a single process, which is handy for debugging.
-The six blocks below run in this order in `main()`; their order is what makes
+The six blocks below run in this order in `train()`; their order is what makes
 FSDP2 correct, so keep it when you edit them.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -76,23 +78,57 @@ def init_distributed(job: JobConfig) -> tuple[torch.device, DeviceMesh]:
 # fsdp2gen: block build_model_meta
 def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> Transformer:
     """Build on the meta device, shard bottom-up, then allocate and initialise only local shards."""
+    parallel = config.parallel
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = Transformer(config.model)
-    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those)
-    # and reduce-scatter gradients in fp32: summing many ranks' bf16 gradients loses precision.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Wrap blocks before sharding them, so that FSDP's hooks sit outside the wrappers: parameters are
+    # gathered before a block is recomputed or runs compiled code. The wrappers add a prefix to parameter
+    # names that get_state_dict/get_model_state_dict remove, so checkpoints load with or without them.
+    for index, block in enumerate(model.layers):
+        if parallel.activation_checkpoint_every and index % parallel.activation_checkpoint_every == 0:
+            # Keep only the block's input; recompute its activations in backward (non-reentrant, the
+            # variant that works with FSDP2's hooks).
+            block = checkpoint_wrapper(block)
+        if parallel.compile:
+            # One graph per block, reused by every block of the same shape (compiled once, not n_layers times).
+            block = torch.compile(block)
+        model.layers[index] = block
+    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
+    # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
+    # rounds small contributions away.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+    reshard = parallel.reshard_after_forward
+    if not isinstance(reshard, bool) and mesh.size() % reshard:
+        if reshard < mesh.size():
+            raise SystemExit(
+                f"parallel.reshard_after_forward = {reshard} must divide the world size {mesh.size()}; "
+                "use true, false or a divisor (e.g. the GPUs per node)"
+            )
+        # Groups at least as large as the world (e.g. a run on fewer GPUs than configured): reshard fully.
+        reshard = True
     # Shard each transformer block first, then the root (embeddings, final norm, output).
     # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
     for block in model.layers:
         fully_shard(
             block,
             mesh=mesh,
-            reshard_after_forward=config.parallel.reshard_after_forward,
+            reshard_after_forward=reshard,
             mp_policy=mp_policy,
         )
     # The root keeps its parameters after forward (its default): backward needs them right away.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    # Its output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the
+    # compute dtype, halving the logits' memory).
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=torch.float32 if parallel.output_dtype == "float32" else None,
+    )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=root_policy,
+    )
     # Allocate this rank's shards on the device. Their content is garbage until init_weights
     # fills every parameter and buffer (including the non-persistent rotary tables).
     model.to_empty(device=device)
@@ -109,6 +145,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    on_gpu = device.type == "cuda"
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -116,8 +153,8 @@ def build_optimizer(
         [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=training.lr,
         betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-        foreach=device.type != "cuda",
+        fused=on_gpu,
+        foreach=not on_gpu,
     )
 
     def warmup_cosine(step: int) -> float:
@@ -421,8 +458,20 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def main() -> None:
     config = parse_args()
-    training = config.training
     device, mesh = init_distributed(config.job)
+    train(config, device, mesh)
+    # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
+    # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
+    # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
+    gc.collect()
+    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
+    """Build, resume, and train to training.steps, checkpointing on the way."""
+    training = config.training
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if training.global_batch_size % (world_size * training.grad_accum_steps):
         raise SystemExit(
@@ -495,9 +544,6 @@ def main() -> None:
 
     if metrics_file is not None:
         metrics_file.close()
-    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

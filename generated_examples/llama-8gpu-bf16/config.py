@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import sys
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "outputs"
     log_every: int = 10
+    tensorboard: bool = True
 
 
 @dataclass
@@ -47,7 +49,24 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    reshard_after_forward: bool = True
+    # true, false, or the size of the groups that keep parameters sharded between forward and backward.
+    reshard_after_forward: bool | int = True
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    output_dtype: Literal["float32", "compute"] = "float32"
+    activation_checkpoint_every: int = 2
+    compile: bool = True
+    prefetch_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool) and self.reshard_after_forward < 1:
+            raise ValueError(
+                f"parallel.reshard_after_forward must be true, false or >= 1, not {self.reshard_after_forward}"
+            )
+        if self.activation_checkpoint_every < 0:
+            every = self.activation_checkpoint_every
+            raise ValueError(f"parallel.activation_checkpoint_every must be 0 (off) or more, got {every}")
+        if self.prefetch_blocks < 0:
+            raise ValueError(f"parallel.prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
 
 
 @dataclass
@@ -85,6 +104,14 @@ def _field_types(section_cls: type) -> dict[str, typing.Any]:
 
 def _convert(value: object, expected: typing.Any, key: str) -> object:
     """Check (TOML values) or parse (command-line strings) `value` as the type declared for `key`."""
+    if isinstance(expected, types.UnionType):  # e.g. bool | int: the first type that accepts the value
+        for option in typing.get_args(expected):
+            try:
+                return _convert(value, option, key)
+            except ConfigError:
+                pass
+        names = " or ".join(option.__name__ for option in typing.get_args(expected))
+        raise ConfigError(f"{key} must be {names}, got {value!r}")
     if typing.get_origin(expected) is Literal:
         choices = typing.get_args(expected)
         if value not in choices:

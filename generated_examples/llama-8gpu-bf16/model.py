@@ -140,7 +140,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter and buffer, sharded or not, identically for any world size.
 
         Each parameter's values are drawn from one generator seeded with `seed`, in a
@@ -148,6 +148,7 @@ class Transformer(nn.Module):
         columns of its own shard. (Random ops on a sharded DTensor would instead give
         every rank the *same* local values, so a 4-rank model would differ from a
         1-rank one.) Extra memory is one block of at most INIT_BLOCK_ELEMENTS values.
+        The rotary tables go to `buffer_device` (default: where the parameters are).
         """
         device = self.output.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -160,14 +161,15 @@ class Transformer(nn.Module):
                 _fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
             else:
                 _fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
-        self._init_rope(device)
+        self._init_rope(buffer_device or device)
 
     def _init_rope(self, device: torch.device) -> None:
         head_dim = self.args.dim // self.args.n_heads
         inv_freq = 1.0 / self.args.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
         angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), inv_freq)
-        self.rope_cos.copy_(angles.cos())
-        self.rope_sin.copy_(angles.sin())
+        # Assigning to a registered buffer replaces it (still non-persistent), on `device`.
+        self.rope_cos = angles.cos()
+        self.rope_sin = angles.sin()
 
 
 # Row blocks of this many values at most are drawn at a time during initialisation.

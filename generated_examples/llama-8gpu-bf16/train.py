@@ -5,12 +5,13 @@ Launch one process per GPU with torchrun (`scripts/run_local.sh` does this):
     torchrun --nproc-per-node 8 train.py --config config.toml --training.steps 100
 
 `python train.py` alone runs a single process, which is handy for debugging.
-The six blocks below run in this order in `main()`; their order is what makes
+The six blocks below run in this order in `train()`; their order is what makes
 FSDP2 correct, so keep it when you edit them.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -20,13 +21,14 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -37,6 +39,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from config import Config, JobConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
 from model import Transformer
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 # fsdp2gen: block init_distributed
@@ -76,23 +81,64 @@ def init_distributed(job: JobConfig) -> tuple[torch.device, DeviceMesh]:
 # fsdp2gen: block build_model_meta
 def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> Transformer:
     """Build on the meta device, shard bottom-up, then allocate and initialise only local shards."""
+    parallel = config.parallel
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = Transformer(config.model)
-    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those)
-    # and reduce-scatter gradients in fp32: summing many ranks' bf16 gradients loses precision.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Wrap blocks before sharding them, so that FSDP's hooks sit outside the wrappers: parameters are
+    # gathered before a block is recomputed or runs compiled code. The wrappers add a prefix to parameter
+    # names that get_state_dict/get_model_state_dict remove, so checkpoints load with or without them.
+    for index, block in enumerate(model.layers):
+        if parallel.activation_checkpoint_every and index % parallel.activation_checkpoint_every == 0:
+            # Keep only the block's input; recompute its activations in backward (non-reentrant, the
+            # variant that works with FSDP2's hooks).
+            block = checkpoint_wrapper(block)
+        if parallel.compile:
+            # One graph per block, reused by every block of the same shape (compiled once, not n_layers times).
+            block = torch.compile(block)
+        model.layers[index] = block
+    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
+    # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
+    # rounds small contributions away.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+    reshard = parallel.reshard_after_forward
+    if not isinstance(reshard, bool) and mesh.size() % reshard:
+        if reshard < mesh.size():
+            raise SystemExit(
+                f"parallel.reshard_after_forward = {reshard} must divide the world size {mesh.size()}; "
+                "use true, false or a divisor (e.g. the GPUs per node)"
+            )
+        # Groups at least as large as the world (e.g. a run on fewer GPUs than configured): reshard fully.
+        reshard = True
     # Shard each transformer block first, then the root (embeddings, final norm, output).
     # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
     for block in model.layers:
         fully_shard(
             block,
             mesh=mesh,
-            reshard_after_forward=config.parallel.reshard_after_forward,
+            reshard_after_forward=reshard,
             mp_policy=mp_policy,
         )
     # The root keeps its parameters after forward (its default): backward needs them right away.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    # Its output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the
+    # compute dtype, halving the logits' memory).
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=torch.float32 if parallel.output_dtype == "float32" else None,
+    )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=root_policy,
+    )
+    if parallel.prefetch_blocks:
+        # FSDP2 already prefetches one block ahead implicitly; explicit prefetching issues the next
+        # blocks' all-gathers earlier, so they overlap more compute (and hold more gathered blocks).
+        blocks = list(model.layers)
+        for index, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + parallel.prefetch_blocks])
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - parallel.prefetch_blocks) : index][::-1])
     # Allocate this rank's shards on the device. Their content is garbage until init_weights
     # fills every parameter and buffer (including the non-persistent rotary tables).
     model.to_empty(device=device)
@@ -109,6 +155,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    on_gpu = device.type == "cuda"
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -116,8 +163,8 @@ def build_optimizer(
         [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=training.lr,
         betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-        foreach=device.type != "cuda",
+        fused=on_gpu,
+        foreach=not on_gpu,
     )
 
     def warmup_cosine(step: int) -> float:
@@ -419,10 +466,35 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
+    """Rank 0's TensorBoard writer (None on the other ranks). Every rank checks that tensorboard, an
+    optional dependency, is installed, so that all stop together if it is not."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise SystemExit(
+            "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
+            "or run with --job.tensorboard false"
+        ) from None
+    return SummaryWriter(output_dir / "tensorboard") if dist.get_rank() == 0 else None
+
+
 def main() -> None:
     config = parse_args()
-    training = config.training
     device, mesh = init_distributed(config.job)
+    train(config, device, mesh)
+    # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
+    # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
+    # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
+    gc.collect()
+    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
+    """Build, resume, and train to training.steps, checkpointing on the way."""
+    training = config.training
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if training.global_batch_size % (world_size * training.grad_accum_steps):
         raise SystemExit(
@@ -460,6 +532,7 @@ def main() -> None:
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(output_dir / "metrics.jsonl", "a")
+    tensorboard = open_tensorboard(output_dir) if config.job.tensorboard else None
 
     model.train()
     for step in range(state.step, training.steps):
@@ -481,6 +554,10 @@ def main() -> None:
             }
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            if tensorboard is not None:
+                for name, value in record.items():
+                    if name != "step" and value is not None:
+                        tensorboard.add_scalar(f"train/{name}", value, state.step)
             if state.step % config.job.log_every == 0 or state.step == training.steps:
                 print(
                     f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
@@ -495,9 +572,8 @@ def main() -> None:
 
     if metrics_file is not None:
         metrics_file.close()
-    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
-    dist.barrier()
-    dist.destroy_process_group()
+    if tensorboard is not None:
+        tensorboard.close()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runs import NPROC, PROJECT, launch, train
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
@@ -40,6 +42,48 @@ def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
     result = launch("tests/check_init.py", tmp_path)
     assert "MISMATCH" not in result.stdout
     assert result.stdout.count("tensors equal") == NPROC
+
+
+# Each option trades memory for speed or the reverse; none may change the numbers.
+OPTIONS_OFF = [
+    "--parallel.activation_checkpoint_every", "0",
+    "--parallel.reshard_after_forward", "true",
+]  # fmt: skip
+OPTION_STEPS = ["--training.steps", "4", "--model.n_layers", "4"]
+
+
+@pytest.fixture(scope="module")
+def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return train(tmp_path_factory.mktemp("without_options"), *OPTION_STEPS, *OPTIONS_OFF)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ("activation_checkpoint_every", "1"),
+        ("activation_checkpoint_every", "2"),
+        ("reshard_after_forward", "false"),
+        ("reshard_after_forward", "8"),
+    ],
+    ids="-".join,
+)
+def test_option_changes_memory_or_speed_not_numbers(
+    tmp_path: Path, without_options: list[dict], option: tuple[str, str]
+) -> None:
+    key, value = option
+    with_option = train(tmp_path, *OPTION_STEPS, *OPTIONS_OFF, f"--parallel.{key}", value)
+    for a, b in zip(without_options, with_option, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
+    # Slow on CPU (each process compiles the block for ~20 s), so the other tests run eagerly.
+    steps = ["--training.steps", "2"]
+    eager = train(tmp_path / "eager", *steps, "--parallel.compile", "false")
+    compiled = train(tmp_path / "compiled", *steps, "--parallel.compile", "true")
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
 
 
 def test_unknown_config_key_is_rejected() -> None:

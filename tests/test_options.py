@@ -1,0 +1,100 @@
+"""Training options, proven numerically on CPU ranks with real torchrun processes.
+
+- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; 2 ranks x 4 accumulated micro-batches)
+  equal plain single-process PyTorch (tests/reference_loop.py, no FSDP) step by step and in their final
+  parameters, with clipping active on every step.
+- A project generated with every memory/speed option passes its own tests, which check that each option
+  (activation checkpointing full and selective, CPU offload, explicit prefetch, no resharding) leaves the
+  numbers unchanged, that compiled blocks match eager, and that TensorBoard gets the metrics.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun_env
+
+STEPS = 10
+# max_norm far below the gradient norms (~1): every step is clipped, so clipping must be right everywhere.
+RUN = [*TINY, "--training.steps", str(STEPS), "--training.max_norm", "1e-3", "--job.device", "cpu"]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+    out = tmp_path_factory.mktemp("reference")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "reference_loop.py"), str(out), *RUN],
+        cwd=projects["fp32"], env={**torchrun_env(), "PYTHONPATH": str(projects["fp32"])},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return metrics(out), torch.load(out / "final.pt")
+
+
+def final_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of the run's final (model-only) DCP checkpoint, as full tensors in this process."""
+    dcp_to_torch_save(output_dir / "checkpoints" / f"step-{STEPS}", output_dir / "final.pt")
+    return torch.load(output_dir / "final.pt")["train"]["model"]
+
+
+@pytest.mark.parametrize(
+    "nproc,options",
+    [
+        (2, []),
+        # An int reshard_after_forward keeps parameters sharded over groups of 2 between forward and backward.
+        (4, ["--parallel.reshard_after_forward", "2"]),
+        # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8.
+        (2, ["--training.grad_accum_steps", "4"]),
+    ],
+    ids=["2-ranks", "4-ranks-reshard-2", "2-ranks-accumulate-4"],
+)
+def test_sharded_run_equals_plain_pytorch(
+    projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+         *RUN, *options, "--checkpoint.model_only_final", "true", "--job.output_dir", str(tmp_path)],
+        cwd=projects["fp32"], env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected_metrics, expected_params = reference
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for ours, plain in zip(records, expected_metrics, strict=True):
+        assert abs(ours["loss"] - plain["loss"]) <= TOLERANCE, (ours, plain)
+        # The norm before clipping, over the full gradients: the sharded norm reduced across ranks.
+        assert abs(ours["grad_norm"] - plain["grad_norm"]) <= TOLERANCE * plain["grad_norm"], (ours, plain)
+        assert plain["grad_norm"] > 100 * 1e-3  # so clipping really happened
+    params = final_parameters(tmp_path)
+    assert params.keys() == expected_params.keys()
+    for name, tensor in expected_params.items():
+        assert (params[name] - tensor).abs().max().item() <= TOLERANCE, name
+
+
+ALL_OPTIONS = [
+    "--gpus", "2", "--fp32", "--activation-checkpointing", "selective", "--compile", "--cpu-offload", "--prefetch",
+    "--tensorboard", "--reshard-after-forward", "false",
+]  # fmt: skip
+
+
+def test_project_with_every_option_passes_its_own_training_tests(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run-options", *ALL_OPTIONS)
+    stdout = run_own_tests(project, "-vv", "tests/test_training.py")  # -q -vv: one line per test
+    # 4 base tests; 5 options equal to the run without them (activation checkpointing of every block and of
+    # every 2nd block, CPU offload, prefetch of 2 blocks, no resharding); compiled == eager; TensorBoard.
+    assert re.search(r" 11 passed in ", stdout), stdout[-2000:]
+    for test in ("option_changes_memory_or_speed_not_numbers[activation_checkpoint_every-1]",
+                 "option_changes_memory_or_speed_not_numbers[activation_checkpoint_every-2]",
+                 "option_changes_memory_or_speed_not_numbers[cpu_offload-true]",
+                 "option_changes_memory_or_speed_not_numbers[prefetch_blocks-2]",
+                 "option_changes_memory_or_speed_not_numbers[reshard_after_forward-false]",
+                 "compiled_blocks_match_eager", "tensorboard_logs_the_metrics"):  # fmt: skip
+        assert f"tests/test_training.py::test_{test} PASSED" in stdout, stdout[-2000:]
