@@ -104,7 +104,7 @@ def worker(project: Path, shape: dict[str, int], out: Path) -> None:
         return parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *overrides(model_shape)])
 
     config = config_for(shape)
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     # A throw-away build of a tiny model first, so that the code pages and one-off allocations that any build
     # touches (kernels, DTensor dispatch caches, gloo buffers) are in the baseline, not charged to the model.
     build_model_meta(config_for(WARM_UP), mesh, device)

@@ -90,7 +90,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     base = trains[STYLES[0]]
     config = configs[STYLES[0]]
     training = config.training
-    device, mesh = base.init_distributed(config.job)
+    device, mesh = base.init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # One model and optimizer, saved and loaded by each style in turn (build and step code do not depend on
     # the checkpoint style).

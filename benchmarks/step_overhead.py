@@ -53,7 +53,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
 
     config = parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *overrides])
     training = config.training
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     generated = build_model_meta(config, mesh, device)

@@ -36,7 +36,7 @@ def main() -> None:
 
     config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, _ = build_optimizer(model, training, device)

@@ -19,7 +19,7 @@ from data import ShuffledEpochs, SyntheticTokens, micro_batches
 from train import build_model_meta, build_optimizer, init_distributed, train_step
 
 config = parse_args(sys.argv[2:])
-device, mesh = init_distributed(config.job)
+device, mesh = init_distributed(config)
 rank = dist.get_rank()
 model = build_model_meta(config, mesh, device)
 optimizer, scheduler = build_optimizer(model, config.training, device)

@@ -12,8 +12,10 @@ from tests.conftest import TINY, generate, metrics, torchrun_env
 from tests.slurm_cluster import free_port, local_slurm_cluster
 
 
-def test_two_node_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
-    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "1", "--fp32")
+def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
+    # 2 "nodes" x 2 ranks; a 2-node project defaults to HSDP: sharded within a node, replicated across nodes.
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--fp32")
+    assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
     reference = subprocess.run(
         [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
          "--job.output_dir", str(tmp_path / "one")],
@@ -33,7 +35,7 @@ def test_two_node_launch_on_localhost_equals_one_process(tmp_path: Path) -> None
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "NODE_RANK": str(rank),
-                "NPROC": "1",
+                "NPROC": "2",
                 "DEVICE": "cpu",
                 "RDZV_ID": f"test-{port}",
             },
@@ -42,6 +44,7 @@ def test_two_node_launch_on_localhost_equals_one_process(tmp_path: Path) -> None
     ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert '"world_size": 4' in next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text()
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
 

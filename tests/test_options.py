@@ -1,6 +1,6 @@
 """Training options, proven numerically on CPU ranks with real torchrun processes.
 
-- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; 2 ranks x 4 accumulated micro-batches)
+- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; HSDP 2 x 2; 2 ranks x 4 accumulated micro-batches)
   equal plain single-process PyTorch (tests/reference_loop.py, no FSDP) step by step and in their final
   parameters, with clipping active on every step.
 - A project generated with every memory/speed option passes its own tests, which check that each option
@@ -51,10 +51,12 @@ def final_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
         (2, []),
         # An int reshard_after_forward keeps parameters sharded over groups of 2 between forward and backward.
         (4, ["--parallel.reshard_after_forward", "2"]),
+        # HSDP: 2 replicas, each sharded over 2 ranks.
+        (4, ["--parallel.dp_replicate", "2"]),
         # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8.
         (2, ["--training.grad_accum_steps", "4"]),
     ],
-    ids=["2-ranks", "4-ranks-reshard-2", "2-ranks-accumulate-4"],
+    ids=["2-ranks", "4-ranks-reshard-2", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4"],
 )
 def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]

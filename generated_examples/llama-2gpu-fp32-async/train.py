@@ -36,14 +36,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from config import Config, JobConfig, TrainingConfig, parse_args
+from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
 from model import Transformer
 
 
 # fsdp2gen: block init_distributed
-def init_distributed(job: JobConfig) -> tuple[torch.device, DeviceMesh]:
-    """Join the process group torchrun set up and pin this process to its own device."""
+def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group torchrun set up, pin this process to its own device, and lay out the mesh."""
+    job = config.job
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if job.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
@@ -71,8 +72,31 @@ def init_distributed(job: JobConfig) -> tuple[torch.device, DeviceMesh]:
     else:
         # Started without torchrun: a group of one, no rendezvous needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    return device, mesh
+    return device, data_parallel_mesh(config.parallel, device)
+
+
+def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh (FSDP: every rank holds 1/N of the model), or with dp_replicate > 1 a 2-D one (HSDP).
+
+    HSDP shards within groups of dp_shard ranks (typically one node, over its fast links) and replicates
+    across the dp_replicate groups: parameters are all-gathered inside a node only, and gradients are
+    reduce-scattered in the node, then all-reduced across nodes. Rank r is in replica r // dp_shard.
+    """
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        # A single process (`python train.py`, for debugging) has nothing to replicate or shard.
+        return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    replicate = parallel.dp_replicate
+    shard = world_size // replicate if parallel.dp_shard == -1 else parallel.dp_shard
+    if replicate * shard != world_size:
+        raise SystemExit(
+            f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} does not match the "
+            f"world size {world_size}; set --parallel.dp_replicate to a divisor of {world_size} "
+            "(dp_shard = -1 takes the rest)"
+        )
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 # fsdp2gen: block build_model_meta
@@ -462,7 +486,7 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def main() -> None:
     config = parse_args()
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     train(config, device, mesh)
     # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
     # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is

@@ -49,6 +49,9 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
+    # HSDP: shard over groups of dp_shard ranks, replicate across dp_replicate groups (-1: the rest).
+    dp_replicate: int = 1
+    dp_shard: int = -1
     # true, false, or the size of the groups that keep parameters sharded between forward and backward.
     reshard_after_forward: bool | int = True
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -58,6 +61,10 @@ class ParallelConfig:
     prefetch_blocks: int = 1
 
     def __post_init__(self) -> None:
+        if self.dp_replicate < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError(
+                f"parallel.dp_replicate must be >= 1 and dp_shard >= 1 or -1, not {self.dp_replicate}, {self.dp_shard}"
+            )
         if not isinstance(self.reshard_after_forward, bool) and self.reshard_after_forward < 1:
             raise ValueError(
                 f"parallel.reshard_after_forward must be true, false or >= 1, not {self.reshard_after_forward}"

@@ -36,7 +36,7 @@ def slow_down_the_disk() -> None:
 def main() -> None:
     config = parse_args(sys.argv[1:])
     training = config.training
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, training, device)

@@ -13,7 +13,7 @@ from train import TrainState, build_model_meta, build_optimizer, checkpoint_load
 
 def main() -> None:
     config = parse_args(sys.argv[1:])
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, config.training, device)
     state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device)

@@ -18,7 +18,7 @@ from train import build_model_meta, init_distributed
 
 def main() -> None:
     config = parse_args(sys.argv[1:])
-    device, mesh = init_distributed(config.job)
+    device, mesh = init_distributed(config)
     sharded = build_model_meta(config, mesh, device)
     gathered = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
