@@ -107,6 +107,7 @@ NodesOption = Annotated[int | None, typer.Option(help=_help("nodes"))]
 PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision"))]
 CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
 LauncherOption = Annotated[Launcher | None, typer.Option(help=_help("launcher"))]
+TpOption = Annotated[int | None, typer.Option("--tp", help=_help("tp"))]
 ReshardOption = Annotated[str | None, typer.Option(help=_help("reshard_after_forward"), show_default=False)]
 ActivationCheckpointingOption = Annotated[
     ActivationCheckpointing | None, typer.Option(help=_help("activation_checkpointing"))
@@ -142,6 +143,7 @@ def new(
     fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
+    tp: TpOption = None,
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
@@ -183,6 +185,7 @@ def new(
         precision=precision,
         checkpoint=checkpoint,
         launcher=launcher,
+        tp=tp,
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,
@@ -311,6 +314,7 @@ def update(
     precision: PrecisionOption = None,
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
+    tp: TpOption = None,
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
@@ -335,6 +339,7 @@ def update(
         precision=precision,
         checkpoint=checkpoint,
         launcher=launcher,
+        tp=tp,
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,

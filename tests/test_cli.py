@@ -33,7 +33,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     result = fsdp2gen(
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
-        "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile", "--cpu-offload",
+        "--tp", "2", "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile", "--cpu-offload",
         "--no-prefetch", "--tensorboard",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -41,8 +41,9 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     answers = answers_of(tmp_path / "run")
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
-        "checkpoint": "dcp", "launcher": "slurm", "reshard_after_forward": "4", "activation_checkpointing": "full",
-        "compile": True, "cpu_offload": True, "prefetch": False, "tensorboard": True,
+        "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "reshard_after_forward": "4",
+        "activation_checkpointing": "full", "compile": True, "cpu_offload": True, "prefetch": False,
+        "tensorboard": True,
     }  # fmt: skip
     config = (tmp_path / "run" / "config.toml").read_text()
     for line in ("reshard_after_forward = 4", "activation_checkpoint_every = 1", "compile = true",
@@ -84,7 +85,7 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     files = tree(dest)
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
-        "launcher=torchrun, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
+        "launcher=torchrun, tp=1, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
         "cpu_offload=False, prefetch=False, tensorboard=False) "
         f"with {len(files)} files:"
     )
@@ -145,6 +146,9 @@ BAD_INPUT = [
      "fsdp2gen: error: --reshard-after-forward: 3 must divide the 8 GPUs and be at least 2; use true, false or a "
      "divisor such as --reshard-after-forward 8\n"),
     (["--activation-checkpointing", "some"], "fsdp2gen: error: Invalid value for '--activation-checkpointing': "),
+    (["--gpus", "6", "--tp", "4"],
+     "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 2\n"),
+    (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
 ]  # fmt: skip
 
 

@@ -16,8 +16,9 @@ import yaml
 from tests.conftest import REPO, generate, tree
 
 EXAMPLES = REPO / "generated_examples"
-# The performance options at their defaults, for goldens that leave them so.
+# The parallelism and performance options at their defaults, for goldens that leave them so.
 DEFAULT_OPTIONS = {
+    "tp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
     "compile": False,
@@ -50,13 +51,14 @@ GOLDENS = {
         "prefetch": True,
         "tensorboard": True,
     },
+    # HSDP (replicated across the 2 nodes, sharded within each), launched by SLURM.
     "llama-2node-bf16": {
         "family": "llama",
         "gpus": 8,
         "nodes": 2,
         "precision": "bf16",
         "checkpoint": "dcp",
-        "launcher": "torchrun",
+        "launcher": "slurm",
         **DEFAULT_OPTIONS,
         # Between forward and backward, parameters stay sharded over one node: backward gathers within the node.
         "reshard_after_forward": "8",
@@ -71,6 +73,16 @@ GOLDENS = {
         "checkpoint": "dcp-async",
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
+    },
+    "llama-8gpu-bf16-tp2": {
+        "family": "llama",
+        "gpus": 8,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "tp": 2,
     },
     "llama-4gpu-bf16-full": {
         "family": "llama",

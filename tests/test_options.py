@@ -1,8 +1,8 @@
 """Training options, proven numerically on CPU ranks with real torchrun processes.
 
-- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; HSDP 2 x 2; 2 ranks x 4 accumulated micro-batches)
-  equal plain single-process PyTorch (tests/reference_loop.py, no FSDP) step by step and in their final
-  parameters, with clipping active on every step.
+- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4
+  accumulated micro-batches) equal plain single-process PyTorch (tests/reference_loop.py, no FSDP) step by
+  step and in their final parameters, with clipping active on every step.
 - A project generated with every memory/speed option passes its own tests, which check that each option
   (activation checkpointing full and selective, CPU offload, explicit prefetch, no resharding) leaves the
   numbers unchanged, that compiled blocks match eager, and that TensorBoard gets the metrics.
@@ -45,6 +45,11 @@ def final_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(output_dir / "final.pt")["train"]["model"]
 
 
+@pytest.fixture(scope="module")
+def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("tp") / "run-tp", "--gpus", "4", "--fp32", "--tp", "2")
+
+
 @pytest.mark.parametrize(
     "nproc,options",
     [
@@ -61,10 +66,24 @@ def final_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
 def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
 ) -> None:
+    assert_run_equals_reference(projects["fp32"], reference, tmp_path, nproc, options)
+
+
+def test_tensor_parallel_run_equals_plain_pytorch(
+    tp_project: Path, reference: tuple[list[dict], dict], tmp_path: Path
+) -> None:
+    # 4 ranks: tp 2 (block linears split, norms of grads combined across meshes for clipping) x FSDP 2.
+    assert "tp = 2\n" in (tp_project / "config.toml").read_text()
+    assert_run_equals_reference(tp_project, reference, tmp_path, 4, [])
+
+
+def assert_run_equals_reference(
+    project: Path, reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
+) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
          *RUN, *options, "--checkpoint.model_only_final", "true", "--job.output_dir", str(tmp_path)],
-        cwd=projects["fp32"], env=torchrun_env(), capture_output=True, text=True,
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     expected_metrics, expected_params = reference
