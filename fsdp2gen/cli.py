@@ -292,6 +292,9 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if answers["launcher"] == "slurm":
         commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))
+    if answers["launcher"] == "ray":
+        workers = answers["gpus"] * answers["nodes"]
+        commands.append((f"python ray_train.py --workers {workers}", "on the Ray cluster in RAY_ADDRESS"))
     if answers["nodes"] > 1:
         commands.append(
             ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/run_multinode.sh", "on each node")

@@ -1,4 +1,5 @@
-"""The generated launchers, for real: two torchrun "nodes" on 127.0.0.1, and sbatch on a local SLURM cluster."""
+"""The generated launchers, for real: two torchrun "nodes" on 127.0.0.1, Ray Train workers, and sbatch on a local
+SLURM cluster."""
 
 from __future__ import annotations
 
@@ -47,6 +48,28 @@ def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) ->
     assert '"world_size": 4' in next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text()
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+
+
+def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--launcher", "ray", "--gpus", "2", "--fp32")
+    steps = [*TINY, "--training.steps", "3"]
+    reference = subprocess.run(
+        [sys.executable, "train.py", *steps, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one")],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own.
+    env = {key: value for key, value in torchrun_env().items() if key != "RAY_ADDRESS"}
+    ray = subprocess.run(
+        [sys.executable, "ray_train.py", "--workers", "2", "--cpu", *steps, "--job.output_dir", "outputs-ray"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ray.returncode == 0, ray.stdout[-3000:] + ray.stderr[-3000:]
+    records = metrics(project / "outputs-ray")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for a, b in zip(metrics(tmp_path / "one"), records, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+    assert (project / "outputs-ray" / "checkpoints" / "step-3" / "checkpoint.json").is_file()
 
 
 @pytest.fixture(scope="module")
