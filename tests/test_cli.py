@@ -106,7 +106,7 @@ def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
         "Number of nodes",
         "Training precision (bf16 and fp16 keep fp32 master weights and fp32 gradient reduction) (fp32, bf16, fp16)",
         "Checkpoint style (dcp, dcp-async, full)",
-        "How jobs are launched (torchrun scripts are always included) (torchrun, slurm)",
+        "How jobs are launched (torchrun scripts are always included) (torchrun, slurm, ray)",
     ]
     assert "Error: must be at least 1, e.g. --nodes 2" in result.output
     answers = answers_of(tmp_path / "run")
