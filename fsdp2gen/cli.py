@@ -287,8 +287,8 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
     commands = [
         (f"cd {shlex.quote(str(dest))}", ""),
         ("pip install -e '.[test]'", ""),
-        ("NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20", "2 CPU processes, gloo"),
-        ("scripts/run_local.sh", f"{answers['gpus']} GPU(s) with nccl"),
+        ("NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.steps 20", "2 CPU processes, gloo"),
+        ("scripts/launch_local.sh", f"{answers['gpus']} GPU(s) with nccl"),
     ]
     if answers["launcher"] == "slurm":
         commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))
@@ -297,7 +297,7 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
         commands.append((f"python ray_train.py --workers {workers}", "on the Ray cluster in RAY_ADDRESS"))
     if answers["nodes"] > 1:
         commands.append(
-            ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/run_multinode.sh", "on each node")
+            ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/launch_multinode.sh", "on each node")
         )
     commands.append(("pytest", "the project's own tests"))
     return commands

@@ -91,8 +91,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
     assert f"  cd {dest}" in lines
-    assert "  NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 20   # 2 CPU processes, gloo" in lines
-    assert any("scripts/run_multinode.sh" in line for line in lines[1 + len(files) :])
+    assert "  NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.steps 20   # 2 CPU processes, gloo" in lines
+    assert any("scripts/launch_multinode.sh" in line for line in lines[1 + len(files) :])
 
 
 def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:

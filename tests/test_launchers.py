@@ -26,7 +26,7 @@ def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) ->
     port = str(free_port())
     nodes = [
         subprocess.Popen(
-            ["scripts/run_multinode.sh", *TINY, "--training.steps", "4", "--job.output_dir", str(tmp_path / "two")],
+            ["scripts/launch_multinode.sh", *TINY, "--training.steps", "4", "--job.output_dir", str(tmp_path / "two")],
             cwd=project,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -80,12 +80,12 @@ def test_precision_renders_only_its_own_code(projects: dict[str, Path]) -> None:
 def test_nodes_and_gpus_shape_the_launchers(tmp_path: Path) -> None:
     one = generate(tmp_path / "one", "--gpus", "4", "--nodes", "1")
     two = generate(tmp_path / "two", "--gpus", "8", "--nodes", "2")
-    assert not (one / "scripts" / "run_multinode.sh").exists()
-    assert 'NPROC="${NPROC:-4}"' in (one / "scripts" / "run_local.sh").read_text()
-    multinode = (two / "scripts" / "run_multinode.sh").read_text()
+    assert not (one / "scripts" / "launch_multinode.sh").exists()
+    assert 'NPROC="${NPROC:-4}"' in (one / "scripts" / "launch_local.sh").read_text()
+    multinode = (two / "scripts" / "launch_multinode.sh").read_text()
     assert 'NNODES="${NNODES:-2}"' in multinode and 'NPROC="${NPROC:-8}"' in multinode
     assert "--rdzv-backend c10d" in multinode
-    for script in (one / "scripts" / "run_local.sh", two / "scripts" / "run_multinode.sh"):
+    for script in (one / "scripts" / "launch_local.sh", two / "scripts" / "launch_multinode.sh"):
         assert os.access(script, os.X_OK)
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
@@ -93,7 +93,7 @@ def test_nodes_and_gpus_shape_the_launchers(tmp_path: Path) -> None:
 def test_multinode_script_names_missing_variables(tmp_path: Path) -> None:
     project = generate(tmp_path / "two", "--nodes", "2")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
-    result = subprocess.run(["scripts/run_multinode.sh"], cwd=project, env=env, capture_output=True, text=True)
+    result = subprocess.run(["scripts/launch_multinode.sh"], cwd=project, env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "set MASTER_ADDR to the hostname or IP of node 0" in result.stderr
 

@@ -12,10 +12,10 @@ import pytest
 from tests.conftest import TINY, metrics, run_own_tests, torchrun_env
 
 
-def test_run_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
+def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
     project = projects["fp32"]
     result = subprocess.run(
-        ["scripts/run_local.sh", *TINY, "--training.steps", "5", "--data.synthetic_samples", "8",
+        ["scripts/launch_local.sh", *TINY, "--training.steps", "5", "--data.synthetic_samples", "8",
          "--job.output_dir", str(tmp_path)],
         cwd=project, env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu"}, capture_output=True, text=True,
     )  # fmt: skip

@@ -91,7 +91,7 @@ def test_generated_workflow_runs_the_tests_on_cpu_and_gpu(tmp_path: Path) -> Non
     cpu_runs = [step["run"] for step in jobs["cpu"]["steps"] if "run" in step]
     gpu_runs = [step["run"] for step in jobs["gpu"]["steps"] if "run" in step]
     assert "pytest -q" in cpu_runs and "python -m pytest -q" in gpu_runs
-    smoke = next(run for run in gpu_runs if "scripts/run_local.sh" in run)
+    smoke = next(run for run in gpu_runs if "scripts/launch_local.sh" in run)
     assert "--training.steps 20" in smoke and "losses[-1] < 0.9 * losses[0]" in smoke
     for run in cpu_runs + gpu_runs:
         assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0, run

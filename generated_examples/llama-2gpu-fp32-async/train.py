@@ -1,6 +1,6 @@
 """Train llama-2gpu-fp32-async with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
-Launch one process per GPU with torchrun (`scripts/run_local.sh` does this):
+Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
 
     torchrun --nproc-per-node 2 train.py --config config.toml --training.steps 100
 

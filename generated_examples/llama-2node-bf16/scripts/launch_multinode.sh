@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Train on {{ nodes }} nodes x {{ gpus }} GPUs. Run this same command on every node:
-#   MASTER_ADDR=<node 0 hostname> MASTER_PORT=29500 NODE_RANK=<0..{{ nodes - 1 }}> scripts/run_multinode.sh
+# Train on 2 nodes x 8 GPUs. Run this same command on every node:
+#   MASTER_ADDR=<node 0 hostname> MASTER_PORT=29500 NODE_RANK=<0..1> scripts/launch_multinode.sh
 # Extra arguments are config overrides (--section.key VALUE) passed to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 : "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of node 0}"
 : "${MASTER_PORT:?set MASTER_PORT to a free TCP port on node 0, e.g. 29500}"
-: "${NODE_RANK:?set NODE_RANK to the index of this node, 0 to {{ nodes - 1 }}}"
-NNODES="${NNODES:-{{ nodes }}}"
-NPROC="${NPROC:-{{ gpus }}}"
+: "${NODE_RANK:?set NODE_RANK to the index of this node, 0 to 1}"
+NNODES="${NNODES:-2}"
+NPROC="${NPROC:-8}"
 DEVICE="${DEVICE:-auto}"
 CONFIG="${CONFIG:-config.toml}"
 
 # c10d rendezvous: node 0 hosts the store; every node must reach MASTER_ADDR:MASTER_PORT.
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
-  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-{{ project_name }}}" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama-2node-bf16}" \
   train.py --config "$CONFIG" --job.device "$DEVICE" "$@"
