@@ -59,3 +59,21 @@ def test_fp16_metrics_count_skipped_steps(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     # The initial scale of 2**16 overflows nothing on this tiny model: no step skipped, scale unchanged.
     assert [(r["skipped_steps"], r["loss_scale"], r["mfu"]) for r in records] == [(0, 65536.0, None)] * 2
+
+
+def test_bf16_training_stays_within_2e_2_of_fp32(projects: dict[str, Path], tmp_path: Path) -> None:
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+             *TINY, "--training.steps", "10", "--training.global_batch_size", "8", "--training.lr", "1e-2",
+             "--job.output_dir", str(tmp_path / precision)],
+            cwd=projects[precision], env=torchrun_env(), capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        losses[precision] = [json.loads(line)["loss"] for line in (tmp_path / precision / "metrics.jsonl").open()]
+    assert len(losses["bf16"]) == 10
+    for fp32, bf16 in zip(losses["fp32"], losses["bf16"], strict=True):
+        assert abs(fp32 - bf16) <= 2e-2, (losses["fp32"], losses["bf16"])
+    # ...and not equal: bf16 really changed the arithmetic.
+    assert losses["fp32"] != losses["bf16"]
