@@ -62,9 +62,12 @@ def _choices_enum(question: Question) -> type[enum.StrEnum]:
 QUESTIONS = questions()
 # Answered by `new` (prompted for when missing on a terminal); project_name is not asked: copier derives
 # it from DEST's folder name.
-ASKED = [name for name in QUESTIONS if name != "project_name"]
+ASKED = [name for name in QUESTIONS if name != "project_name" and not QUESTIONS[name].when]
 # The rest are performance options whose defaults suit most runs: never prompted for, only flags.
 PROMPTED = ["family", "gpus", "nodes", "precision", "checkpoint", "launcher"]
+# Questions for one family (copier's `when:`): they take their default, or are prompted for when a terminal
+# is there and the default is not a valid answer (hf_model).
+FAMILY_QUESTIONS = [name for name in QUESTIONS if QUESTIONS[name].when]
 Family = _choices_enum(QUESTIONS["family"])
 Precision = _choices_enum(QUESTIONS["precision"])
 Checkpoint = _choices_enum(QUESTIONS["checkpoint"])
@@ -108,6 +111,10 @@ PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision
 CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
 LauncherOption = Annotated[Launcher | None, typer.Option(help=_help("launcher"))]
 TpOption = Annotated[int | None, typer.Option("--tp", help=_help("tp"))]
+HfModelOption = Annotated[str | None, typer.Option(help=QUESTIONS["hf_model"].help, show_default=False)]
+PretrainedOption = Annotated[
+    bool | None, typer.Option("--pretrained/--from-scratch", help=_help("pretrained"), show_default=False)
+]
 ReshardOption = Annotated[str | None, typer.Option(help=_help("reshard_after_forward"), show_default=False)]
 ActivationCheckpointingOption = Annotated[
     ActivationCheckpointing | None, typer.Option(help=_help("activation_checkpointing"))
@@ -144,6 +151,8 @@ def new(
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
     tp: TpOption = None,
+    hf_model: HfModelOption = None,
+    pretrained: PretrainedOption = None,
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
@@ -186,6 +195,8 @@ def new(
         checkpoint=checkpoint,
         launcher=launcher,
         tp=tp,
+        hf_model=hf_model,
+        pretrained=pretrained,
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,
@@ -212,6 +223,18 @@ def new(
     unasked = [name for name in missing if name in PROMPTED]
     for name in missing:
         answers[name] = QUESTIONS[name].default
+    for name in FAMILY_QUESTIONS:
+        question = QUESTIONS[name]
+        if name in answers or not question.applies(answers):
+            continue
+        if interactive and not yes and not as_json and question.error(question.default, answers):
+            answers[name] = _ask(question, answers)
+        else:
+            answers[name] = question.default
+            unasked.append(name)
+    # Every answer, defaults included, against the template's validators (e.g. --family hf needs --hf-model).
+    for name, problem in validate(answers).items():
+        fail(f"{QUESTIONS[name].flag}: {problem}")
     if unasked and not yes and not as_json:
         used = ", ".join(f"{name}={answers[name]}" for name in unasked)
         typer.echo(
@@ -318,6 +341,8 @@ def update(
     checkpoint: CheckpointOption = None,
     launcher: LauncherOption = None,
     tp: TpOption = None,
+    hf_model: HfModelOption = None,
+    pretrained: PretrainedOption = None,
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
@@ -343,6 +368,8 @@ def update(
         checkpoint=checkpoint,
         launcher=launcher,
         tp=tp,
+        hf_model=hf_model,
+        pretrained=pretrained,
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,

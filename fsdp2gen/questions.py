@@ -34,6 +34,7 @@ class Question:
     default: Any
     choices: tuple[tuple[str, str], ...] = ()  # (label, value)
     validator: str = ""
+    when: str = ""  # a Jinja condition on the other answers; empty: always asked
 
     @property
     def flag(self) -> str:
@@ -53,7 +54,14 @@ class Question:
             "default": self.default,
             "choices": self.choice_values,
             "choice_help": {value: label for label, value in self.choices},
+            "when": self.when or None,
         }
+
+    def applies(self, answers: dict[str, Any]) -> bool:
+        """Whether the question is asked given the other answers (copier's `when:`)."""
+        if not self.when:
+            return True
+        return _render(self.when, answers).lower() not in ("", "false", "0", "none")
 
     def convert(self, raw: str) -> Any:
         """Parse a typed-in string as this question's type (raises ValueError)."""
@@ -75,10 +83,13 @@ class Question:
             return f"{value!r} is not true or false"
         if not self.validator:
             return None
-        defaults = {q.name: q.default for q in questions().values() if "{{" not in str(q.default)}
-        context = {**defaults, **answers, self.name: value}
-        message = _jinja().from_string(self.validator).render(**context).strip()
-        return message or None
+        return _render(self.validator, {**answers, self.name: value}) or None
+
+
+def _render(template: str, answers: dict[str, Any]) -> str:
+    """`template` rendered with `answers` over the defaults, as copier renders validators and `when:`."""
+    defaults = {q.name: q.default for q in questions().values() if "{{" not in str(q.default)}
+    return _jinja().from_string(template).render({**defaults, **answers}).strip()
 
 
 @cache
@@ -105,6 +116,7 @@ def questions() -> dict[str, Question]:
             default=entry.get("default"),
             choices=tuple((str(label), str(value)) for label, value in choices.items()),
             validator=entry.get("validator", ""),
+            when=str(entry.get("when", "")),
         )
     return found
 

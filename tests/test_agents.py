@@ -75,8 +75,8 @@ def test_answers_file_supplies_answers_and_conflicts_are_errors(tmp_path: Path) 
 def test_answers_file_errors(tmp_path: Path) -> None:
     cases = {
         "gpus: 0\n": "gpus in {path}: must be at least 1, e.g. --gpus 8",
-        "colour: red\n": "colour in {path}: unknown question; known: project_name, family, gpus, nodes, precision, "
-        "checkpoint, launcher",
+        "colour: red\n": "colour in {path}: unknown question; known: project_name, family, hf_model, pretrained, gpus, "
+        "nodes, precision, checkpoint, launcher",
         "- gpus\n": "answers file {path} must be a mapping like 'gpus: 8', got list",
         "gpus: [\n": "answers file {path} is not valid YAML: ",
     }
@@ -115,6 +115,10 @@ def test_questions_json_is_copier_yml(tmp_path: Path) -> None:
         assert question["choices"] == list((entry.get("choices") or {}).values())
     text = fsdp2gen("questions").stdout
     assert "--precision STR (fp32, bf16, fp16) [default: bf16]" in text
+    # Questions for one family say when they apply.
+    assert [(q["name"], q["when"]) for q in described if q["when"]] == [
+        ("hf_model", "{{ family == 'hf' }}"), ("pretrained", "{{ family == 'hf' }}")
+    ]  # fmt: skip
 
 
 def test_agents_md_states_the_invariants(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     prompts = re.findall(r"^(.*?) \[.*?\]: ", result.output, flags=re.M)
     assert prompts == [
-        "Model family to train (llama)",
+        "Model family to train (llama, hf, custom)",
         "Number of nodes",
         "Number of nodes",
         "Training precision (bf16 and fp16 keep fp32 master weights and fp32 gradient reduction) (fp32, bf16, fp16)",
@@ -117,7 +117,7 @@ def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
 def test_prompt_rejects_a_non_integer_and_an_unknown_choice(tmp_path: Path) -> None:
     result = invoke("new", str(tmp_path / "run"), "--interactive", input="gpt\nllama\nabc\n4\n1\nbf16\ndcp\ntorchrun\n")
     assert result.exit_code == 0, result.output
-    assert "Error: 'gpt' is not one of llama" in result.output
+    assert "Error: 'gpt' is not one of llama, hf, custom" in result.output
     assert "Error: 'abc' is not a valid int" in result.output
     assert answers_of(tmp_path / "run")["gpus"] == 4
 
@@ -138,6 +138,27 @@ BAD_INPUT = [
     (["--checkpoint", "zip"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
     (["--checkpoint", "async"], "fsdp2gen: error: Invalid value for '--checkpoint': "),
     (["--bf16", "--fp32"], "fsdp2gen: error: conflicting precision options --bf16 --fp32; give only one"),
+    (
+        ["--family", "hf"],
+        "fsdp2gen: error: --hf-model: required with --family hf: a local folder with config.json "
+        "and *.safetensors, or a hub id, e.g. --hf-model meta-llama/Llama-3.2-1B",
+    ),
+    (
+        ["--family", "hf", "--hf-model", "/no/such/folder"],
+        "fsdp2gen: error: --hf-model: /no/such/folder is not a "
+        "folder with config.json; give a folder written by save_pretrained (config.json + *.safetensors) or a hub id",
+    ),
+    (
+        ["--family", "hf", "--hf-model", "not an id!"],
+        "fsdp2gen: error: --hf-model: not an id! is neither a folder "
+        "with config.json nor a hub id like meta-llama/Llama-3.2-1B",
+    ),
+    (["--hf-model", "gpt2"], "fsdp2gen: error: --hf-model: only applies to --family hf; drop it or add --family hf"),
+    (
+        ["--family", "llama", "--pretrained"],
+        "fsdp2gen: error: --pretrained: only applies to --family hf; drop it or add --family hf",
+    ),
+    (["--from-scratch"], "fsdp2gen: error: --pretrained: only applies to --family hf; drop it or add --family hf"),
     (["--fp16", "--precision", "bf16"], "fsdp2gen: error: conflicting precision options --fp16 --precision bf16"),
     (["--reshard-after-forward", "yes"],
      "fsdp2gen: error: --reshard-after-forward: must be true, false or a positive integer, e.g. "
@@ -205,3 +226,60 @@ def test_nested_destination_parents_are_created(tmp_path: Path) -> None:
     # The staging folder lived in the nearest existing ancestor and is gone.
     assert [p.name for p in tmp_path.iterdir()] == ["a"]
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["run"]
+
+
+def test_hf_model_folder_without_config_json_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
+    result = fsdp2gen("new", "run", "-y", "--family", "hf", "--hf-model", "weights", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "fsdp2gen: error: --hf-model: weights is not a folder with config.json; give a folder written by "
+        "save_pretrained (config.json + *.safetensors) or a hub id\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_hf_answers_and_config(tmp_path: Path) -> None:
+    # A hub id needs no folder at generation time; pretrained is the default, and announced.
+    result = fsdp2gen("new", str(tmp_path / "hub"), "--family", "hf", "--hf-model", "meta-llama/Llama-3.2-1B")
+    assert result.returncode == 0, result.stderr
+    assert "using defaults gpus=8, nodes=1, precision=bf16, checkpoint=dcp, launcher=torchrun, pretrained=True" in (
+        result.stderr
+    )
+    answers = answers_of(tmp_path / "hub")
+    assert (answers["family"], answers["hf_model"], answers["pretrained"]) == ("hf", "meta-llama/Llama-3.2-1B", True)
+    config = (tmp_path / "hub" / "config.toml").read_text()
+    assert 'path = "meta-llama/Llama-3.2-1B"\npretrained = true ' in config
+    # A local folder, given relative to the current directory, is written as an absolute path.
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
+    result = fsdp2gen("new", "local", "-y", "--family", "hf", "--hf-model", "models/tiny", "--from-scratch",
+                      cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert answers_of(tmp_path / "local")["hf_model"] == "models/tiny"
+    config = (tmp_path / "local" / "config.toml").read_text()
+    assert f'path = "{tmp_path / "models" / "tiny"}"\npretrained = false ' in config
+    # transformers is a dependency of hf projects only.
+    assert '"transformers>=' in (tmp_path / "local" / "pyproject.toml").read_text()
+    assert fsdp2gen("new", str(tmp_path / "llama"), "-y").returncode == 0
+    assert "transformers" not in (tmp_path / "llama" / "pyproject.toml").read_text()
+    assert "hf_model" not in answers_of(tmp_path / "llama") and "pretrained" not in answers_of(tmp_path / "llama")
+
+
+def test_prompts_ask_for_the_hf_model_of_family_hf(tmp_path: Path) -> None:
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    # An empty answer is refused and asked again; pretrained is not asked (its default is used).
+    result = invoke("new", str(tmp_path / "run"), "--family", "hf", "--gpus", "2", "--nodes", "1", "--fp32",
+                    "--checkpoint", "dcp", "--launcher", "torchrun", "--interactive",
+                    input=f"\n{tmp_path / 'tiny'}\n")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    prompts = re.findall(r"^(.*?) \[.*?\]: ", result.output, flags=re.M)
+    assert prompts == [QUESTION_HF_MODEL, QUESTION_HF_MODEL]
+    assert "Error: required with --family hf" in result.output
+    answers = answers_of(tmp_path / "run")
+    assert (answers["hf_model"], answers["pretrained"]) == (str(tmp_path / "tiny"), True)
+
+
+QUESTION_HF_MODEL = "Hugging Face model: a local folder with config.json and *.safetensors, or a hub id (family hf)"

@@ -481,6 +481,9 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         )
 
     model = build_model_meta(config, mesh, device)
+    if rank == 0:
+        # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     optimizer, scheduler = build_optimizer(model, training, device)
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device)
 

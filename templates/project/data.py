@@ -34,11 +34,16 @@ class SyntheticTokens:
         return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
 
 
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """uint16 token ids (nanoGPT format) while they fit, uint32 for larger vocabularies."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
 class TokenFile:
-    """Non-overlapping windows of a flat binary file of uint16 token ids (nanoGPT format), memory-mapped."""
+    """Non-overlapping windows of a flat binary file of token ids (`token_dtype`), memory-mapped."""
 
     def __init__(self, path: str | Path, seq_len: int, vocab_size: int) -> None:
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
