@@ -1,0 +1,147 @@
+"""Family hf: tiny Llama-, Qwen2- and GPT-2-style models (untied and tied embeddings), made here by transformers
+and saved with save_pretrained, loaded sharded on 2 gloo ranks by a generated project, trained and exported.
+
+No network: every model is a local folder written by the test.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import generate, metrics, torchrun_env
+
+# hidden 64, 2 layers: each model is a few hundred KB.
+SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+TEXT = "the cat sat on the mat\nthe dog sat on the log\n" * 40
+TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "2",
+         "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> model folder. Dropout off: runs on different numbers of ranks must be comparable exactly."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    root = tmp_path_factory.mktemp("hf-models")
+    gqa = {"intermediate_size": 128, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    configs = {
+        "llama-untied": LlamaConfig(**SIZES, **gqa, tie_word_embeddings=False),
+        "qwen2-tied": Qwen2Config(**{**SIZES, "vocab_size": 320}, **gqa, tie_word_embeddings=True),
+        "gpt2-tied": GPT2Config(**SIZES, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                bos_token_id=0, eos_token_id=0),  # fmt: skip
+    }
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        folders[name] = root / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    # A byte-level BPE tokenizer (about 280 tokens) saved with the Qwen2 model, as a hub model has one.
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([TEXT], vocab_size=280, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tokenizer.save_pretrained(folders["qwen2-tied"])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("hf") / "run", "--family", "hf", "--hf-model", str(models["qwen2-tied"]),
+                    "--gpus", "2", "--fp32")  # fmt: skip
+
+
+def torchrun(project: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    env = {**torchrun_env(), "PYTHONPATH": str(project)}  # tests/ scripts import the project's modules
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_sharded_pretrained_models_equal_from_pretrained(project: Path, models: dict[str, Path]) -> None:
+    # One launch, every model: logits vs the plain from_pretrained model, every weight and buffer bit for bit,
+    # then GPT-2 from scratch (its scaled residual projections are the init transformers skips under FSDP2
+    # unless train.py's init says otherwise).
+    result = torchrun(project, "tests/check_pretrained.py", *map(str, models.values()), "--job.device", "cpu")
+    print(result.stdout)
+    assert "MISMATCH" not in result.stdout
+    found = re.findall(r"rank (\d): (\S+): logits max \|diff\| (\S+);", result.stdout)
+    assert sorted((rank, Path(folder).name) for rank, folder, _ in found) == sorted(
+        (rank, name) for rank in "01" for name in models
+    )
+    assert max(float(diff) for _, _, diff in found) <= 1e-5
+    assert "from scratch: " in result.stdout
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-tied", "gpt2-tied"])
+def test_five_steps_then_export_loads_with_from_pretrained(
+    project: Path, models: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    overrides = ["--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(tmp_path)]
+    if name == "qwen2-tied":
+        # Real text through the model's tokenizer: scripts/prepare_data.py writes the token file.
+        (tmp_path / "text.txt").write_text(TEXT)
+        prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
+                                   str(tmp_path / "tokens.bin")], cwd=project, capture_output=True, text=True)  # fmt: skip
+        assert prepared.returncode == 0, prepared.stderr
+        tokenizer = AutoTokenizer.from_pretrained(models[name])
+        expected = [*tokenizer(TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        assert np.fromfile(tmp_path / "tokens.bin", dtype=np.uint16).tolist() == expected
+        assert tokenizer.decode(expected[:-1]) == TEXT
+        overrides += ["--data.path", str(tmp_path / "tokens.bin")]
+    torchrun(project, "train.py", *TRAIN, *overrides)
+    losses = [record["loss"] for record in metrics(tmp_path)]
+    assert len(losses) == 5 and losses[-1] < losses[0], losses
+
+    exported = tmp_path / "exported"
+    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
+                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}, info  # no missing or unexpected weights
+    tied = name.endswith("-tied")
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    # The exported weights are the trained ones (not the pretrained ones), bit for bit.
+    dcp_to_torch_save(tmp_path / "checkpoints" / "step-5", tmp_path / "step-5.pt")
+    trained = torch.load(tmp_path / "step-5.pt", weights_only=True)["train"]["model"]
+    pretrained = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    assert any(not torch.equal(value, pretrained[key]) for key, value in model.state_dict().items())
+    if name == "qwen2-tied":
+        assert (exported / "tokenizer.json").is_file()
+
+
+def test_generated_hf_projects_own_tests_pass(project: Path) -> None:
+    # Its tests make a tiny model (and a ~117 MB one to measure memory) of the configured architecture.
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_training.py",
+         "tests/test_checkpoint.py", "-k", "not killed_rank and not fewer_ranks and not corrupt"],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert re.search(r"^7 passed, 3 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    growth = re.findall(r"rank 1: .*build_model_meta peak \+(\S+) MiB, full model (\S+) MiB", result.stdout)
+    assert len(growth) == 1 and float(growth[0][0]) < float(growth[0][1]), growth
+
+
+def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", *TRAIN, "--parallel.shard_modules", "Qwen2Layer", "--job.output_dir",
+         str(tmp_path)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("parallel.shard_modules: no module of class Qwen2Layer in the model; "), message
+    assert "Qwen2DecoderLayer" in message
