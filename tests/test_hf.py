@@ -35,8 +35,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     configs = {
         "llama-untied": LlamaConfig(**SIZES, **gqa, tie_word_embeddings=False),
         "qwen2-tied": Qwen2Config(**{**SIZES, "vocab_size": 320}, **gqa, tie_word_embeddings=True),
-        "gpt2-tied": GPT2Config(**SIZES, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                bos_token_id=0, eos_token_id=0),  # fmt: skip
+        "gpt2-tied": GPT2Config(
+            **SIZES, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+        ),  # fmt: skip
     }
     folders = {}
     for name, config in configs.items():
@@ -92,8 +93,14 @@ def test_five_steps_then_export_loads_with_from_pretrained(
     if name == "qwen2-tied":
         # Real text through the model's tokenizer: scripts/prepare_data.py writes the token file.
         (tmp_path / "text.txt").write_text(TEXT)
-        prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
-                                   str(tmp_path / "tokens.bin")], cwd=project, capture_output=True, text=True)  # fmt: skip
+        command = [
+            sys.executable,
+            "scripts/prepare_data.py",
+            str(tmp_path / "text.txt"),
+            "--output",
+            str(tmp_path / "tokens.bin"),
+        ]
+        prepared = subprocess.run(command, cwd=project, capture_output=True, text=True)
         assert prepared.returncode == 0, prepared.stderr
         tokenizer = AutoTokenizer.from_pretrained(models[name])
         expected = [*tokenizer(TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
