@@ -1,0 +1,88 @@
+"""Family custom: the user's own model in model.py, sharded by the class names in parallel.shard_modules."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import generate, metrics, torchrun_env
+
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
+        "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
+        "--training.warmup_steps", "2", "--training.lr", "1e-2", "--job.log_every", "1", "--job.device", "cpu",
+        "--data.synthetic_samples", "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("custom") / "run", "--family", "custom", "--gpus", "2", "--fp32")
+
+
+def test_custom_project_is_lint_clean_and_marks_the_user_model(project: Path) -> None:
+    for args in (["check"], ["format", "--check"]):
+        lint = subprocess.run([sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=project,
+                              capture_output=True, text=True)  # fmt: skip
+        assert lint.returncode == 0, lint.stdout
+    model = (project / "model.py").read_text()
+    assert "# ---- Your model: edit from here" in model and "# ---- Your model: end" in model
+    assert "def init_weights(self, seed: int)" in model
+    assert 'shard_modules = ["Block"]' in (project / "config.toml").read_text()
+    assert "transformers" not in (project / "pyproject.toml").read_text()
+
+
+def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) -> None:
+    edited = tmp_path / "edited"
+    subprocess.run(["cp", "-r", str(project), str(edited)], check=True)
+    # The user's own block: another name, SiLU instead of GELU, and a gate of its own.
+    model = (edited / "model.py").read_text()
+    for old, new in (
+        ("class Block(", "class GatedBlock("),
+        ("Block(args) for _", "GatedBlock(args) for _"),
+        ("self.mlp_norm = nn.LayerNorm(args.dim)\n",
+         "self.mlp_norm = nn.LayerNorm(args.dim)\n        self.gate = nn.Linear(args.dim, args.dim)\n"),
+        ("return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))",
+         "return x + torch.sigmoid(self.gate(x)) * self.mlp_out(F.silu(self.mlp_in(self.mlp_norm(x))))"),
+    ):  # fmt: skip
+        assert old in model, old
+        model = model.replace(old, new)
+    (edited / "model.py").write_text(model)
+    config = (edited / "config.toml").read_text().replace('shard_modules = ["Block"]', 'shard_modules = ["GatedBlock"]')
+    (edited / "config.toml").write_text(config)
+
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", *TINY,
+         "--training.steps", "6", "--job.output_dir", str(tmp_path / "out")],
+        cwd=edited, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [record["loss"] for record in metrics(tmp_path / "out")]
+    assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
+    # dim 64, 2 blocks with the gate, tied output: every parameter is counted once.
+    blocks = 2 * (
+        2 * 2 * 64 + 3 * 64 * 64 + 3 * 64 + 64 * 64 + 64 + 4 * 64 * 64 + 4 * 64 + 4 * 64 * 64 + 64 + 64 * 64 + 64
+    )
+    assert f"model: {128 * 64 + 64 * 64 + blocks + 2 * 64:,} parameters" in result.stdout
+
+    # A class name that matches no module stops before training, naming the classes there are.
+    wrong = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok", "--job.output_dir",
+         str(tmp_path / "wrong")], cwd=edited, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert wrong.returncode == 1
+    assert wrong.stderr.strip().splitlines()[-1] == (
+        "parallel.shard_modules: no module of class GatedBlok in the model; list the class(es) of its repeated "
+        "blocks (classes in the model: Embedding, GatedBlock, LayerNorm, Linear, Model)"
+    )
+    assert not (tmp_path / "wrong" / "metrics.jsonl").exists()
+
+
+def test_generated_custom_projects_own_training_tests_pass(project: Path) -> None:
+    # Loss falls, 2 ranks equal 1 process, meta init equals eager init, unknown keys refused.
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py"],
+                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert re.search(r"^4 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
