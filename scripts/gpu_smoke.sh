@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Smoke-test every project in generated_examples/ on this machine's GPUs (nccl), or on CPU (gloo):
 # render it fresh from its answers, train 20 steps on all visible GPUs, check that the loss falls,
-# that checkpoints were written, and that a run resumed from step 10 reproduces steps 11-20.
+# that checkpoints were written, and that a run resumed from step 10 reproduces steps 11-20. Family hf
+# examples train a random Llama saved (with transformers) into their model.path, so no download is needed.
 #
 #   scripts/gpu_smoke.sh                              # every example, all visible GPUs, nccl
 #   DEVICE=cpu NPROC=2 TINY=1 scripts/gpu_smoke.sh    # the same checks on 2 CPU processes (gloo), tiny model
@@ -26,22 +27,36 @@ trap 'rm -rf "$WORK"' EXIT
 # The same few samples every step (a repeated batch) so that "the loss falls" is a firm check.
 OVERRIDES=(--job.device "$DEVICE" --training.steps "$STEPS" --checkpoint.interval "$HALF"
            --training.global_batch_size 8 --data.synthetic_samples 8 --training.lr 1e-3 --training.warmup_steps 2)
-if [[ -n "${TINY:-}" ]]; then
-  OVERRIDES+=(--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 172
-              --model.vocab_size 128 --model.max_seq_len 64 --training.seq_len 32)
-fi
 
 failed=0
 for name in $EXAMPLES; do
   project="$WORK/$name"
   "$PYTHON" -m fsdp2gen new "$project" --answers-file "$REPO/generated_examples/$name/.copier-answers.yml" --yes >/dev/null
+  family="$(sed -n 's/^family: //p' "$project/.copier-answers.yml")"
+  MODEL=()
+  if [[ "$family" == hf ]]; then
+    # The example's model.path is a folder in the project (models/tiny-llama): a random Llama made here, offline.
+    if [[ -n "${TINY:-}" ]]; then sizes="hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=128"
+    else sizes="hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, vocab_size=32000"; fi
+    (cd "$project" && "$PYTHON" -c "import tomllib, transformers as t
+path = tomllib.load(open('config.toml', 'rb'))['model']['path']
+config = t.LlamaConfig($sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+t.AutoModelForCausalLM.from_config(config).save_pretrained(path)") >/dev/null 2>&1
+    [[ -n "${TINY:-}" ]] && MODEL=(--training.seq_len 32)
+  elif [[ -n "${TINY:-}" && "$family" == custom ]]; then
+    MODEL=(--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.vocab_size 128 --model.max_seq_len 64
+           --training.seq_len 32)
+  elif [[ -n "${TINY:-}" ]]; then
+    MODEL=(--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 172
+           --model.vocab_size 128 --model.max_seq_len 64 --training.seq_len 32)
+  fi
   EXTRA=()
   if [[ "$DEVICE" == cpu ]] && grep -q '^compile = true' "$project/config.toml"; then
     EXTRA=(--parallel.compile false)  # compiling costs minutes on CPU; on GPUs the smoke run compiles
   fi
   run() {  # run OUTPUT_DIR: train under torchrun with the smoke overrides
     (cd "$project" && OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-      train.py "${OVERRIDES[@]}" "${EXTRA[@]}" --job.output_dir "$1") >"$1.log" 2>&1
+      train.py "${OVERRIDES[@]}" "${MODEL[@]}" "${EXTRA[@]}" --job.output_dir "$1") >"$1.log" 2>&1
   }
   if run "$WORK/$name-full" && rm -rf "$WORK/$name-resumed" && mkdir -p "$WORK/$name-resumed/checkpoints" \
      && cp -r "$WORK/$name-full/checkpoints/step-$HALF" "$WORK/$name-resumed/checkpoints/" \

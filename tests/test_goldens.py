@@ -94,15 +94,40 @@ GOLDENS = {
         **DEFAULT_OPTIONS,
         "cpu_offload": True,
     },
+    # A folder relative to the project, which need not exist to generate (scripts/gpu_smoke.sh puts a tiny
+    # Llama there); a hub id would be kept as given too.
+    "hf-2gpu-bf16": {
+        "family": "hf",
+        "hf_model": "models/tiny-llama",
+        "pretrained": True,
+        "gpus": 2,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+    },
+    "custom-2gpu-fp32": {
+        "family": "custom",
+        "gpus": 2,
+        "nodes": 1,
+        "precision": "fp32",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+    },
 }
 
 
 def flags(answers: dict) -> list[str]:
-    """The `fsdp2gen new` options giving `answers` (True/False as --name/--no-name)."""
+    """The `fsdp2gen new` options giving `answers` (True/False as --name/--no-name; pretrained as
+    --pretrained/--from-scratch)."""
     found = []
     for name, value in answers.items():
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if name == "pretrained":
+            found.append("--pretrained" if value else "--from-scratch")
+        elif isinstance(value, bool):
             found.append(flag if value else "--no-" + flag[2:])
         else:
             found += [flag, str(value)]

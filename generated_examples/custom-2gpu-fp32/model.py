@@ -1,0 +1,138 @@
+"""Your model. train.py shards, trains and checkpoints whatever this file defines, as long as:
+
+- `Model(args)` builds it from `ModelArgs` (the [model] section of config.toml) without reading its
+  parameters: train.py builds it under `torch.device("meta")`, where nothing is allocated;
+- `model(tokens)` maps token ids (batch, seq) to logits (batch, seq, vocab_size);
+- `init_weights(seed)` fills every parameter and buffer: train.py calls it after `to_empty`, on the
+  sharded model, where the memory holds garbage until then;
+- the class names of its repeated blocks are listed in config.toml's `parallel.shard_modules`: each such
+  module becomes one FSDP unit, the rest of the model (embeddings, final norm, output) the root's.
+
+The default is a small GPT-style decoder so that everything runs as generated. Edit the part between the
+two `Your model` lines; keep ModelArgs.flops_per_token roughly right if you want MFU to mean something.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    max_seq_len: int = 512
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
+        matmul_params = self.n_layers * 12 * self.dim * self.dim + self.dim * self.vocab_size
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+
+# ---- Your model: edit from here ------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention, then an MLP. One FSDP unit each."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.attention_norm = nn.LayerNorm(args.dim)
+        self.qkv = nn.Linear(args.dim, 3 * args.dim)
+        self.attention_out = nn.Linear(args.dim, args.dim)
+        self.mlp_norm = nn.LayerNorm(args.dim)
+        self.mlp_in = nn.Linear(args.dim, 4 * args.dim)
+        self.mlp_out = nn.Linear(4 * args.dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).view(batch, seq_len, 3, self.n_heads, -1).unbind(2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.attention_out(out.transpose(1, 2).reshape(batch, seq_len, dim))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Tied: the output layer reuses the token embedding matrix. Both stay in the root's FSDP group.
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter (and buffer, if you add any): the rules below, one per kind of tensor.
+
+        `fill_by_blocks` draws each full tensor from one generator and keeps this rank's shard, so the
+        model is the same for any number of ranks (a random op on a shard would draw the same values on
+        every rank). Tied parameters appear once in named_parameters().
+        """
+        generator = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                fill_by_blocks(param, lambda block: block.fill_(1.0))
+            elif name.endswith(".bias"):
+                fill_by_blocks(param, lambda block: block.zero_())
+            elif name.endswith(("attention_out.weight", "mlp_out.weight")):
+                # Residual projections are scaled down so the residual stream does not grow with depth.
+                fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
+            else:
+                fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
+
+
+# ---- Your model: end -----------------------------------------------------------------------------------
+
+# Row blocks of this many values at most are drawn at a time during initialisation.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
+def fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Fill the full tensor behind `param` block of rows by block of rows; keep this rank's part of each.
+
+    The blocks depend only on the full shape, so every world size consumes the generator identically and
+    gets the same values, without holding the full tensor.
+    """
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        # Where this rank's shard sits in the full tensor, for any placement (FSDP, HSDP, TP).
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        local, local_shape, offset = param, tuple(param.shape), (0,) * param.ndim
+    rows, row_shape = param.shape[0], tuple(param.shape[1:])
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
+    columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], local_shape[1:], strict=True))
+    for first in range(0, rows, rows_per_block):
+        last = min(rows, first + rows_per_block)
+        block = fill(torch.empty((last - first, *row_shape), dtype=param.dtype, device=local.device))
+        low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
+        if low < high:
+            local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])

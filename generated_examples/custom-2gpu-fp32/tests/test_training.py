@@ -1,0 +1,50 @@
+"""End-to-end tests of training: real torchrun processes, gloo on CPU (or nccl on every visible GPU).
+
+Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoint.py covers checkpoints.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from runs import NPROC, PROJECT, launch, train
+
+# 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
+PARITY_TOLERANCE = 1e-5
+
+
+def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
+    # synthetic_samples == global_batch_size: every step sees the same 8 samples.
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", "--data.synthetic_samples", "8")
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert losses[-1] < 0.8 * losses[0], losses
+    for record in metrics:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= record.keys()
+        assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
+
+
+def test_ranks_match_one_process(tmp_path: Path) -> None:
+    # The global batch is fixed, so the number of ranks must not change the numbers.
+    steps = ["--training.steps", "4", "--training.grad_accum_steps", "2"]
+    single = train(tmp_path / "one", *steps, nproc=1)
+    sharded = train(tmp_path / "many", *steps)
+    for a, b in zip(single, sharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
+    result = launch("tests/check_init.py", tmp_path)
+    assert "MISMATCH" not in result.stdout
+    assert result.stdout.count("tensors equal") == NPROC
+
+
+def test_unknown_config_key_is_rejected() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "3"], cwd=PROJECT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "unknown key training.stepz" in result.stderr

@@ -1,0 +1,198 @@
+"""A Hugging Face transformers causal LM, filled in place on the sharded model.
+
+train.py builds the model from its config.json on the meta device (no memory), shards it, allocates each
+rank's shards with `to_empty`, and then fills them with one of:
+
+- `load_pretrained`: rank 0 reads the safetensors files, one file at a time; each tensor is broadcast and
+  every rank keeps only its own shard of it. No other rank ever holds the whole model.
+- `init_from_scratch`: the model's own initialisation (transformers' `_init_weights`), on the shards.
+
+Either way the non-persistent buffers (rotary `inv_freq` and the like) are recomputed by the model's own
+code: they are not in the checkpoint, and `to_empty` leaves them as garbage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+# The files of a hub model that training, scripts/export.py and scripts/prepare_data.py read.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+@dataclass
+class ModelArgs:
+    path: str = ""  # a local folder with config.json and *.safetensors, or a hub id
+    pretrained: bool = True  # false: the model's own random initialisation instead of the weights
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("model.path is empty; set it to a model folder (config.json + *.safetensors) or a hub id")
+
+    @cached_property
+    def folder(self) -> Path:
+        """The model's local folder: `path` itself, or the hub's download of it (HF_HUB_OFFLINE=1: cache only)."""
+        local = Path(self.path).expanduser()
+        if local.is_dir():
+            return local
+        return Path(snapshot_download(self.path, allow_patterns=HUB_FILES))
+
+    @cached_property
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self.folder)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        # Models without a position limit (none in config.json) accept any length.
+        return getattr(self.hf_config, "max_position_embeddings", None) or 2**31
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config)
+        # Every 2-D weight outside the embeddings multiplies activations (the output layer too, even when
+        # it is tied to the input embedding).
+        matmul_params = sum(
+            param.numel()
+            for module in model.modules()
+            if not isinstance(module, nn.Embedding)
+            for param in module.parameters(recurse=False)
+            if param.ndim == 2
+        )
+        config = self.hf_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 6 * matmul_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+
+
+def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
+    """Fill the sharded `model` with the weights in `folder`, on every rank; only rank 0 reads files."""
+    rank = dist.get_rank()
+    files, error = [], None
+    if rank == 0:
+        try:
+            files = safetensors_files(folder)
+        except (OSError, ValueError) as exc:
+            error = f"cannot list the weights of {folder}: {exc}"
+    # The other ranks learn the file names from rank 0 (on another node they may not see the folder).
+    files = share_from_rank0(files, error)
+    names = tensor_names(model)
+    loaded: set[str] = set()
+    # strict=False: each file holds part of the weights; completeness is checked once all are loaded.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for file in files:
+        state, error = {}, None
+        if rank == 0:
+            try:
+                state = with_model_keys(load_file(folder / file), model.base_model_prefix, names)
+            except Exception as exc:
+                error = f"cannot read {folder / file}: {type(exc).__name__}: {exc}"
+        share_from_rank0(None, error)
+        loaded |= state.keys()
+        # A collective: rank 0 sends the tensors one at a time; each rank copies out its own shard.
+        set_model_state_dict(model, state, options=options)
+        del state
+    error = None
+    if rank == 0:
+        # Tied weights (an output layer sharing the embedding) are one tensor under several names: the
+        # file holds one of them.
+        missing = [sorted(group)[0] for group in names.values() if not group & loaded]
+        unexpected = sorted(loaded - {name for group in names.values() for name in group})
+        if missing:
+            error = (
+                f"{folder} lacks {len(missing)} weight(s) of {type(model).__name__}, e.g. {missing[:3]}"
+                + (f", and has others, e.g. {unexpected[:3]}" if unexpected else "")
+                + "; its keys must match the model's state_dict() (checkpoints that transformers converts while "
+                "loading, e.g. per-expert MoE weights, are not supported)"
+            )
+        elif unexpected:
+            print(f"warning: {folder} has weights the model does not use: {unexpected[:5]}", flush=True)
+    share_from_rank0(None, error)
+    # Mark what was loaded as initialised: transformers' init then writes only the non-persistent buffers.
+    tensors = {id(tensor): tensor for tensor in model.state_dict(keep_vars=True).values()}.values()
+    for tensor in tensors:
+        tensor._is_hf_initialized = True
+    run_hf_init(model)
+    for tensor in tensors:
+        del tensor._is_hf_initialized
+
+
+def init_from_scratch(model: PreTrainedModel, seed: int) -> None:
+    """The model's own random initialisation of every parameter and buffer, on the sharded model."""
+    # Random ops on sharded (DTensor) parameters draw the same values on every rank of a CPU mesh: a seed
+    # per rank gives each shard its own values. (The result depends on the number of ranks.)
+    torch.manual_seed(seed + dist.get_rank())
+    run_hf_init(model)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None and isinstance(module.weight, DTensor):
+            # transformers zeroes weight[padding_idx], which does nothing on a sharded weight: zero the row
+            # in the shard that holds it.
+            weight = module.weight
+            _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            row = module.padding_idx - offset[0]
+            if 0 <= row < weight.to_local().shape[0]:
+                with torch.no_grad():
+                    weight.to_local()[row].zero_()
+
+
+def run_hf_init(model: PreTrainedModel) -> None:
+    """transformers' initialize_weights: `_init_weights` on every module, skipping tensors flagged as initialised."""
+    # fully_shard swapped the model's class for a subclass defined in torch, which transformers would take for
+    # remote code and then skip modules without parameters of their own (e.g. GPT-2's scaled c_proj init).
+    original = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    type(model).is_custom_code = classmethod(lambda cls: original.is_custom_code())
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+
+
+def safetensors_files(folder: Path) -> list[str]:
+    """The weight files of `folder`: those of model.safetensors.index.json, or the single model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise ValueError("no model.safetensors or model.safetensors.index.json (other weight formats are not read)")
+
+
+def tensor_names(model: nn.Module) -> dict[int, set[str]]:
+    """The names of each tensor the checkpoint must provide; tied weights are one tensor with several names."""
+    names: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), set()).add(name)
+    return names
+
+
+def with_model_keys(state: dict[str, torch.Tensor], prefix: str, names: dict[int, set[str]]) -> dict:
+    """`state` with keys saved from the base model (`layers.0...` for `model.layers.0...`) given the prefix."""
+    known = {name for group in names.values() for name in group}
+    return {key if key in known or f"{prefix}.{key}" not in known else f"{prefix}.{key}": t for key, t in state.items()}
+
+
+def share_from_rank0(value: Any, error: str | None) -> Any:
+    """Rank 0's `value`, on every rank; if rank 0 had an error, every rank stops with it together."""
+    shared = [value, error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        raise SystemExit(shared[1] if dist.get_rank() == 0 else 1)
+    return shared[0]

@@ -1,0 +1,128 @@
+"""Export a checkpoint as a Hugging Face model folder, in one CPU process (no GPU, no torchrun).
+
+    python scripts/export.py                                    # the newest checkpoint in outputs/checkpoints
+    python scripts/export.py outputs/checkpoints/step-1000 --output exported
+
+The folder loads like the model it was trained from:
+
+    model = AutoModelForCausalLM.from_pretrained("exported", dtype=torch.float32)
+
+It holds model.safetensors (the trained fp32 weights, written one tensor at a time so that only one is ever
+in memory; tied weights once, as transformers saves them) and the other files of the original model
+folder: config.json, generation_config.json, the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import struct
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoModelForCausalLM
+
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+from model import HUB_FILES, ModelArgs, tensor_names  # noqa: E402
+from train import complete_checkpoints  # noqa: E402
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+# checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
+PREFIX = "train.model."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face model folder.")
+    parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
+    parser.add_argument("--checkpoints", type=Path, default=Path("outputs/checkpoints"),
+                        help="where to look for the newest checkpoint (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=Path("exported"), help="output folder (default: %(default)s)")
+    args = parser.parse_args()
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        complete = complete_checkpoints(args.checkpoints)
+        if not complete:
+            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
+        checkpoint = complete[-1]
+    try:
+        model_args = ModelArgs(**json.loads((checkpoint / "checkpoint.json").read_text())["config"]["model"])
+    except (OSError, ValueError, KeyError) as error:
+        parser.exit(2, f"{checkpoint} is not a complete checkpoint ({error})\n")
+    # Names and shapes of the weights: the model built on the meta device, which allocates nothing. Of the
+    # names of a tied tensor the first is kept (the input embedding), as in transformers' own files.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_args.hf_config)
+    state = model.state_dict()
+    order = {name: index for index, name in enumerate(state)}
+    keep = {min(group, key=order.get) for group in tensor_names(model).values()}
+    expected = {name: tuple(tensor.shape) for name, tensor in state.items() if name in keep}
+
+    found, read = checkpoint_tensors(checkpoint)
+    missing = sorted(expected.keys() - found.keys())
+    reshaped = sorted(name for name in expected.keys() & found.keys() if tuple(found[name][1]) != expected[name])
+    if missing or reshaped:
+        sys.exit(f"{checkpoint} does not match {model_args.path}: missing {missing}, different shapes {reshaped}")
+
+    args.output.mkdir(parents=True, exist_ok=True)
+    partial = args.output / "model.safetensors.tmp"
+    write_safetensors(partial, {name: found[name] for name in expected}, read)
+    partial.replace(args.output / "model.safetensors")
+    # config.json, generation_config.json and the tokenizer, as the model came (no other weights).
+    for source in model_args.folder.iterdir():
+        if source.is_file() and any(source.match(pattern) for pattern in HUB_FILES):
+            if not source.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copyfile(source, args.output / source.name)
+    print(f"exported {checkpoint} -> {args.output} ({len(expected)} tensors; the other files of {model_args.path})")
+
+
+def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
+    """{name: (dtype, shape)} of the checkpoint's weights, and a function reading one full tensor."""
+    reader = dcp.FileSystemReader(checkpoint)
+    found = {
+        key.removeprefix(PREFIX): (entry.properties.dtype, tuple(entry.size))
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    # dcp.load without a process group warns that it assumes a single process, which is the intent here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    def read(name: str) -> torch.Tensor:
+        dtype, shape = found[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        # DCP assembles the full tensor from the shards that every rank wrote.
+        dcp.load({PREFIX + name: tensor}, storage_reader=reader, no_dist=True)
+        return tensor
+
+    return found, read
+
+
+def write_safetensors(path: Path, entries: dict[str, tuple], read: Callable[[str], torch.Tensor]) -> None:
+    """Write the tensors of `entries` ({name: (dtype, shape)}) to `path`, reading and writing one at a time.
+
+    The safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
+    dtype, shape and byte range, then the raw little-endian bytes in that order.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape) in entries.items():
+        size = torch.Size(shape).numel() * dtype.itemsize
+        span = [offset, offset + size]
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": span}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name in entries:
+            f.write(read(name).contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""End-to-end tests of training: real torchrun processes, gloo on CPU (or nccl on every visible GPU).
+
+Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoint.py covers checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from runs import NPROC, PROJECT, launch, make_model, train
+
+# 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
+PARITY_TOLERANCE = 2e-2
+# The sharded model's logits vs transformers' fp32 model with the same weights.
+LOGITS_TOLERANCE = 5e-2
+
+
+def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
+    # synthetic_samples == global_batch_size: every step sees the same 8 samples.
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", "--data.synthetic_samples", "8")
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert losses[-1] < 0.8 * losses[0], losses
+    for record in metrics:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= record.keys()
+        assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
+
+
+def test_ranks_match_one_process(tmp_path: Path) -> None:
+    # The global batch is fixed, so the number of ranks must not change the numbers.
+    steps = ["--training.steps", "4", "--training.grad_accum_steps", "2"]
+    single = train(tmp_path / "one", *steps, nproc=1)
+    sharded = train(tmp_path / "many", *steps)
+    for a, b in zip(single, sharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_pretrained_weights_load_sharded_and_equal_from_pretrained(tmp_path: Path) -> None:
+    # Large enough (about 117 MB in fp32) that a full copy would show in a rank's memory.
+    model = make_model(tmp_path / "model", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096)  # fmt: skip
+    result = launch("tests/check_pretrained.py", tmp_path, "--model.path", str(model))
+    print(result.stdout)  # the numbers (pytest -s shows them)
+    assert "MISMATCH" not in result.stdout
+    pattern = r"rank (\d+): .*: logits max \|diff\| (\S+); build_model_meta peak \+(\S+) MiB, full model (\S+) MiB"
+    lines = re.findall(pattern, result.stdout)
+    assert len(lines) == NPROC, result.stdout
+    for rank, diff, growth, full in lines:
+        assert float(diff) <= LOGITS_TOLERANCE, (rank, diff)
+        if rank != "0":
+            # Rank 0 reads the files; every other rank holds its shards plus one tensor in flight.
+            assert float(growth) < float(full), (rank, growth, full)
+    assert "from scratch: " in result.stdout
+
+
+def test_unknown_config_key_is_rejected() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "3"], cwd=PROJECT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "unknown key training.stepz" in result.stderr

@@ -1,0 +1,591 @@
+"""Train hf-2gpu-bf16 with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Launch one process per GPU with torchrun (`scripts/run_local.sh` does this):
+
+    torchrun --nproc-per-node 2 train.py --config config.toml --training.steps 100
+
+`python train.py` alone runs a single process, which is handy for debugging.
+The six blocks below run in this order in `train()`; their order is what makes
+FSDP2 correct, so keep it when you edit them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from config import Config, ParallelConfig, TrainingConfig, parse_args
+from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
+from model import init_from_scratch, load_pretrained
+
+
+# fsdp2gen: block init_distributed
+def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group torchrun set up, pin this process to its own device, and lay out the mesh."""
+    job = config.job
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
+    if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", local_rank)
+        # Set the device before creating the process group so NCCL binds this rank to its own GPU.
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if "RANK" in os.environ:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+            # One torchrun runs every rank. It keeps one store for all its restarts (--max-restarts), where
+            # restarted workers would read the addresses the previous attempt's workers left and fail to
+            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys.
+            # (With several nodes each torchrun counts only its own restarts, so this would split the ranks;
+            # there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a fresh store per attempt, instead.)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"attempt_{attempt}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
+        )
+    else:
+        # Started without torchrun: a group of one, no rendezvous needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device, data_parallel_mesh(config.parallel, device)
+
+
+def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh (FSDP: every rank holds 1/N of the model), or with dp_replicate > 1 a 2-D one (HSDP).
+
+    HSDP shards within groups of dp_shard ranks (typically one node, over its fast links) and replicates
+    across the dp_replicate groups: parameters are all-gathered inside a node only, and gradients are
+    reduce-scattered in the node, then all-reduced across nodes. Rank r is in replica r // dp_shard.
+    """
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        # A single process (`python train.py`, for debugging) has nothing to replicate or shard.
+        return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    replicate = parallel.dp_replicate
+    shard = world_size // replicate if parallel.dp_shard == -1 else parallel.dp_shard
+    if replicate * shard != world_size:
+        raise SystemExit(
+            f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} does not match the "
+            f"world size {world_size}; set --parallel.dp_replicate to a divisor of {world_size} "
+            "(dp_shard = -1 takes the rest)"
+        )
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+# fsdp2gen: block build_model_meta
+def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> PreTrainedModel:
+    """Build on the meta device, shard bottom-up, then allocate only local shards and load or initialise them."""
+    parallel = config.parallel
+    # No memory is allocated here: a model larger than one GPU can be described on every rank. The
+    # parameters are fp32: they are the sharded master weights (mixed precision casts them for compute).
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config.model.hf_config, dtype=torch.float32)
+    model.config.use_cache = False  # training never reuses past keys and values
+    # The decoder layers: the classes the model lists in _no_split_modules, unless parallel.shard_modules
+    # names others.
+    named_blocks = modules_to_shard(model, parallel.shard_modules or sorted(model._no_split_modules))
+    blocks = [block for _, block in named_blocks]
+    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
+    # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
+    # rounds small contributions away.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+    reshard = parallel.reshard_after_forward
+    if not isinstance(reshard, bool) and mesh.size() % reshard:
+        if reshard < mesh.size():
+            raise SystemExit(
+                f"parallel.reshard_after_forward = {reshard} must divide the world size {mesh.size()}; "
+                "use true, false or a divisor (e.g. the GPUs per node)"
+            )
+        # Groups at least as large as the world (e.g. a run on fewer GPUs than configured): reshard fully.
+        reshard = True
+    # Shard each block first, then the root (embeddings, final norm, output layer). Bottom-up order
+    # gives one all-gather per block, overlapped with the previous block's compute.
+    for block in blocks:
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+        )
+    # The root keeps its parameters after forward (its default): backward needs them right away.
+    # Tied input and output embeddings are one parameter, so they share the root's group (torch >= 2.13
+    # refuses to split a shared parameter across groups).
+    # Its output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the
+    # compute dtype, halving the logits' memory).
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=torch.float32 if parallel.output_dtype == "float32" else None,
+    )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=root_policy,
+    )
+    # Allocate this rank's shards on the device. Their content is garbage until the weights are loaded
+    # (or initialised) and the non-persistent buffers (rotary tables) recomputed.
+    model.to_empty(device=device)
+    if config.model.pretrained:
+        load_pretrained(model, config.model.folder)
+    else:
+        init_from_scratch(model, seed=config.training.seed)
+    return model
+
+
+def modules_to_shard(model: nn.Module, class_names: list[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the submodules whose class is named in `class_names`; nested ones first, as
+    fully_shard goes bottom-up."""
+    found = [(name, module) for name, module in model.named_modules() if name and type(module).__name__ in class_names]
+    found.sort(key=lambda item: -item[0].count("."))
+    unmatched = sorted(set(class_names) - {type(module).__name__ for _, module in found})
+    if unmatched or not found:
+        classes = sorted({type(m).__name__ for _, m in model.named_modules() if not isinstance(m, nn.ModuleList)})
+        stop(
+            f"parallel.shard_modules: no module of class {', '.join(unmatched or class_names) or '(none listed)'} "
+            f"in the model; list the class(es) of its repeated blocks (classes in the model: {', '.join(classes)})"
+        )
+    return found
+
+
+# fsdp2gen: block build_optimizer
+def build_optimizer(
+    model: PreTrainedModel, training: TrainingConfig, device: torch.device
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the sharded parameters, so each rank keeps optimizer state for its shards only.
+
+    Created after fully_shard: an optimizer built earlier would hold the replaced
+    unsharded parameters and silently update nothing.
+    """
+    on_gpu = device.type == "cuda"
+    # Norm weights (the only 1-D parameters) are not decayed.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=training.lr,
+        betas=(0.9, 0.95),
+        fused=on_gpu,
+        foreach=not on_gpu,
+    )
+
+    def warmup_cosine(step: int) -> float:
+        if step < training.warmup_steps:
+            return (step + 1) / training.warmup_steps
+        progress = (step - training.warmup_steps) / max(1, training.steps - training.warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return training.lr_min_ratio + (1.0 - training.lr_min_ratio) * cosine
+
+    return optimizer, LambdaLR(optimizer, warmup_cosine)
+
+
+# fsdp2gen: block train_step
+def train_step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    max_norm: float,
+    device: torch.device,
+) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
+    loss_sum = torch.zeros((), device=device)
+    for index, (inputs, targets) in enumerate(batches):
+        # Accumulate locally and reduce-scatter only on the last micro-batch (FSDP2 has no no_sync()).
+        model.set_requires_gradient_sync(index == len(batches) - 1)
+        # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
+        logits = model(inputs.to(device, non_blocking=True)).logits
+        # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
+        # makes the accumulated gradient equal to the gradient of one big batch.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / len(batches)
+        loss.backward()
+        loss_sum += loss.detach()
+    # The gradients are DTensor shards; clip_grad_norm_ reduces the norm over all ranks.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    # Gloo has no AVG reduction: sum the per-rank losses, then divide.
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / dist.get_world_size(), grad_norm.item()
+
+
+class TrainState(Stateful):
+    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.global_batch_size, self.device = global_batch_size, device
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+        self.step = 0
+        # checkpoint_load turns this off when the world size changed: RNG streams belong to ranks.
+        self.with_rng = True
+
+    def state_dict(self) -> dict:
+        # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
+        }
+        if self.with_rng:
+            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        check_data_position(state["step"], state["samples_seen"], self.global_batch_size)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        if self.with_rng:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's random number generators: torch (and CUDA), numpy, python."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        },
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    numpy_state = state["numpy"]
+    key = numpy_state["key"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", key, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def check_data_position(step: int, samples_seen: int, global_batch_size: int) -> None:
+    """Refuse a resume with another global batch size: data.py starts step N at sample N x global_batch_size,
+    so the resumed run would repeat or skip samples."""
+    if samples_seen != step * global_batch_size:
+        saved = samples_seen // step
+        stop(
+            f"the checkpoint was saved at step {step} after {samples_seen} samples (training.global_batch_size "
+            f"{saved}), but this run has training.global_batch_size {global_batch_size}. Resume with "
+            f"--training.global_batch_size {saved}, or start over with --checkpoint.resume never"
+        )
+
+
+def stop(message: str) -> NoReturn:
+    """End this rank with `message`. Every rank reaches this with the same message; only rank 0 prints it."""
+    raise SystemExit(message if dist.get_rank() == 0 else 1)
+
+
+def stop_if_rank0_failed(error: str | None) -> None:
+    """Share rank 0's error (or None) with every rank, so that all stop together instead of the others
+    waiting for rank 0 in their next collective."""
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        stop(shared[0])
+
+
+# fsdp2gen: block checkpoint_save
+def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> None:
+    """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
+
+    A crash mid-save leaves only a .tmp folder, which resume ignores.
+    """
+    staging = start_staging(checkpoint_dir, state.step)
+    model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+    # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+    app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+    # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
+    # and the .metadata (written last, by rank 0) are on disk.
+    dcp.save(app_state, checkpoint_id=staging)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+        except OSError as exc:
+            error = f"could not finish checkpoint {staging}: {exc}"
+    stop_if_rank0_failed(error)
+
+
+def start_staging(checkpoint_dir: Path, step: int) -> Path:
+    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
+    if dist.get_rank() == 0:
+        for leftover in checkpoint_dir.glob("step-*.tmp"):
+            shutil.rmtree(leftover)
+    dist.barrier()
+    return checkpoint_dir / f"step-{step}.tmp"
+
+
+def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
+    """checkpoint.json: what resume checks before loading any tensor, and what scripts/export.py reads."""
+    return {
+        "step": state.step,
+        "world_size": dist.get_world_size(),
+        "device": state.device.type,
+        "model_only": model_only,
+        "config": asdict(config),
+    }
+
+
+def publish(staging: Path, info: dict, keep_last: int) -> None:
+    """Rank 0, once every rank's part of step-N.tmp/ is written: describe it, rename it, prune old ones."""
+    (staging / "checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    shutil.rmtree(final, ignore_errors=True)
+    # The rename is atomic: step-N/ appears complete or not at all. (DCP's .metadata names the data
+    # files relative to the folder, so renaming it is safe.)
+    staging.rename(final)
+    # Older checkpoints go only now that a newer one is complete.
+    for old in complete_checkpoints(staging.parent)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """step-N folders (never step-N.tmp), oldest first."""
+    found = [p for p in checkpoint_dir.glob("step-*") if p.name.removeprefix("step-").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+# fsdp2gen: block checkpoint_load
+def checkpoint_load(state: TrainState, checkpoint_dir: Path, config: Config) -> Path | None:
+    """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
+    path, info = newest_checkpoint(checkpoint_dir)
+    if path is None:
+        return None
+    check_resumable(path, info, config)
+    if info["model_only"]:
+        # The final checkpoint of a finished run (check_resumable made sure): nothing left to train.
+        state.step = info["step"]
+        return path
+    # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+    state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+    try:
+        # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
+        dcp.load({"train": state}, checkpoint_id=path)
+    except dcp.CheckpointException as exc:
+        # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
+        # them (and is a BaseException): report the first.
+        stop(unreadable(path, next(iter(exc.failures.values()))[0]))
+    except Exception as exc:
+        stop(unreadable(path, exc))
+    finally:
+        state.with_rng = True
+    return path
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, dict]:
+    """The newest complete step-N/ and its checkpoint.json, on every rank as rank 0 found them.
+
+    Rank 0 decides, so that every rank loads the same folder even if the listing races a save.
+    """
+    found: list = [None, {}, None]  # folder, checkpoint.json, error
+    if dist.get_rank() == 0:
+        complete = complete_checkpoints(checkpoint_dir)
+        if complete:
+            found[0] = complete[-1]
+            try:
+                found[1] = json.loads((complete[-1] / "checkpoint.json").read_text())
+            except (OSError, ValueError) as exc:
+                found[2] = unreadable(complete[-1], exc)
+    dist.broadcast_object_list(found, src=0)
+    if found[2] is not None:
+        stop(found[2])
+    return found[0], found[1]
+
+
+def check_resumable(path: Path, info: dict, config: Config) -> None:
+    """Stop before loading any tensor if `path` cannot continue this run as configured."""
+    saved_model = info["config"]["model"]
+    # The model must be the same; how it was first filled (pretrained or not) no longer matters.
+    changed = [
+        f"model.{key} {saved_model.get(key)!r} -> {value!r}"
+        for key, value in asdict(config.model).items()
+        if key != "pretrained" and saved_model.get(key) != value
+    ]
+    if changed:
+        stop(
+            f"{path} holds a different model ({', '.join(changed)}); resume with the model settings in "
+            f"{path / 'checkpoint.json'}, or start over with --checkpoint.resume never"
+        )
+    if info["model_only"] and info["step"] < config.training.steps:
+        stop(
+            f"{path} is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended at step "
+            f"{info['step']}: it cannot continue training to step {config.training.steps}. Delete it "
+            f"(rm -r {path}) to resume from the previous checkpoint, or start over with --checkpoint.resume never"
+        )
+
+
+def unreadable(path: Path, exc: BaseException) -> str:
+    reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return (
+        f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {reason}); it is probably incomplete or corrupt. "
+        f"Delete it (rm -r {path}) to resume from the previous checkpoint, or start over with "
+        "--checkpoint.resume never"
+    )
+
+
+# Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate; matched against the device name.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """The device's peak from PEAK_FLOPS, or None (CPU, unknown GPU): then no MFU is reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    config = parse_args()
+    device, mesh = init_distributed(config)
+    train(config, device, mesh)
+    # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
+    # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
+    # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
+    gc.collect()
+    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
+    """Build, resume, and train to training.steps, checkpointing on the way."""
+    training = config.training
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if training.global_batch_size % (world_size * training.grad_accum_steps):
+        raise SystemExit(
+            f"training.global_batch_size ({training.global_batch_size}) must be divisible by "
+            f"world size x grad_accum_steps ({world_size} x {training.grad_accum_steps})"
+        )
+    if training.seq_len > config.model.max_seq_len:
+        raise SystemExit(
+            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
+        )
+
+    model = build_model_meta(config, mesh, device)
+    if rank == 0:
+        # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    optimizer, scheduler = build_optimizer(model, training, device)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device)
+
+    output_dir = Path(config.job.output_dir)
+    checkpoint_dir = output_dir / "checkpoints"
+    if config.checkpoint.resume == "auto":
+        resumed_from = checkpoint_load(state, checkpoint_dir, config)
+        if resumed_from and rank == 0:
+            print(f"resumed from {resumed_from} at step {state.step}", flush=True)
+
+    if config.data.path:
+        dataset = TokenFile(config.data.path, training.seq_len, config.model.vocab_size)
+    else:
+        dataset = SyntheticTokens(
+            config.model.vocab_size, training.seq_len, config.data.synthetic_samples, training.seed
+        )
+    samples = ShuffledEpochs(dataset, training.seed)
+    tokens_per_step = training.global_batch_size * training.seq_len
+    # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
+    peak_flops = peak_flops_per_device(device)
+    flops_per_token = config.model.flops_per_token(training.seq_len)
+    metrics_file = None
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(output_dir / "metrics.jsonl", "a")
+
+    model.train()
+    for step in range(state.step, training.steps):
+        started = time.perf_counter()
+        batches = micro_batches(samples, step, training.global_batch_size, training.grad_accum_steps, rank, world_size)
+        lr = scheduler.get_last_lr()[0]
+        loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
+        elapsed = time.perf_counter() - started
+        state.step = step + 1
+        if metrics_file is not None:
+            record = {
+                "step": state.step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / elapsed,
+                "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
+                "peak_mem_mib": peak_memory_mib(device),
+            }
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if state.step % config.job.log_every == 0 or state.step == training.steps:
+                print(
+                    f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
+                    f"| {record['tokens_per_s']:,.0f} tok/s | peak {record['peak_mem_mib']:,.0f} MiB",
+                    flush=True,
+                )
+        if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
+            save_started = time.perf_counter()
+            checkpoint_save(state, checkpoint_dir, config)
+            if rank == 0:
+                print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
+
+    if metrics_file is not None:
+        metrics_file.close()
+
+
+if __name__ == "__main__":
+    main()
