@@ -50,14 +50,15 @@ class LlamaShape:
     ffn_dim: int
     vocab_size: int = 128256
     max_seq_len: int = 8192
+    tie_embeddings: bool = False  # the output layer reuses the embedding matrix: one vocab x dim matrix fewer
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
-# Llama 3 (8b, 70b), 3.1 (405b) and 3.2 (1b, 3b) shapes. model.py never ties the output layer to the
-# embedding, so 1b and 3b carry one more vocab x dim matrix than Meta's tied checkpoints.
+# Llama 3 (8b, 70b), 3.1 (405b) and 3.2 (1b, 3b) shapes, untied: 1b and 3b carry one more vocab x dim matrix
+# than Meta's checkpoints, which tie the output layer to the embedding (a project's model.tie_embeddings).
 LLAMA_SIZES = {
     "1b": LlamaShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
     "3b": LlamaShape(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
@@ -67,19 +68,32 @@ LLAMA_SIZES = {
 }
 
 # ModelArgs and TrainingConfig defaults of the template (tests/test_plan.py keeps them in sync):
-# keys a config.toml leaves out take these values, exactly as the project's config.py does.
+# keys a config.toml leaves out take these values, exactly as the project's config.py does; a 0 takes the
+# value of model.size (TEMPLATE_SIZES, the template's SIZES).
 TEMPLATE_MODEL = {
-    "dim": 256,
-    "n_layers": 4,
-    "n_heads": 8,
-    "n_kv_heads": 4,
-    "vocab_size": 512,
-    "ffn_dim": 688,
-    "max_seq_len": 512,
-    "rope_theta": 10000.0,
+    "size": "debug",
+    "dim": 0,
+    "n_layers": 0,
+    "n_heads": 0,
+    "n_kv_heads": 0,
+    "vocab_size": 0,
+    "ffn_dim": 0,
+    "max_seq_len": 0,
+    "rope_theta": 0.0,
     "norm_eps": 1e-5,
     "init_std": 0.02,
+    "tie_embeddings": False,
 }
+TEMPLATE_SIZES = {
+    "debug": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512, "ffn_dim": 688,
+              "max_seq_len": 512, "rope_theta": 10000.0},
+    "125m": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000, "ffn_dim": 2048,
+             "max_seq_len": 2048, "rope_theta": 10000.0},
+    "1b": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 8192,
+           "max_seq_len": 8192, "rope_theta": 500000.0},
+    "8b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 14336,
+           "max_seq_len": 8192, "rope_theta": 500000.0},
+}  # fmt: skip
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
 
 
@@ -166,7 +180,9 @@ def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[in
             (block + "feed_forward.w2.weight", row(d, model.ffn_dim)),
             (block + "feed_forward.w3.weight", column(model.ffn_dim, d)),
         ]
-    shapes += [("norm.weight", (d,)), ("output.weight", column(model.vocab_size, d))]
+    shapes += [("norm.weight", (d,))]
+    if not model.tie_embeddings:
+        shapes += [("output.weight", column(model.vocab_size, d))]
     return shapes
 
 
@@ -361,6 +377,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
         if type(value) is not int or value < 1:
             raise PlanError(f"{path}: training.{key} must be a positive int, got {value!r}")
         training[key] = value
+    if model["size"] not in TEMPLATE_SIZES:
+        raise PlanError(f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}")
+    for key, value in TEMPLATE_SIZES[model["size"]].items():
+        model[key] = model[key] or value
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
         if model[key] < 1:
             raise PlanError(f"{path}: model.{key} must be at least 1, got {model[key]}")

@@ -4,10 +4,12 @@ against the template's model, against published Llama 3 parameter counts, and th
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from fsdp2gen.plan import (
     GPUS,
     LLAMA_SIZES,
     TEMPLATE_MODEL,
+    TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
     LlamaShape,
     PlanRequest,
@@ -26,6 +29,7 @@ from fsdp2gen.plan import (
 from tests.conftest import REPO, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
+LLAMA_MODEL = TEMPLATE / '{% if family == "llama" %}model.py{% endif %}'
 # A tiny model, quick on 2 CPU cores. vocab_size 130 is not divisible by 4: FSDP2 pads the 4-rank shards.
 TINY_CONFIG = """
 [model]
@@ -55,17 +59,22 @@ def dataclass_defaults(path: Path, class_name: str) -> dict[str, object]:
 
 
 def test_template_defaults_are_the_ones_plan_assumes() -> None:
-    assert dataclass_defaults(TEMPLATE / "model.py", "ModelArgs") == TEMPLATE_MODEL
+    assert dataclass_defaults(LLAMA_MODEL, "ModelArgs") == TEMPLATE_MODEL
     # config.py is a jinja template; its TrainingConfig is the same in every rendering (a golden's, here).
     training = dataclass_defaults(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.py", "TrainingConfig")
     assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
+    sizes = next(n for n in ast.parse(LLAMA_MODEL.read_text()).body if isinstance(n, ast.Assign)
+                 and n.targets[0].id == "SIZES")  # fmt: skip
+    assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
 
 
 def test_parameter_shapes_are_the_template_models_own() -> None:
     """Names, order and shapes equal Transformer.named_parameters() of the template's model.py (on meta)."""
     torch = pytest.importorskip("torch")
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
-    spec = importlib.util.spec_from_file_location("fsdp2gen_template_model", TEMPLATE / "model.py")
+    # (Its file name does not end in .py, so the loader is named explicitly.)
+    loader = importlib.machinery.SourceFileLoader("fsdp2gen_template_model", str(LLAMA_MODEL))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
     template_model = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = template_model
     try:
@@ -74,9 +83,12 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
         del sys.modules[spec.name]
     ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
     shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs(**{k: getattr(shape, k) for k in LlamaShape.__dataclass_fields__}))
-    assert [(name, tuple(p.shape)) for name, p in model.named_parameters()] == parameter_shapes(shape)
+    for tied in (True, False):
+        shape = replace(shape, tie_embeddings=tied)
+        with torch.device("meta"):
+            model = Transformer(ModelArgs(**{k: getattr(shape, k) for k in LlamaShape.__dataclass_fields__}))
+        # A tied output weight is the embedding's parameter: named_parameters() lists it once.
+        assert [(name, tuple(p.shape)) for name, p in model.named_parameters()] == parameter_shapes(shape)
     rope = sum(b.numel() * b.element_size() for b in model.buffers())
     request = PlanRequest(model=shape, label="t", gpus=1, seq_len=40, micro_batch=1, precision="fp32")
     assert estimate(request).per_gpu["model_buffers"] == rope
@@ -254,7 +266,7 @@ def test_bad_toml_is_bad_input(tmp_path: Path) -> None:
     config.write_text("[model]\ndim = 64\nheads = 4\n")
     result = invoke("plan", "--config", str(config))
     assert result.exit_code == 2
-    assert result.stderr.startswith(f"fsdp2gen: error: {config}: unknown key model.heads; known: dim, n_layers")
+    assert result.stderr.startswith(f"fsdp2gen: error: {config}: unknown key model.heads; known: size, dim, n_layers")
     config.write_text("[model\n")
     result = invoke("plan", "--config", str(config))
     assert result.exit_code == 2 and "invalid TOML" in result.stderr and result.stderr.count("\n") == 1
@@ -268,3 +280,19 @@ def test_help_lists_the_presets_and_gpus_that_exist() -> None:
     assert "1b, 3b, 8b, 70b or 405b" in result.stdout and list(LLAMA_SIZES) == ["1b", "3b", "8b", "70b", "405b"]
     for gpu in ("h100-80gb", "a100-40gb", "h200-141gb"):
         assert gpu in GPUS and gpu in result.stdout
+
+
+def test_config_size_preset_and_tied_embeddings(tmp_path: Path) -> None:
+    # A project's config.toml names a size; the keys it sets override the size's; tying drops the output matrix.
+    config = tmp_path / "config.toml"
+    config.write_text('[model]\nsize = "1b"\ntie_embeddings = true\n\n[training]\nseq_len = 2048\n')
+    model = plan_json("--config", str(config))["model"]
+    assert (model["dim"], model["n_layers"], model["vocab_size"], model["tie_embeddings"]) == (2048, 16, 128256, True)
+    assert model["parameters"] == 1_235_814_400  # Llama 3.2 1B, as published
+    config.write_text('[model]\nsize = "1b"\nn_layers = 2\n')
+    model = plan_json("--config", str(config))["model"]
+    assert (model["n_layers"], model["dim"]) == (2, 2048)
+    config.write_text('[model]\nsize = "2b"\n')
+    result = invoke("plan", "--config", str(config))
+    assert result.exit_code == 2
+    assert "model.size must be one of debug, 125m, 1b, 8b, got '2b'" in result.stderr

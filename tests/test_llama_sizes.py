@@ -1,0 +1,71 @@
+"""Family llama: model.size presets and model.tie_embeddings (one matrix for the embedding and the output layer)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, generate, metrics, torchrun_env
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("llama") / "run", "--gpus", "2", "--fp32")
+
+
+def test_size_presets_have_the_parameter_counts_config_toml_states(project: Path) -> None:
+    # Built on the meta device: nothing is allocated, so even 8b is counted in a moment.
+    count = (
+        "import json, torch\nfrom model import ModelArgs, SIZES, Transformer\ncounts = {}\n"
+        "for size in SIZES:\n    for tied in (False, True):\n        with torch.device('meta'):\n"
+        "            model = Transformer(ModelArgs(size=size, tie_embeddings=tied))\n"
+        "        counts[f'{size} {tied}'] = sum(p.numel() for p in model.parameters())\nprint(json.dumps(counts))"
+    )
+    result = subprocess.run([sys.executable, "-c", count], cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    counts = json.loads(result.stdout)
+    assert counts["1b True"] == 1_235_814_400  # Llama 3.2 1B, as published (tied)
+    assert counts["8b False"] == 8_030_261_248  # Llama 3.1 8B, as published
+    comment = re.search(r'^size = "debug" +# (.*)$', (project / "config.toml").read_text(), flags=re.M)[1]
+    assert comment == "debug (3.2M parameters, runs anywhere), 125m (125M), 1b (1.50B), 8b (8.03B)"
+    assert [round(counts[f"{size} False"], -5) for size in ("debug", "125m", "1b", "8b")] == [
+        3_200_000, 124_700_000, 1_498_500_000, 8_030_300_000]  # fmt: skip
+
+
+def test_tied_embeddings_train_on_two_ranks_and_export(project: Path, tmp_path: Path) -> None:
+    env = {**torchrun_env(), "PYTHONPATH": str(project)}
+    tied = [*TINY, "--model.tie_embeddings", "true", "--job.device", "cpu"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # Meta init of the tied model on 2 ranks equals the eager one (both names of the tied matrix included).
+    init = subprocess.run([*torchrun, "tests/check_init.py", *tied], cwd=project, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert init.returncode == 0, init.stdout + init.stderr
+    assert init.stdout.count("tensors equal") == 2 and "MISMATCH" not in init.stdout
+
+    steps = ["--training.steps", "5", "--data.synthetic_samples", "8", "--job.output_dir", str(tmp_path)]
+    run = subprocess.run([*torchrun, "train.py", *tied, *steps], cwd=project, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # dim 64, vocab 128: the tied model has one 128 x 64 matrix fewer than the untied one.
+    untied = 128 * 64 * 2 + 2 * (2 * 64 + 64 * 64 * 2 + 2 * 32 * 64 + 3 * 64 * 172) + 64
+    assert f"model: {untied - 128 * 64:,} parameters" in run.stdout
+    losses = [record["loss"] for record in metrics(tmp_path)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+    exported = tmp_path / "exported"
+    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
+                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    load = (
+        "import json, sys\nfrom safetensors.torch import load_file\nfrom model import ModelArgs, Transformer\n"
+        "model = Transformer(ModelArgs(**json.loads(open(sys.argv[1] + '/config.json').read())))\n"
+        "model.load_state_dict(load_file(sys.argv[1] + '/model.safetensors'))\n"
+        "print(model.output.weight is model.tok_embeddings.weight)"
+    )
+    loaded = subprocess.run([sys.executable, "-c", load, str(exported)], cwd=project, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "True"
