@@ -69,3 +69,16 @@ def test_tied_embeddings_train_on_two_ranks_and_export(project: Path, tmp_path: 
     loaded = subprocess.run([sys.executable, "-c", load, str(exported)], cwd=project, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "True"
+
+
+def test_tied_embeddings_in_a_full_checkpoint_on_one_rank(checkpoint_projects: dict[str, Path], tmp_path: Path) -> None:
+    # On one rank the gathered state holds the tied matrix once under both names; safetensors refuses shared
+    # memory, so checkpoint_save writes a copy for the second name, and the resume loads both into one parameter.
+    project = checkpoint_projects["full"]
+    tied = [*TINY, "--model.tie_embeddings", "true", "--job.device", "cpu", "--job.output_dir", str(tmp_path)]
+    for steps in ("2", "3"):
+        run = subprocess.run([sys.executable, "train.py", *tied, "--training.steps", steps, "--checkpoint.interval",
+                              "1"], cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-2 at step 2" in run.stdout
+    assert [record["step"] for record in metrics(tmp_path)] == [1, 2, 3]

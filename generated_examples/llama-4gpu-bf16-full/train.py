@@ -329,7 +329,7 @@ def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> 
             for leftover in checkpoint_dir.glob("step-*.tmp"):
                 shutil.rmtree(leftover)
             staging.mkdir(parents=True)
-            save_file(model_state, staging / "model.safetensors")
+            save_file(unshared(model_state), staging / "model.safetensors")
             if train_state is not None:
                 # Right away: the `step` entries of the gathered optimizer state are the optimizer's own
                 # (live) tensors, which the next optimizer step changes.
@@ -338,6 +338,17 @@ def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> 
         except Exception as exc:
             error = f"could not write checkpoint {staging} on rank 0: {type(exc).__name__}: {exc}"
     stop_if_rank0_failed(error)
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a copy of each tensor whose memory an earlier one uses, for safetensors, which refuses shared
+    memory. Tied weights (one parameter, two names) arrive as one tensor when a single rank holds them whole."""
+    seen, copies = set(), {}
+    for name, tensor in state.items():
+        memory = tensor.untyped_storage().data_ptr()
+        copies[name] = tensor.clone() if memory in seen else tensor
+        seen.add(memory)
+    return copies
 
 
 def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
