@@ -131,16 +131,18 @@ def test_five_steps_then_export_loads_with_from_pretrained(
 
 
 def test_generated_hf_projects_own_tests_pass(project: Path) -> None:
-    # Its tests make a tiny model (and a ~117 MB one to measure memory) of the configured architecture.
+    # Its tests make a tiny model (and a ~117 MB one to measure memory) of the configured architecture. The
+    # checkpoint code is the llama projects' (tested there); here: training, the sharded load, the export.
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_training.py",
-         "tests/test_checkpoint.py", "-k", "not killed_rank and not fewer_ranks and not corrupt"],
+         "tests/test_checkpoint.py", "-k", "loss_decreases or pretrained or unknown_config or export"],
         cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
-    assert re.search(r"^7 passed, 3 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
-    growth = re.findall(r"rank 1: .*build_model_meta peak \+(\S+) MiB, full model (\S+) MiB", result.stdout)
-    assert len(growth) == 1 and float(growth[0][0]) < float(growth[0][1]), growth
+    assert re.search(r"^4 passed, 6 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    growth = re.findall(r"rank (\d): .*build_model_meta peak \+(\S+) MiB, full model (\S+) MiB", result.stdout)
+    print(growth)  # (rank, MiB the rank grew while loading, MiB of the full model)
+    assert len(growth) == 2 and all(float(grew) < float(full) for rank, grew, full in growth if rank != "0"), growth
 
 
 def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: Path) -> None:
