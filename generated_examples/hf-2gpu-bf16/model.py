@@ -179,6 +179,8 @@ def tensor_names(model: nn.Module) -> dict[int, set[str]]:
     """The names of each tensor the checkpoint must provide; tied weights are one tensor with several names."""
     names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        # Without the prefixes of torch.compile and activation-checkpoint wrappers around blocks.
+        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
         names.setdefault(id(tensor), set()).add(name)
     return names
 

@@ -53,11 +53,12 @@ def check_pretrained(config, mesh, device) -> list[str]:
         logits = model(tokens.to(device)).logits.float().cpu()
         expected = reference(tokens).logits
     diff = (logits - expected).abs().max().item()
-    print(
+    # One write of one line: the ranks share stdout, and a single short write is not interleaved with theirs.
+    sys.stdout.write(
         f"rank {rank}: {config.model.path}: logits max |diff| {diff:.3e}; "
-        f"build_model_meta peak +{growth_mib:.1f} MiB, full model {full_mib:.1f} MiB",
-        flush=True,
+        f"build_model_meta peak +{growth_mib:.1f} MiB, full model {full_mib:.1f} MiB\n"
     )
+    sys.stdout.flush()
     mismatches = []
     for name, buffer in model.named_buffers():
         if not torch.equal(buffer.cpu(), reference.get_buffer(name)):
