@@ -1,6 +1,6 @@
 """Train custom-2gpu-fp32 with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
-Launch one process per GPU with torchrun (`scripts/run_local.sh` does this):
+Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
 
     torchrun --nproc-per-node 2 train.py --config config.toml --training.steps 100
 
@@ -94,9 +94,10 @@ def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> Device
             f"world size {world_size}; set --parallel.dp_replicate to a divisor of {world_size} "
             "(dp_shard = -1 takes the rest)"
         )
-    if replicate == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    sizes = {"dp_replicate": replicate, "dp_shard": shard}
+    # Dimensions of size 1 are left out; dp_shard always stays (fully_shard needs a mesh).
+    sizes = {name: size for name, size in sizes.items() if size > 1 or name == "dp_shard"}
+    return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
 # fsdp2gen: block build_model_meta
@@ -489,10 +490,11 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     """Build, resume, and train to training.steps, checkpointing on the way."""
     training = config.training
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if training.global_batch_size % (world_size * training.grad_accum_steps):
+    data_rank, data_ranks = rank, world_size
+    if training.global_batch_size % (data_ranks * training.grad_accum_steps):
         raise SystemExit(
-            f"training.global_batch_size ({training.global_batch_size}) must be divisible by "
-            f"world size x grad_accum_steps ({world_size} x {training.grad_accum_steps})"
+            f"training.global_batch_size ({training.global_batch_size}) must be divisible by data-parallel "
+            f"ranks x grad_accum_steps ({data_ranks} x {training.grad_accum_steps})"
         )
     if training.seq_len > config.model.max_seq_len:
         raise SystemExit(
@@ -532,7 +534,9 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     model.train()
     for step in range(state.step, training.steps):
         started = time.perf_counter()
-        batches = micro_batches(samples, step, training.global_batch_size, training.grad_accum_steps, rank, world_size)
+        batches = micro_batches(
+            samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
+        )
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
         elapsed = time.perf_counter() - started

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +19,40 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# model.size presets: a debug model that runs anywhere, a GPT-2-small-sized one, and the shapes of Llama 3.2 1B
+# (whose released weights tie the output layer to the embedding: model.tie_embeddings) and Llama 3.1 8B.
+SIZES = {
+    "debug": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512, "ffn_dim": 688,
+              "max_seq_len": 512, "rope_theta": 10000.0},
+    "125m": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000, "ffn_dim": 2048,
+             "max_seq_len": 2048, "rope_theta": 10000.0},
+    "1b": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 8192,
+           "max_seq_len": 8192, "rope_theta": 500000.0},
+    "8b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 14336,
+           "max_seq_len": 8192, "rope_theta": 500000.0},
+}  # fmt: skip
+
 
 @dataclass
 class ModelArgs:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 512
-    ffn_dim: int = 688
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
+    size: Literal["debug", "125m", "1b", "8b"] = "debug"
+    # 0: the value of `size`; any other value overrides it.
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    vocab_size: int = 0
+    ffn_dim: int = 0
+    max_seq_len: int = 0
+    rope_theta: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    tie_embeddings: bool = False  # the output layer reuses the token embedding matrix
 
     def __post_init__(self) -> None:
+        for key, value in SIZES[self.size].items():
+            if not getattr(self, key):
+                setattr(self, key, value)
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -124,6 +144,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            # One parameter under two names: fully_shard keeps it in the root's group, which holds both
+            # modules (torch >= 2.13 refuses to split a shared parameter across groups).
+            self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived, not learned: non-persistent, so they are never
         # checkpointed and must be recomputed after `to_empty` (see `init_weights`).
         head_dim = args.dim // args.n_heads
@@ -152,6 +176,7 @@ class Transformer(nn.Module):
         device = self.output.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
         residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        # named_parameters() lists a tied output weight once, as tok_embeddings.weight.
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 _fill_by_blocks(param, lambda block: block.fill_(1.0))

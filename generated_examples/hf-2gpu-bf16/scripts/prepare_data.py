@@ -2,7 +2,7 @@
 
     python scripts/prepare_data.py corpus.txt                          # -> data/tokens.bin
     python scripts/prepare_data.py corpus.txt --output data/train.bin --config config.toml
-    scripts/run_local.sh --data.path data/tokens.bin
+    scripts/launch_local.sh --data.path data/tokens.bin
 
 The tokenizer is the one in the folder of config.toml's model.path. The text is read and tokenized a block
 of lines at a time, so the file may be larger than memory; the token ids are written as one flat array of

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Train on this machine, one process per GPU.
-#   scripts/run_local.sh                                  # 2 GPU(s)
-#   NPROC=2 DEVICE=cpu scripts/run_local.sh --training.steps 5   # 2 CPU processes (gloo)
-#   MAX_RESTARTS=0 scripts/run_local.sh                   # fail at once, without the automatic restart
+#   scripts/launch_local.sh                                  # 2 GPU(s)
+#   NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.steps 5   # 2 CPU processes (gloo)
+#   MAX_RESTARTS=0 scripts/launch_local.sh                   # fail at once, without the automatic restart
 # Extra arguments are config overrides (--section.key VALUE) passed to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
