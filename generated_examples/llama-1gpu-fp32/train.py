@@ -107,13 +107,14 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     with torch.device("meta"):
         model = Transformer(config.model)
     reshard = parallel.reshard_after_forward
-    if not isinstance(reshard, bool) and mesh.size() % reshard:
-        if reshard < mesh.size():
+    shard_ranks = mesh["dp_shard"].size()  # the ranks a parameter is sharded over (all, unless HSDP or TP)
+    if not isinstance(reshard, bool) and shard_ranks % reshard:
+        if reshard < shard_ranks:
             raise SystemExit(
-                f"parallel.reshard_after_forward = {reshard} must divide the world size {mesh.size()}; "
-                "use true, false or a divisor (e.g. the GPUs per node)"
+                f"parallel.reshard_after_forward = {reshard} must divide the {shard_ranks} ranks each parameter "
+                "is sharded over; use true, false or a divisor (e.g. the GPUs per node)"
             )
-        # Groups at least as large as the world (e.g. a run on fewer GPUs than configured): reshard fully.
+        # Groups at least as large as the shard group (e.g. a run on fewer GPUs than configured): reshard fully.
         reshard = True
     # Shard each transformer block first, then the root (embeddings, final norm, output).
     # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
