@@ -80,6 +80,11 @@ RULES = {
             "`destroy_process_group()` not preceded by a barrier (a peer may still be in a collective)",
             "call dist.barrier() right before destroy_process_group()",
         ),
+        Rule(
+            "FSDP011",
+            "torchao `convert_to_float8_training` applied to modules `fully_shard` has already sharded",
+            "convert to float8 before fully_shard (and before checkpoint_wrapper / torch.compile)",
+        ),
     )
 }
 
@@ -689,6 +694,41 @@ def _rule_destroy_without_barrier(module: _Module) -> None:
                 )
 
 
+def _is_float8_conversion(module: _Module, call: ast.Call) -> bool:
+    qualname = module.call_qualname(call) or ""
+    return qualname.startswith("torchao.") and qualname.endswith(".convert_to_float8_training")
+
+
+def _rule_float8_after_shard(module: _Module) -> None:
+    # Functions of this file that convert their first argument (a helper such as convert_blocks_to_float8).
+    converters = {
+        scope.node.name
+        for scope in module.scopes
+        if isinstance(scope.node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any(_is_float8_conversion(module, call) for call in scope.calls)
+    }
+    for scope in module.scopes:
+        shards = [(c, scope.path(_argument(c, 0, "module"))) for c in scope.calls if module.is_fully_shard(c)]
+        shards = [(c, p.replace("()", "")) for c, p in shards if p]
+        for call in scope.calls:
+            direct = _is_float8_conversion(module, call)
+            if not direct and not (isinstance(call.func, ast.Name) and call.func.id in converters):
+                continue
+            target = _argument(call, 0, "module") if direct else (call.args[0] if call.args else None)
+            converted = scope.path(target).replace("()", "") if target is not None and scope.path(target) else None
+            earlier = [
+                c for c, p in shards if c.lineno < call.lineno and (_inside(p, converted) or _inside(converted, p))
+            ]
+            if earlier:
+                module.report(
+                    call,
+                    "FSDP011",
+                    f"{_call_name(call)}({ast.unparse(target)}) after fully_shard on line {earlier[0].lineno}: the "
+                    "Float8Linear modules it swaps in keep FSDP's sharded weights, which FSDP no longer gathers "
+                    "for them (a crash mixing Tensor and DTensor)",
+                )
+
+
 RULE_CHECKS = (
     _rule_optimizer_before_shard,
     _rule_root_before_blocks,
@@ -700,6 +740,7 @@ RULE_CHECKS = (
     _rule_torch_load,
     _rule_reduce_dtype,
     _rule_destroy_without_barrier,
+    _rule_float8_after_shard,
 )
 
 

@@ -120,6 +120,7 @@ ActivationCheckpointingOption = Annotated[
     ActivationCheckpointing | None, typer.Option(help=_help("activation_checkpointing"))
 ]
 CompileOption = Annotated[bool | None, typer.Option("--compile/--no-compile", help=_help("compile"))]
+Float8Option = Annotated[bool | None, typer.Option("--float8/--no-float8", help=_help("float8"))]
 CpuOffloadOption = Annotated[bool | None, typer.Option("--cpu-offload/--no-cpu-offload", help=_help("cpu_offload"))]
 PrefetchOption = Annotated[bool | None, typer.Option("--prefetch/--no-prefetch", help=_help("prefetch"))]
 TensorboardOption = Annotated[bool | None, typer.Option("--tensorboard/--no-tensorboard", help=_help("tensorboard"))]
@@ -156,6 +157,7 @@ def new(
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
+    float8: Float8Option = None,
     cpu_offload: CpuOffloadOption = None,
     prefetch: PrefetchOption = None,
     tensorboard: TensorboardOption = None,
@@ -200,6 +202,7 @@ def new(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,
+        float8=float8,
         cpu_offload=cpu_offload,
         prefetch=prefetch,
         tensorboard=tensorboard,
@@ -346,6 +349,7 @@ def update(
     reshard_after_forward: ReshardOption = None,
     activation_checkpointing: ActivationCheckpointingOption = None,
     compile_blocks: CompileOption = None,
+    float8: Float8Option = None,
     cpu_offload: CpuOffloadOption = None,
     prefetch: PrefetchOption = None,
     tensorboard: TensorboardOption = None,
@@ -373,6 +377,7 @@ def update(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         compile=compile_blocks,
+        float8=float8,
         cpu_offload=cpu_offload,
         prefetch=prefetch,
         tensorboard=tensorboard,

@@ -81,6 +81,7 @@ def _line_of(source: str, text: str) -> int:
 TO_EMPTY = "    model.to_empty(device=device)\n"
 DEVICE_ID = 'device_id=device if device.type == "cuda" else None'
 BARRIER = "    dist.barrier()\n    dist.destroy_process_group()"
+FLOAT8_CALL = "        convert_blocks_to_float8(model.layers, device)\n"
 # Each mistake, planted in the generated train.py as (old, new) edits, is reported once, on the line holding `at`.
 PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     "FSDP003": ([("logits = model(inputs", "logits = model.forward(inputs")], "model.forward(inputs"),
@@ -100,6 +101,10 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
         "MixedPrecisionPolicy(",
     ),
     "FSDP010": ([(BARRIER, "    dist.destroy_process_group()")], "dist.destroy_process_group()"),
+    "FSDP011": (
+        [(FLOAT8_CALL, "        pass\n"), (TO_EMPTY, FLOAT8_CALL[4:] + TO_EMPTY)],
+        "convert_blocks_to_float8(model.layers",
+    ),
 }
 
 

@@ -34,7 +34,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
         "--tp", "2", "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile", "--cpu-offload",
-        "--no-prefetch", "--tensorboard",
+        "--no-prefetch", "--tensorboard", "--no-float8",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing was missing, so no defaults were announced
@@ -42,7 +42,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
         "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "reshard_after_forward": "4",
-        "activation_checkpointing": "full", "compile": True, "cpu_offload": True, "prefetch": False,
+        "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
         "tensorboard": True,
     }  # fmt: skip
     config = (tmp_path / "run" / "config.toml").read_text()
@@ -86,7 +86,7 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
         "launcher=torchrun, tp=1, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
-        "cpu_offload=False, prefetch=False, tensorboard=False) "
+        "float8=False, cpu_offload=False, prefetch=False, tensorboard=False) "
         f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
@@ -128,6 +128,9 @@ def test_no_interactive_never_prompts(tmp_path: Path) -> None:
     assert "using defaults" in result.output
 
 
+FLOAT8_NEEDS_BF16 = (
+    "fsdp2gen: error: --float8: float8 training runs inside bf16 mixed precision; add --bf16 (or leave out --float8)\n"
+)
 BAD_INPUT = [
     (["--gpus", "0"], "fsdp2gen: error: --gpus: must be at least 1, e.g. --gpus 8"),
     (["--gpus", "-1"], "fsdp2gen: error: --gpus: must be at least 1, e.g. --gpus 8"),
@@ -170,6 +173,10 @@ BAD_INPUT = [
     (["--gpus", "6", "--tp", "4"],
      "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 2\n"),
     (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
+    (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
+    (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
+    (["--float8", "--tp", "2"],
+     "fsdp2gen: error: --float8: float8 with tensor parallelism is not built in; use --tp 1 (or leave out --float8)\n"),
 ]  # fmt: skip
 
 

@@ -58,6 +58,7 @@ class ParallelConfig:
     output_dtype: Literal["float32", "compute"] = "float32"
     activation_checkpoint_every: int = 2
     compile: bool = True
+    float8: bool = True
     prefetch_blocks: int = 1
 
     def __post_init__(self) -> None:

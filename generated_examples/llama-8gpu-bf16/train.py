@@ -19,6 +19,7 @@ import random
 import resource
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -35,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.float8_linear import Float8Linear
 
 from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
@@ -110,6 +114,9 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = Transformer(config.model)
+    if parallel.float8:
+        # Before the wrappers and fully_shard: fully_shard must see the float8 weights to all-gather them in float8.
+        convert_blocks_to_float8(model.layers, device)
     # Wrap blocks before sharding them, so that FSDP's hooks sit outside the wrappers: parameters are
     # gathered before a block is recomputed or runs compiled code. The wrappers add a prefix to parameter
     # names that get_state_dict/get_model_state_dict remove, so checkpoints load with or without them.
@@ -172,6 +179,36 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     return model
 
 
+def convert_blocks_to_float8(blocks: Iterable[nn.Module], device: torch.device) -> None:
+    """Swap the blocks' linear layers for torchao's Float8Linear: their matmuls run in float8 (e4m3 for weights
+    and activations, e5m2 for gradients) with one scale per tensor, while the master weights stay fp32.
+
+    The embeddings and the output layer stay in bf16: they are the layers most hurt by float8's rounding.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        stop(
+            f"parallel.float8 needs float8 tensor cores (compute capability 8.9 or newer: H100, H200, B200, L40S), "
+            f"but {torch.cuda.get_device_name(device)} has {major}.{minor}; run with --parallel.float8 false"
+        )
+    # FSDP all-gathers the weights already cast to float8 (half the bytes of bf16), with the scales
+    # train_step precomputes after each optimizer step.
+    float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    linears = converted = 0
+    for block in blocks:
+        linears += sum(isinstance(module, nn.Linear) for module in block.modules())
+        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16.
+        convert_to_float8_training(
+            block,
+            config=float8_config,
+            module_filter_fn=lambda linear, _: linear.in_features % 16 == 0 and linear.out_features % 16 == 0,
+        )
+        converted += sum(isinstance(module, Float8Linear) for module in block.modules())
+    if dist.get_rank() == 0:
+        # On CPU torch's float8 matmul is a slow reference kernel: right for tests, not for speed.
+        print(f"float8: {converted} of the blocks' {linears} linear layers compute in float8", flush=True)
+
+
 # fsdp2gen: block build_optimizer
 def build_optimizer(
     model: Transformer, training: TrainingConfig, device: torch.device
@@ -211,6 +248,7 @@ def train_step(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     max_norm: float,
     device: torch.device,
+    float8: bool,
 ) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
     loss_sum = torch.zeros((), device=device)
@@ -229,6 +267,10 @@ def train_step(
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
+    if float8:
+        # The float8 scale of each weight comes from its absolute maximum over all shards: computed here for
+        # every weight in one all-reduce, instead of one all-reduce per weight in the next forward.
+        precompute_float8_dynamic_scale_for_fsdp(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     # Gloo has no AVG reduction: sum the per-rank losses, then divide.
@@ -571,7 +613,9 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
         )
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
+        loss, grad_norm = train_step(
+            model, optimizer, scheduler, batches, training.max_norm, device, config.parallel.float8
+        )
         elapsed = time.perf_counter() - started
         state.step = step + 1
         if metrics_file is not None:

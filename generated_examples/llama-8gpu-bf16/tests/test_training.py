@@ -5,13 +5,15 @@ Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoin
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from runs import NPROC, PROJECT, launch, train
+from runs import DEVICE, FLOAT8_DEVICE, NPROC, PROJECT, launch, metrics, train
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 2e-2
@@ -84,6 +86,30 @@ def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
     compiled = train(tmp_path / "compiled", *steps, "--parallel.compile", "true")
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+
+
+def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None:
+    steps = ["--training.steps", "4", "--checkpoint.interval", "2", "--parallel.float8", "true"]
+    if DEVICE == "cuda" and not FLOAT8_DEVICE:
+        # No float8 tensor cores: the run must stop at once and say so.
+        result = launch("train.py", tmp_path, *steps, check=False)
+        assert result.returncode != 0
+        assert "parallel.float8 needs float8 tensor cores" in result.stdout + result.stderr, result.stderr[-2000:]
+        return
+    result = launch("train.py", tmp_path / "float8", *steps)
+    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers", result.stdout)
+    assert converted and int(converted[1]) > 0, result.stdout
+    float8 = metrics(tmp_path / "float8")
+    bf16 = train(tmp_path / "bf16", *steps, "--parallel.float8", "false")
+    for a, b in zip(float8, bf16, strict=True):
+        # Float8 rounds each matmul's inputs to 3 mantissa bits (e4m3) with one scale per tensor.
+        assert abs(a["loss"] - b["loss"]) <= 1e-2 * abs(b["loss"]), (a, b)
+    # Resume the float8 run from its step-2 checkpoint: steps 3 and 4 are the same again.
+    shutil.copytree(tmp_path / "float8" / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
+    resumed = train(tmp_path / "resumed", *steps)
+    assert [m["step"] for m in resumed] == [3, 4]
+    for a, b in zip(float8[2:], resumed, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
 
 
 def test_tensorboard_logs_the_metrics(tmp_path: Path) -> None:
