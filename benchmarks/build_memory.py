@@ -2,11 +2,16 @@
 
     python benchmarks/build_memory.py [--worlds 1,2,4] [--tiny]
 
-Generates a project (`fsdp2gen new --fp32`) into a temporary folder and, for two model sizes and each world
-size, runs this file again under `torchrun --nproc-per-node WORLD` (CPU, gloo). Each rank measures how far
-its resident memory rises above its own baseline during `build_model_meta` (meta build, fully_shard per
-block and root, to_empty, init_weights) and prints it over its fair share, full model bytes / world.
-Target: <= 1.2 on every rank (meta init never materialises the full model on any rank).
+Generates projects (`fsdp2gen new --fp32`, and `--family hf --pretrained --fp32`) into a temporary folder and,
+for two model sizes and each world size, runs this file again under `torchrun --nproc-per-node WORLD` (CPU,
+gloo). Each rank measures how far its resident memory rises above its own baseline during `build_model_meta`
+and prints it over its fair share, full model bytes / world.
+
+- llama (meta build, fully_shard per block and root, to_empty, init_weights): target <= 1.2 on every rank,
+  i.e. meta init never materialises the full model on any rank.
+- hf --pretrained (meta build, fully_shard, to_empty, then rank 0 reads each safetensors file and broadcasts
+  it, every rank keeping its shard): target <= 1.2 on every rank but 0. Rank 0 holds one weight file at a
+  time, so its figure is also printed against the largest file: the "large" model is saved in 100 MB files.
 """
 
 from __future__ import annotations
@@ -34,6 +39,30 @@ TINY_SIZES = {
     "tiny-b": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 344, "vocab_size": 256},
 }
 WARM_UP = TINY_SIZES["tiny-a"]
+# The same shapes as Hugging Face Llama models (tied embeddings off), written by save_pretrained in fp32;
+# name -> (shape, max_shard_size of the safetensors files).
+HF_MAX_SHARD = {"small": None, "large": "100MB", "tiny-a": None, "tiny-b": "200KB"}
+
+
+def hf_config(shape: dict[str, int]):  # -> transformers.LlamaConfig
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"], num_attention_heads=shape["n_heads"],
+        num_key_value_heads=shape["n_kv_heads"], intermediate_size=shape["ffn_dim"], vocab_size=shape["vocab_size"],
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def save_hf_model(shape: dict[str, int], folder: Path, max_shard_size: str | None) -> int:
+    """Save a random Llama of `shape` to `folder`; return the size of its largest weight file in bytes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.float32)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return max(file.stat().st_size for file in folder.glob("*.safetensors"))
 
 
 def overrides(shape: dict[str, int]) -> list[str]:
@@ -92,7 +121,7 @@ class PeakRSS:
         return max(self._sampled, status_kib("VmRSS") * 1024)
 
 
-def worker(project: Path, shape: dict[str, int], out: Path) -> None:
+def worker(project: Path, model_overrides: list[str], warm_up_overrides: list[str], out: Path) -> None:
     """Runs on every rank under torchrun; rank 0 writes every rank's measurement to `out`."""
     import torch.distributed as dist
 
@@ -100,14 +129,14 @@ def worker(project: Path, shape: dict[str, int], out: Path) -> None:
     from config import Config, parse_args
     from train import build_model_meta, init_distributed
 
-    def config_for(model_shape: dict[str, int]) -> Config:
-        return parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *overrides(model_shape)])
+    def config_for(model: list[str]) -> Config:
+        return parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *model])
 
-    config = config_for(shape)
+    config = config_for(model_overrides)
     device, mesh = init_distributed(config)
     # A throw-away build of a tiny model first, so that the code pages and one-off allocations that any build
     # touches (kernels, DTensor dispatch caches, gloo buffers) are in the baseline, not charged to the model.
-    build_model_meta(config_for(WARM_UP), mesh, device)
+    build_model_meta(config_for(warm_up_overrides), mesh, device)
     gc.collect()
     dist.barrier()
 
@@ -134,66 +163,107 @@ def worker(project: Path, shape: dict[str, int], out: Path) -> None:
     dist.destroy_process_group()
 
 
-def hf_pretrained_available() -> bool:
-    """Whether `fsdp2gen new` offers a pretrained Hugging Face path (not measured here yet either way)."""
-    result = subprocess.run([sys.executable, "-m", "fsdp2gen", "new", "--help"], capture_output=True, text=True)
-    return "--pretrained" in result.stdout
+def measure(project: Path, model: list[str], warm_up: list[str], world: int, out: Path) -> list[dict]:
+    """Every rank's measurement of one build, `world` ranks under torchrun."""
+    # One thread per rank unless told otherwise: up to 4 ranks share the cores, and RSS does not depend on it.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    launch = [*torchrun, __file__, "--worker", str(project), json.dumps(model), json.dumps(warm_up), str(out)]
+    result = subprocess.run(launch, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(model)} world {world} failed:\n{result.stderr[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,2,4", help="comma-separated world sizes (default: %(default)s)")
     parser.add_argument("--tiny", action="store_true", help="two tiny models, for a quick check that the script runs")
-    parser.add_argument("--worker", nargs=3, metavar=("PROJECT", "SHAPE", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, metavar=("PROJECT", "MODEL", "WARM_UP", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        project, shape, out = args.worker
-        worker(Path(project), json.loads(shape), Path(out))
+        project, model, warm_up, out = args.worker
+        worker(Path(project), json.loads(model), json.loads(warm_up), Path(out))
         return
 
     worlds = [int(w) for w in args.worlds.split(",")]
     sizes = TINY_SIZES if args.tiny else SIZES
-    # One thread per rank unless told otherwise: up to 4 ranks share the cores, and RSS does not depend on it.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    header = (
+        f"{'model':<10} {'params':>8} {'full MB':>8} {'world':>5} {'rank':>4} {'increase MB':>11} "
+        f"{'full/world MB':>13} {'ratio':>5}"
+    )
     worst: dict[tuple[str, int], float] = {}
+    hf_worst: dict[tuple[str, int], float] = {}
+    rank0: list[str] = []
+    method = ""
     with tempfile.TemporaryDirectory() as tmp:
-        project = Path(tmp) / "memory"
-        command = [sys.executable, "-m", "fsdp2gen", "new", str(project), "--yes", "--gpus", str(max(worlds))]
-        subprocess.run([*command, "--fp32"], cwd=REPO, check=True, capture_output=True)
-        print("peak RSS increase over each rank's pre-build baseline during build_model_meta (fp32, CPU, gloo)")
-        print(
-            f"{'model':<7} {'params':>8} {'full MB':>8} {'world':>5} {'rank':>4} {'increase MB':>11} "
-            f"{'full/world MB':>13} {'ratio':>5}"
-        )
-        method = ""
+        root = Path(tmp)
+        new = [sys.executable, "-m", "fsdp2gen", "new", "--yes", "--gpus", str(max(worlds)), "--fp32"]
+
+        def report(name: str, world: int, ranks: list[dict], into: dict[tuple[str, int], float]) -> None:
+            nonlocal method
+            for rank in ranks:
+                share = rank["full_bytes"] / world
+                ratio = rank["increase"] / share
+                # hf: rank 0 reads the weight files, so the target is for the other ranks.
+                if into is not hf_worst or rank["rank"] != 0:
+                    into[name, world] = max(into.get((name, world), 0.0), ratio)
+                method = rank["method"]
+                print(
+                    f"{name:<10} {rank['parameters'] / 1e6:7.2f}M {rank['full_bytes'] / 1e6:8.1f} {world:>5} "
+                    f"{rank['rank']:>4} {rank['increase'] / 1e6:11.1f} {share / 1e6:13.1f} {ratio:5.2f}"
+                )
+
+        project = root / "memory"
+        subprocess.run([*new[:4], str(project), *new[4:]], cwd=REPO, check=True, capture_output=True)
+        print("llama: peak RSS increase over each rank's pre-build baseline during build_model_meta (fp32, CPU, gloo)")
+        print(header)
         for name, shape in sizes.items():
             for world in worlds:
-                out = Path(tmp) / f"{name}-{world}.json"
-                torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-                launch = [*torchrun, __file__, "--worker", str(project), json.dumps(shape), str(out)]
-                result = subprocess.run(launch, env=env, capture_output=True, text=True)
-                if result.returncode != 0:
-                    sys.exit(f"{name} world {world} failed:\n{result.stderr[-4000:]}")
-                for rank in json.loads(out.read_text()):
-                    share = rank["full_bytes"] / world
-                    ratio = rank["increase"] / share
-                    worst[name, world] = max(worst.get((name, world), 0.0), ratio)
-                    method = rank["method"]
-                    print(
-                        f"{name:<7} {rank['parameters'] / 1e6:7.2f}M {rank['full_bytes'] / 1e6:8.1f} {world:>5} "
-                        f"{rank['rank']:>4} {rank['increase'] / 1e6:11.1f} {share / 1e6:13.1f} {ratio:5.2f}"
-                    )
+                ranks = measure(project, overrides(shape), overrides(WARM_UP), world, root / f"{name}-{world}.json")
+                report(name, world, ranks, worst)
+
+        # hf --pretrained: real safetensors folders of the same shapes, loaded by the generated load_pretrained.
+        folders, largest_file = {}, {}
+        for name, shape in {**sizes, "warm-up": WARM_UP}.items():
+            folders[name] = root / f"hf-{name}"
+            largest_file[name] = save_hf_model(shape, folders[name], HF_MAX_SHARD.get(name))
+        hf_project = root / "memory-hf"
+        hf_new = [*new[:4], str(hf_project), *new[4:], "--family", "hf", "--hf-model", str(folders["warm-up"])]
+        subprocess.run([*hf_new, "--pretrained"], cwd=REPO, check=True, capture_output=True)
+        print()
+        print("hf --pretrained: the same, with rank 0 reading the safetensors files and broadcasting them")
+        print(header)
+        warm_up = ["--model.path", str(folders["warm-up"])]
+        for name in sizes:
+            for world in worlds:
+                model = ["--model.path", str(folders[name])]
+                ranks = measure(hf_project, model, warm_up, world, root / f"hf-{name}-{world}.json")
+                report(f"hf-{name}", world, ranks, hf_worst)
+                first = ranks[0]
+                over_share = first["increase"] - first["full_bytes"] / world
+                largest = largest_file[name]
+                rank0.append(
+                    f"hf-{name} world {world}: rank 0 {first['increase'] / 1e6:.1f} MB = its share + "
+                    f"{over_share / largest:.2f} x the largest weight file ({largest / 1e6:.1f} MB)"
+                )
     print(f"peak measured as: {method}")
     for (name, world), ratio in worst.items():
         print(f"worst ratio {name} world {world} = {ratio:.2f}")
     overall = max(worst.values())
     print(f"worst ratio = {overall:.2f}: {'meets' if overall <= TARGET else 'MISSES'} the {TARGET} target")
+    if hf_worst:
+        hf_overall = max(hf_worst.values())
+        print(
+            f"hf --pretrained: worst ratio of the ranks that read no file = {hf_overall:.2f}: "
+            f"{'meets' if hf_overall <= TARGET else 'MISSES'} the {TARGET} target"
+        )
+    else:
+        print("hf --pretrained: world 1 only, where the one rank reads the files (see the rank 0 lines)")
+    for line in rank0:
+        print(line)
     if args.tiny:
         print("(tiny models: a few hundred KB, within the allocator's noise; these ratios mean nothing)")
-    if hf_pretrained_available():
-        print("hf --pretrained: not measured yet (this script builds from random init only)")
-    else:
-        print("hf --pretrained: not available in this template version (no such generator option yet)")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,19 @@ def test_build_memory_benchmark_runs_and_reports_ratios() -> None:
     assert rows == [(model, rank) for model in ("tiny-a", "tiny-b") for rank in ("0", "1")], out
     assert re.search(r"^worst ratio tiny-b world 2 = \d+\.\d\d$", out, flags=re.M), out
     assert re.search(r"^worst ratio = \d+\.\d\d: (meets|MISSES) the 1\.2 target$", out, flags=re.M), out
-    assert re.search(r"^hf --pretrained: ", out, flags=re.M), out
+    # The hf --pretrained path: the generated load_pretrained reading real safetensors files (tiny-b's in shards).
+    hf_row = r"^(hf-tiny-[ab]) +\d+\.\d\dM +\d+\.\d +2 +([01]) +\d+\.\d +\d+\.\d +\d+\.\d\d$"
+    hf_rows = sorted(re.findall(hf_row, out, flags=re.M))
+    assert hf_rows == [(model, rank) for model in ("hf-tiny-a", "hf-tiny-b") for rank in ("0", "1")], out
+    target = (
+        r"^hf --pretrained: worst ratio of the ranks that read no file = \d+\.\d\d: (meets|MISSES) the 1\.2 target$"
+    )
+    assert re.search(target, out, flags=re.M), out
+    for model in ("hf-tiny-a", "hf-tiny-b"):
+        rank0 = (
+            rf"^{model} world 2: rank 0 \d+\.\d MB = its share \+ -?\d+\.\d\d x the largest weight file \(\d+\.\d MB\)$"
+        )
+        assert re.search(rank0, out, flags=re.M), out
 
 
 def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
