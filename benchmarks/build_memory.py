@@ -159,8 +159,6 @@ def worker(project: Path, model_overrides: list[str], warm_up_overrides: list[st
     dist.all_gather_object(gathered, measured)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def measure(project: Path, model: list[str], warm_up: list[str], world: int, out: Path) -> list[dict]:
@@ -183,7 +181,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         project, model, warm_up, out = args.worker
+        import torch.distributed as dist
+
         worker(Path(project), json.loads(model), json.loads(warm_up), Path(out))
+        # The worker's models are freed once it returns; collect them before tearing the group down, as the
+        # generated train.py does (gloo now and then aborts at exit when tensors outlive their group).
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
         return
 
     worlds = [int(w) for w in args.worlds.split(",")]

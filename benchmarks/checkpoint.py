@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import gc
 import importlib.util
 import os
 import statistics
@@ -223,8 +224,6 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         )
         firsts = ", ".join(f"{style} {seconds:.3f} s" for style, seconds in first_save.items())
         print(f"first save of the run (warm-up, blocked time): {firsts}")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def generate(root: Path) -> None:
@@ -247,7 +246,14 @@ def main() -> None:
     args = parser.parse_args()
     repeat = 1 if args.tiny else args.repeat
     if args.worker:
+        import torch.distributed as dist
+
         worker(args.worker, repeat, TINY if args.tiny else FULL)
+        # The worker's models are freed once it returns; collect them before tearing the group down, as the
+        # generated train.py does (gloo now and then aborts at exit when tensors outlive their group).
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
         return
     # One thread per rank: two ranks share two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -14,6 +14,7 @@ Target: generated / hand-written <= 1.00 (the scaffold adds nothing measurable; 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -139,8 +140,6 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
             print("meets the 1.00 target")
         else:
             print("within the 1.03 noise allowance" if ratio <= 1.03 else "MISSES the 1.03 limit")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -152,7 +151,14 @@ def main() -> None:
     args = parser.parse_args()
     overrides = TINY if args.tiny else FULL
     if args.worker:
+        import torch.distributed as dist
+
         worker(args.worker, args.steps, args.repeat, overrides)
+        # The worker's models are freed once it returns; collect them before tearing the group down, as the
+        # generated train.py does (gloo now and then aborts at exit when tensors outlive their group).
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
         return
     # One thread per rank unless told otherwise: two ranks share two cores.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -10,6 +10,7 @@ the tensors autograd saved for backward (unique storages, parameters and buffers
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -82,9 +83,12 @@ def main() -> None:
     dist.all_gather_object(gathered, measured)
     if rank == 0:
         out.write_text(json.dumps({"world_size": world_size, "ranks": gathered}, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # The worker's models are freed once it returns; collect them before tearing the group down, as the
+    # generated train.py does (gloo now and then aborts at exit when tensors outlive their group).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

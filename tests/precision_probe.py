@@ -6,6 +6,7 @@ skipped (parameters unchanged) and the loss scale before and after.
 Each rank writes its report to $PROBE_OUT/rank<N>.json (ranks printing to one stdout interleave).
 """
 
+import gc
 import json
 import math
 import os
@@ -54,5 +55,8 @@ else:
     unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True))
     report.update(params_unchanged=unchanged, scale_before=scale_before, scale_after=scaler.get_scale())
 Path(os.environ["PROBE_OUT"], f"rank{rank}.json").write_text(json.dumps(report))
+# Free the sharded model before tearing the group down, as the generated train.py does.
+model = optimizer = scheduler = None
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()

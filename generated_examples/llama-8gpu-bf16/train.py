@@ -205,8 +205,9 @@ def convert_blocks_to_float8(blocks: Iterable[nn.Module], device: torch.device) 
         )
         converted += sum(isinstance(module, Float8Linear) for module in block.modules())
     if dist.get_rank() == 0:
-        # On CPU torch's float8 matmul is a slow reference kernel: right for tests, not for speed.
-        print(f"float8: {converted} of the blocks' {linears} linear layers compute in float8", flush=True)
+        # On CPU torch's float8 matmul is a reference kernel: right for tests, far too slow for training.
+        where = " (CPU: torch's slow reference kernel)" if device.type == "cpu" else ""
+        print(f"float8: {converted} of the blocks' {linears} linear layers compute in float8{where}", flush=True)
 
 
 # fsdp2gen: block build_optimizer
