@@ -108,3 +108,22 @@ def test_answers_file_records_every_answer(projects: dict[str, Path], precision:
     files = tree(projects[precision])
     answers = files[".copier-answers.yml"].decode()
     assert f"precision: {precision}\n" in answers and "gpus: 2\n" in answers
+
+
+# One option at a time over the defaults (--gpus 2, bf16): each renders its own imports and code, so each alone
+# must leave a lint-clean project (e.g. --compile alone once left an unused `import pytest` in the tests).
+SINGLE_OPTIONS = [
+    ["--compile"], ["--float8"], ["--cpu-offload"], ["--prefetch"], ["--tensorboard"],
+    ["--activation-checkpointing", "full"], ["--reshard-after-forward", "false"], ["--reshard-after-forward", "2"],
+    ["--tp", "2"], ["--checkpoint", "dcp-async"], ["--checkpoint", "full"], ["--launcher", "slurm"],
+    ["--launcher", "ray"], ["--nodes", "2"], ["--family", "custom"], ["--fp16"], ["--fp32"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", SINGLE_OPTIONS, ids=" ".join)
+def test_each_option_alone_renders_a_lint_clean_project(tmp_path: Path, options: list[str]) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2", *options)
+    for args in (["check"], ["format", "--check"]):
+        lint = subprocess.run([sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=project,
+                              capture_output=True, text=True)  # fmt: skip
+        assert lint.returncode == 0, lint.stdout
