@@ -69,12 +69,14 @@ def main() -> None:
     still_writing = not in_flight.future.done()
     in_flight.finish()
     whole_async_save = time.perf_counter() - started
-    print(
+    # One write of one line: the ranks share stdout, and print() writes the text and its newline separately,
+    # so another rank's line could land in between.
+    sys.stdout.write(
         f"rank {rank}: sync save {sync_save:.3f} s | async save: paused {paused:.3f} s + step during the save "
         f"{step_during_save:.3f} s (plain step {plain_step:.3f} s, still writing after it: {still_writing}), "
-        f"written after {whole_async_save:.3f} s",
-        flush=True,
+        f"written after {whole_async_save:.3f} s\n"
     )
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 
