@@ -61,6 +61,19 @@ def torchrun_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def torchrun(
+    project: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `args` (a script and its options) under torchrun, `nproc` gloo ranks, in `project`; fail the test
+    with the output's tail unless it succeeds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    # PYTHONPATH: scripts outside the project's root (tests/, this repository's probes) import its modules.
+    env = {**torchrun_env(), "PYTHONPATH": str(project), **(env or {})}
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.fixture(scope="session")
 def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One generated project per precision, shared by the tests that only read or run them."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, fsdp2gen, torchrun_env, tree
+from tests.conftest import REPO, fsdp2gen, torchrun, tree
 
 COPIER = str(Path(sys.executable).parent / "copier")
 GIT_IDENTITY = {
@@ -120,13 +120,8 @@ def test_fsdp2gen_update_and_copier_update_keep_user_edits(template_repo: Path, 
     assert_updated(with_copier)
 
     # The updated project still trains on 2 CPU ranks.
-    train = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-         "--job.device", "cpu", "--training.steps", "2", "--model.n_layers", "1", "--training.seq_len", "16",
-         "--training.global_batch_size", "4"],
-        cwd=with_fsdp2gen, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert train.returncode == 0, train.stderr
+    torchrun(with_fsdp2gen, "train.py", "--job.device", "cpu", "--training.steps", "2", "--model.n_layers", "1",
+             "--training.seq_len", "16", "--training.global_batch_size", "4")  # fmt: skip
     assert len((with_fsdp2gen / "outputs" / "metrics.jsonl").read_text().splitlines()) == 2
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import generate, metrics, torchrun_env
+from tests.conftest import generate, metrics, torchrun, torchrun_env
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
         "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
@@ -53,12 +53,7 @@ def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) 
     config = (edited / "config.toml").read_text().replace('shard_modules = ["Block"]', 'shard_modules = ["GatedBlock"]')
     (edited / "config.toml").write_text(config)
 
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", *TINY,
-         "--training.steps", "6", "--job.output_dir", str(tmp_path / "out")],
-        cwd=edited, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(edited, "train.py", *TINY, "--training.steps", "6", "--job.output_dir", str(tmp_path / "out"))
     losses = [record["loss"] for record in metrics(tmp_path / "out")]
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
     # dim 64, 2 blocks with the gate, tied output: every parameter is counted once.

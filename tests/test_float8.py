@@ -6,13 +6,11 @@ the runs are tiny. On GPUs below compute capability 8.9 the generated test check
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, run_own_tests, torchrun_env
+from tests.conftest import TINY, generate, run_own_tests, torchrun
 
 
 def tiny_hf_model(folder: Path) -> Path:
@@ -38,12 +36,8 @@ def test_float8_project_tracks_bf16_and_resumes_exactly(tmp_path: Path, family: 
 
 def test_float8_converts_only_block_linears_with_dimensions_divisible_by_16(tmp_path: Path) -> None:
     project = generate(tmp_path / "run", "--gpus", "2", "--bf16", "--float8")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
-         "--job.device", "cpu", "--training.steps", "1", "--job.output_dir", str(tmp_path / "out")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun(project, "train.py", *TINY, "--job.device", "cpu", "--training.steps", "1",
+                      "--job.output_dir", str(tmp_path / "out"))  # fmt: skip
     # ffn_dim 172 is not a multiple of 16: w1, w2, w3 stay bf16; wq, wk, wv, wo of both blocks are converted.
     # The token embedding and output layer are not in a block and are never converted.
     expected = "float8: 8 of the blocks' 14 linear layers compute in float8 (CPU: torch's slow reference kernel)\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import generate, metrics, torchrun_env
+from tests.conftest import generate, metrics, torchrun, torchrun_env
 
 # hidden 64, 2 layers: each model is a few hundred KB.
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
@@ -56,14 +56,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("hf") / "run", "--family", "hf", "--hf-model", str(models["qwen2-tied"]),
                     "--gpus", "2", "--fp32")  # fmt: skip
-
-
-def torchrun(project: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    env = {**torchrun_env(), "PYTHONPATH": str(project)}  # tests/ scripts import the project's modules
-    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 def test_sharded_pretrained_models_equal_from_pretrained(project: Path, models: dict[str, Path]) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import generate, torchrun_env
+from tests.conftest import generate, torchrun
 
 
 @pytest.mark.parametrize("nproc", [1, 3])
@@ -19,11 +17,9 @@ def test_init_in_small_blocks_equals_eager_on_uneven_shards(tmp_path: Path, npro
     source = model.read_text()
     assert "INIT_BLOCK_ELEMENTS = 1 << 20\n" in source
     model.write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 20\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "tests/check_init.py", "--job.device", "cpu", "--model.vocab_size", "130", "--model.dim", "64",
-         "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "172", "--model.n_layers", "2"],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
+    result = torchrun(
+        project, "tests/check_init.py", "--job.device", "cpu", "--model.vocab_size", "130", "--model.dim", "64",
+        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "172", "--model.n_layers", "2",
+        nproc=nproc,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0: 21 tensors equal" in result.stdout and "MISMATCH" not in result.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, torchrun_env
+from tests.conftest import TINY, generate, metrics, torchrun, torchrun_env
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +38,13 @@ def test_size_presets_have_the_parameter_counts_config_toml_states(project: Path
 
 
 def test_tied_embeddings_train_on_two_ranks_and_export(project: Path, tmp_path: Path) -> None:
-    env = {**torchrun_env(), "PYTHONPATH": str(project)}
     tied = [*TINY, "--model.tie_embeddings", "true", "--job.device", "cpu"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # Meta init of the tied model on 2 ranks equals the eager one (both names of the tied matrix included).
-    init = subprocess.run([*torchrun, "tests/check_init.py", *tied], cwd=project, env=env, capture_output=True,
-                          text=True)  # fmt: skip
-    assert init.returncode == 0, init.stdout + init.stderr
+    init = torchrun(project, "tests/check_init.py", *tied)
     assert init.stdout.count("tensors equal") == 2 and "MISMATCH" not in init.stdout
 
     steps = ["--training.steps", "5", "--data.synthetic_samples", "8", "--job.output_dir", str(tmp_path)]
-    run = subprocess.run([*torchrun, "train.py", *tied, *steps], cwd=project, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = torchrun(project, "train.py", *tied, *steps)
     # dim 64, vocab 128: the tied model has one 128 x 64 matrix fewer than the untied one.
     untied = 128 * 64 * 2 + 2 * (2 * 64 + 64 * 64 * 2 + 2 * 32 * 64 + 3 * 64 * 172) + 64
     assert f"model: {untied - 128 * 64:,} parameters" in run.stdout

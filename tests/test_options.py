@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun_env
+from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
 
 STEPS = 10
 # max_norm far below the gradient norms (~1): every step is clipped, so clipping must be right everywhere.
@@ -80,12 +80,8 @@ def test_tensor_parallel_run_equals_plain_pytorch(
 def assert_run_equals_reference(
     project: Path, reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
-         *RUN, *options, "--checkpoint.model_only_final", "true", "--job.output_dir", str(tmp_path)],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    torchrun(project, "train.py", *RUN, *options, "--checkpoint.model_only_final", "true",
+             "--job.output_dir", str(tmp_path), nproc=nproc)  # fmt: skip
     expected_metrics, expected_params = reference
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate, torchrun_env
+from tests.conftest import REPO, generate, torchrun, torchrun_env
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64", "--training.seq_len", "32",
@@ -17,13 +17,7 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
 
 
 def probe(project: Path, mode: str, out: Path, *overrides: str) -> list[dict]:
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "precision_probe.py"), mode, *TINY, *overrides],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project), "PROBE_OUT": str(out)},
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    torchrun(project, str(REPO / "tests" / "precision_probe.py"), mode, *TINY, *overrides, env={"PROBE_OUT": str(out)})
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -64,13 +58,8 @@ def test_fp16_metrics_count_skipped_steps(tmp_path: Path) -> None:
 def test_bf16_training_stays_within_2e_2_of_fp32(projects: dict[str, Path], tmp_path: Path) -> None:
     losses = {}
     for precision in ("fp32", "bf16"):
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-             *TINY, "--training.steps", "10", "--training.global_batch_size", "8", "--training.lr", "1e-2",
-             "--job.output_dir", str(tmp_path / precision)],
-            cwd=projects[precision], env=torchrun_env(), capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
+        torchrun(projects[precision], "train.py", *TINY, "--training.steps", "10", "--training.global_batch_size", "8",
+                 "--training.lr", "1e-2", "--job.output_dir", str(tmp_path / precision))  # fmt: skip
         losses[precision] = [json.loads(line)["loss"] for line in (tmp_path / precision / "metrics.jsonl").open()]
     assert len(losses["bf16"]) == 10
     for fp32, bf16 in zip(losses["fp32"], losses["bf16"], strict=True):

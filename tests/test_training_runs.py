@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, metrics, run_own_tests, torchrun_env
+from tests.conftest import TINY, metrics, run_own_tests, torchrun, torchrun_env
 
 
 def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
@@ -36,12 +36,7 @@ def test_two_ranks_equal_one_plain_process_in_fp32(projects: dict[str, Path], tm
     single = subprocess.run([sys.executable, "train.py", *steps, "--job.output_dir", str(tmp_path / "one")],
                             cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
     assert single.returncode == 0, single.stderr
-    sharded = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", *steps,
-         "--job.output_dir", str(tmp_path / "two")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert sharded.returncode == 0, sharded.stderr
+    torchrun(project, "train.py", *steps, "--job.output_dir", str(tmp_path / "two"))
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
