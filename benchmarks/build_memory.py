@@ -40,7 +40,7 @@ TINY_SIZES = {
 }
 WARM_UP = TINY_SIZES["tiny-a"]
 # The same shapes as Hugging Face Llama models (tied embeddings off), written by save_pretrained in fp32;
-# name -> (shape, max_shard_size of the safetensors files).
+# name -> max_shard_size of its safetensors files (None: one file). Sharded files bound rank 0's extra memory.
 HF_MAX_SHARD = {"small": None, "large": "100MB", "tiny-a": None, "tiny-b": "200KB"}
 
 
@@ -203,15 +203,20 @@ def main() -> None:
     method = ""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        new = [sys.executable, "-m", "fsdp2gen", "new", "--yes", "--gpus", str(max(worlds)), "--fp32"]
 
-        def report(name: str, world: int, ranks: list[dict], into: dict[tuple[str, int], float]) -> None:
+        def generate(dest: Path, *options: str) -> None:
+            command = [sys.executable, "-m", "fsdp2gen", "new", str(dest), "--yes", "--gpus", str(max(worlds))]
+            subprocess.run([*command, "--fp32", *options], cwd=REPO, check=True, capture_output=True)
+
+        def report(
+            name: str, world: int, ranks: list[dict], into: dict[tuple[str, int], float], rank0_reads_files: bool
+        ) -> None:
             nonlocal method
             for rank in ranks:
                 share = rank["full_bytes"] / world
                 ratio = rank["increase"] / share
-                # hf: rank 0 reads the weight files, so the target is for the other ranks.
-                if into is not hf_worst or rank["rank"] != 0:
+                # The target is for the ranks that read no weight file.
+                if not (rank0_reads_files and rank["rank"] == 0):
                     into[name, world] = max(into.get((name, world), 0.0), ratio)
                 method = rank["method"]
                 print(
@@ -220,13 +225,13 @@ def main() -> None:
                 )
 
         project = root / "memory"
-        subprocess.run([*new[:4], str(project), *new[4:]], cwd=REPO, check=True, capture_output=True)
+        generate(project)
         print("llama: peak RSS increase over each rank's pre-build baseline during build_model_meta (fp32, CPU, gloo)")
         print(header)
         for name, shape in sizes.items():
             for world in worlds:
                 ranks = measure(project, overrides(shape), overrides(WARM_UP), world, root / f"{name}-{world}.json")
-                report(name, world, ranks, worst)
+                report(name, world, ranks, worst, rank0_reads_files=False)
 
         # hf --pretrained: real safetensors folders of the same shapes, loaded by the generated load_pretrained.
         folders, largest_file = {}, {}
@@ -234,8 +239,7 @@ def main() -> None:
             folders[name] = root / f"hf-{name}"
             largest_file[name] = save_hf_model(shape, folders[name], HF_MAX_SHARD.get(name))
         hf_project = root / "memory-hf"
-        hf_new = [*new[:4], str(hf_project), *new[4:], "--family", "hf", "--hf-model", str(folders["warm-up"])]
-        subprocess.run([*hf_new, "--pretrained"], cwd=REPO, check=True, capture_output=True)
+        generate(hf_project, "--family", "hf", "--hf-model", str(folders["warm-up"]), "--pretrained")
         print()
         print("hf --pretrained: the same, with rank 0 reading the safetensors files and broadcasting them")
         print(header)
@@ -244,7 +248,7 @@ def main() -> None:
             for world in worlds:
                 model = ["--model.path", str(folders[name])]
                 ranks = measure(hf_project, model, warm_up, world, root / f"hf-{name}-{world}.json")
-                report(f"hf-{name}", world, ranks, hf_worst)
+                report(f"hf-{name}", world, ranks, hf_worst, rank0_reads_files=True)
                 first = ranks[0]
                 over_share = first["increase"] - first["full_bytes"] / world
                 largest = largest_file[name]
