@@ -13,8 +13,8 @@ import io
 import json
 import re
 import tokenize
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -23,70 +23,23 @@ class Rule:
     code: str
     catches: str  # one line for the README table
     fix: str
+    check: Callable[[_Module], None] = field(compare=False, repr=False)
 
 
-RULES = {
-    rule.code: rule
-    for rule in (
-        Rule(
-            "FSDP001",
-            "optimizer built from a model's parameters before `fully_shard` was applied to that model",
-            "create the optimizer after every fully_shard call",
-        ),
-        Rule(
-            "FSDP002",
-            "`fully_shard` applied to the root module before its blocks (bottom-up order violated)",
-            "call fully_shard on each block first, then on the root",
-        ),
-        Rule(
-            "FSDP003",
-            "`.forward(...)` called directly on a sharded module, skipping FSDP2's all-gather hooks",
-            "call the module itself: model(x)",
-        ),
-        Rule(
-            "FSDP004",
-            "`torch.save` of a sharded model's `state_dict()` (each rank writes only its own DTensor shards)",
-            "save with torch.distributed.checkpoint (dcp.save), or get_model_state_dict(model, "
-            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) and torch.save on rank 0",
-        ),
-        Rule(
-            "FSDP005",
-            "`no_sync()` on an FSDP2 module (FSDP2 has no no_sync)",
-            "call model.set_requires_gradient_sync(False) on accumulation steps and True on the last",
-        ),
-        Rule(
-            "FSDP006",
-            "model built on the `meta` device but never `to_empty`-ed, or `to_empty` with no initialisation after it",
-            "after fully_shard call model.to_empty(device=...), then initialise every parameter and buffer "
-            "(e.g. model.init_weights() or reset_parameters()) or load a checkpoint",
-        ),
-        Rule(
-            "FSDP007",
-            "`init_process_group` on CUDA without pinning the process to its GPU from `LOCAL_RANK`",
-            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group (or pass device_id=)",
-        ),
-        Rule(
-            "FSDP008",
-            "`torch.load` without `weights_only=True` (unpickling can run arbitrary code)",
-            "pass weights_only=True",
-        ),
-        Rule(
-            "FSDP009",
-            "warning: `MixedPrecisionPolicy` reduces gradients in bf16/fp16 (lossy sum over ranks)",
-            "reduce_dtype=torch.float32",
-        ),
-        Rule(
-            "FSDP010",
-            "`destroy_process_group()` not preceded by a barrier (a peer may still be in a collective)",
-            "call dist.barrier() right before destroy_process_group()",
-        ),
-        Rule(
-            "FSDP011",
-            "torchao `convert_to_float8_training` applied to modules `fully_shard` has already sharded",
-            "convert to float8 before fully_shard (and before checkpoint_wrapper / torch.compile)",
-        ),
-    )
-}
+# Every rule, in code order: each check below registers itself with @rule, its one place in this file.
+RULES: dict[str, Rule] = {}
+
+
+def rule(code: str, catches: str, fix: str) -> Callable[[Callable[[_Module], None]], Callable[[_Module], None]]:
+    """Register the decorated function as the check of rule `code`."""
+
+    def register(check: Callable[[_Module], None]) -> Callable[[_Module], None]:
+        if code in RULES:
+            raise ValueError(f"{code} is registered twice")
+        RULES[code] = Rule(code, catches, fix, check)
+        return check
+
+    return register
 
 
 @dataclass(frozen=True, order=True)
@@ -325,6 +278,11 @@ def _optimizer_owners(module: _Module, scope: _Scope, call: ast.Call) -> set[str
     return owners
 
 
+@rule(
+    "FSDP001",
+    "optimizer built from a model's parameters before `fully_shard` was applied to that model",
+    "create the optimizer after every fully_shard call",
+)
 def _rule_optimizer_before_shard(module: _Module) -> None:
     for scope in module.scopes:
         shards = [(c, scope.path(_argument(c, 0, "module"))) for c in scope.calls if module.is_fully_shard(c)]
@@ -349,6 +307,11 @@ def _rule_optimizer_before_shard(module: _Module) -> None:
                     )
 
 
+@rule(
+    "FSDP002",
+    "`fully_shard` applied to the root module before its blocks (bottom-up order violated)",
+    "call fully_shard on each block first, then on the root",
+)
 def _rule_root_before_blocks(module: _Module) -> None:
     for scope in module.scopes:
         shards = []
@@ -368,6 +331,11 @@ def _rule_root_before_blocks(module: _Module) -> None:
                 )
 
 
+@rule(
+    "FSDP003",
+    "`.forward(...)` called directly on a sharded module, skipping FSDP2's all-gather hooks",
+    "call the module itself: model(x)",
+)
 def _rule_forward(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -424,6 +392,12 @@ def _sharded_state_source(module: _Module, scope: _Scope, node: ast.AST, before:
     return None
 
 
+@rule(
+    "FSDP004",
+    "`torch.save` of a sharded model's `state_dict()` (each rank writes only its own DTensor shards)",
+    "save with torch.distributed.checkpoint (dcp.save), or get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) and torch.save on rank 0",
+)
 def _rule_save_sharded(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -439,6 +413,11 @@ def _rule_save_sharded(module: _Module) -> None:
                 )
 
 
+@rule(
+    "FSDP005",
+    "`no_sync()` on an FSDP2 module (FSDP2 has no no_sync)",
+    "call model.set_requires_gradient_sync(False) on accumulation steps and True on the last",
+)
 def _rule_no_sync(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -540,6 +519,12 @@ def _callers_initialise(module: _Module, function: ast.AST) -> bool:
     return True
 
 
+@rule(
+    "FSDP006",
+    "model built on the `meta` device but never `to_empty`-ed, or `to_empty` with no initialisation after it",
+    "after fully_shard call model.to_empty(device=...), then initialise every parameter and buffer "
+    "(e.g. model.init_weights() or reset_parameters()) or load a checkpoint",
+)
 def _rule_meta_init(module: _Module) -> None:
     materialised = any(
         _call_name(c) == "to_empty" or (_call_name(c) == "load_state_dict" and _is_true(_argument(c, 99, "assign")))
@@ -575,6 +560,11 @@ def _rule_meta_init(module: _Module) -> None:
             )
 
 
+@rule(
+    "FSDP007",
+    "`init_process_group` on CUDA without pinning the process to its GPU from `LOCAL_RANK`",
+    "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group (or pass device_id=)",
+)
 def _rule_device_before_process_group(module: _Module) -> None:
     pins = [
         (scope, call)
@@ -640,6 +630,11 @@ def _global_rank(module: _Module, scope: _Scope, node: ast.expr | None, depth: i
     return False
 
 
+@rule(
+    "FSDP008",
+    "`torch.load` without `weights_only=True` (unpickling can run arbitrary code)",
+    "pass weights_only=True",
+)
 def _rule_torch_load(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -647,6 +642,11 @@ def _rule_torch_load(module: _Module) -> None:
                 module.report(call, "FSDP008", "torch.load without weights_only=True can run arbitrary pickled code")
 
 
+@rule(
+    "FSDP009",
+    "warning: `MixedPrecisionPolicy` reduces gradients in bf16/fp16 (lossy sum over ranks)",
+    "reduce_dtype=torch.float32",
+)
 def _rule_reduce_dtype(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -675,6 +675,11 @@ def _rule_reduce_dtype(module: _Module) -> None:
                 )
 
 
+@rule(
+    "FSDP010",
+    "`destroy_process_group()` not preceded by a barrier (a peer may still be in a collective)",
+    "call dist.barrier() right before destroy_process_group()",
+)
 def _rule_destroy_without_barrier(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
@@ -699,6 +704,11 @@ def _is_float8_conversion(module: _Module, call: ast.Call) -> bool:
     return qualname.startswith("torchao.") and qualname.endswith(".convert_to_float8_training")
 
 
+@rule(
+    "FSDP011",
+    "torchao `convert_to_float8_training` applied to modules `fully_shard` has already sharded",
+    "convert to float8 before fully_shard (and before checkpoint_wrapper / torch.compile)",
+)
 def _rule_float8_after_shard(module: _Module) -> None:
     # Functions of this file that convert their first argument (a helper such as convert_blocks_to_float8).
     converters = {
@@ -729,21 +739,6 @@ def _rule_float8_after_shard(module: _Module) -> None:
                 )
 
 
-RULE_CHECKS = (
-    _rule_optimizer_before_shard,
-    _rule_root_before_blocks,
-    _rule_forward,
-    _rule_save_sharded,
-    _rule_no_sync,
-    _rule_meta_init,
-    _rule_device_before_process_group,
-    _rule_torch_load,
-    _rule_reduce_dtype,
-    _rule_destroy_without_barrier,
-    _rule_float8_after_shard,
-)
-
-
 def _suppressed(source: str) -> dict[int, set[str] | None]:
     """Line -> codes silenced by `# fsdp2gen: noqa FSDPxxx` (None: every code) on that line."""
     suppressed: dict[int, set[str] | None] = {}
@@ -765,8 +760,8 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
     """Findings for one file's text, sorted, without the suppressed ones. Raises SyntaxError."""
     tree = ast.parse(source, filename=path)
     module = _Module(tree, path)
-    for rule_check in RULE_CHECKS:
-        rule_check(module)
+    for registered in RULES.values():
+        registered.check(module)
     # Tokenizing is the slowest step: only do it when there is something to suppress.
     suppressed = _suppressed(source) if module.findings and "noqa" in source else {}
     kept = {
