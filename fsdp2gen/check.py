@@ -53,7 +53,7 @@ class Finding:
 
 
 class CheckInputError(Exception):
-    """A path that cannot be read or parsed; the CLI reports it as bad input (exit 2)."""
+    """A path that cannot be read, parsed or analysed; the CLI reports it as bad input (exit 2), in one line."""
 
 
 NOQA = re.compile(r"#\s*fsdp2gen:\s*noqa\b(?P<codes>(?:[\s,:]+FSDP\d{3})*)", re.IGNORECASE)
@@ -757,11 +757,25 @@ def _suppressed(source: str) -> dict[int, set[str] | None]:
 
 
 def check_source(source: str, path: str = "<string>") -> list[Finding]:
-    """Findings for one file's text, sorted, without the suppressed ones. Raises SyntaxError."""
-    tree = ast.parse(source, filename=path)
-    module = _Module(tree, path)
-    for registered in RULES.values():
-        registered.check(module)
+    """Findings for one file's text, sorted, without the suppressed ones.
+
+    Raises SyntaxError, and CheckInputError for code nested too deeply for Python's parser or for this
+    checker (a 100,000-term `1 + 1 + ...` is a RecursionError in ast, a deep `- - - 1` a MemoryError).
+    """
+    too_deep = f"{path}: code nested too deeply to analyse (Python's %s limit); fix the file or exclude it"
+    try:
+        tree = ast.parse(source, filename=path)
+    except MemoryError:
+        # CPython's parser reports its own stack overflow (e.g. 100,000 unary minuses) as MemoryError.
+        raise CheckInputError(too_deep % "parser stack") from None
+    except RecursionError:
+        raise CheckInputError(too_deep % "recursion") from None
+    try:
+        module = _Module(tree, path)
+        for registered in RULES.values():
+            registered.check(module)
+    except RecursionError:
+        raise CheckInputError(too_deep % "recursion") from None
     # Tokenizing is the slowest step: only do it when there is something to suppress.
     suppressed = _suppressed(source) if module.findings and "noqa" in source else {}
     kept = {
@@ -789,7 +803,8 @@ def python_files(paths: Iterable[Path]) -> list[Path]:
 
 
 def check_paths(paths: Iterable[Path]) -> list[Finding]:
-    """Check every file; the first unreadable or unparsable one raises CheckInputError (nothing is reported)."""
+    """Check every file; the first unreadable, unparsable or too deeply nested one raises CheckInputError
+    (nothing is reported)."""
     findings: list[Finding] = []
     for file in python_files(paths):
         try:

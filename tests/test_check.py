@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2gen.check import RULES, check_source
+from fsdp2gen.check import RULES, CheckInputError, check_source
 from tests.conftest import REPO, fsdp2gen, invoke
 
 CORPUS = Path(__file__).resolve().parent / "check_corpus"
@@ -193,6 +193,22 @@ def test_unreadable_input_is_bad_input(tmp_path: Path, content: bytes | None, re
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith(f"fsdp2gen: error: {target}: ") and reason in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "expression,limit",
+    [(" + ".join(["1"] * 100_000), "recursion"), ("-" * 100_000 + "1", "parser stack")],
+    ids=["100k-term-sum", "100k-unary-minus"],
+)
+def test_too_deeply_nested_code_is_one_line_of_bad_input(tmp_path: Path, expression: str, limit: str) -> None:
+    target = tmp_path / "train.py"
+    target.write_text(f"import torch\nx = {expression}\n")
+    message = f"{target}: code nested too deeply to analyse (Python's {limit} limit); fix the file or exclude it"
+    with pytest.raises(CheckInputError) as raised:
+        check_source(target.read_text(), str(target))
+    assert str(raised.value) == message
+    result = invoke("check", str(target))
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
 
 
 def test_unknown_format_is_bad_input() -> None:
