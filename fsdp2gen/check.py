@@ -642,6 +642,53 @@ def _rule_torch_load(module: _Module) -> None:
                 module.report(call, "FSDP008", "torch.load without weights_only=True can run arbitrary pickled code")
 
 
+def _parameters(function: ast.AST) -> list[str]:
+    """The parameter names of a function (none for a module or class body)."""
+    arguments = getattr(function, "args", None)
+    if not isinstance(arguments, ast.arguments):
+        return []
+    every = [*arguments.posonlyargs, *arguments.args, arguments.vararg, *arguments.kwonlyargs, arguments.kwarg]
+    return [a.arg for a in every if a is not None]
+
+
+def _constant(module: _Module, scope: _Scope, node: ast.expr | None, depth: int = 0) -> ast.expr | None:
+    """The expression a name stands for, followed through plain assignments: `low = torch.bfloat16` makes
+    `low` torch.bfloat16, in the function or (when the function does not bind it) at module level, and
+    `getattr(torch, "bfloat16")` is torch.bfloat16. A name bound more than one way (a loop, a parameter,
+    branches assigning different values, `with ... as`) is left as it is: the rules judge only what is sure."""
+    if node is None or depth > 10:
+        return node
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+        and module.qualname(node.args[0])
+    ):
+        return ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Load())
+    if not isinstance(node, ast.Name) or node.id in module.imports:
+        return node
+    name = node.id
+    stores = [n for n in scope.nodes if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+    bound_here = bool(stores) or name in _parameters(scope.node)
+    if not bound_here and scope is not module.scopes[0]:
+        scope = module.scopes[0]  # a module-level name read inside a function: every module-level value counts
+        stores = [n for n in scope.nodes if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+        entries = scope.assignments.get(name, [])
+    elif name in _parameters(scope.node):
+        return node
+    else:
+        stores = [n for n in stores if n.lineno < node.lineno]
+        entries = [e for e in scope.assignments.get(name, []) if e[0] < node.lineno]
+    if not entries or len(entries) != len(stores) or any(is_loop for _, _, is_loop in entries):
+        return node
+    values = [_constant(module, scope, value, depth + 1) for _, value, _ in entries]
+    shown = {ast.dump(value) for value in values}
+    return values[-1] if len(shown) == 1 else node
+
+
 @rule(
     "FSDP009",
     "warning: `MixedPrecisionPolicy` reduces gradients in bf16/fp16 (lossy sum over ranks)",
@@ -654,25 +701,35 @@ def _rule_reduce_dtype(module: _Module) -> None:
                 continue
             reduce_dtype = _argument(call, 1, "reduce_dtype")
             param_dtype = _argument(call, 0, "param_dtype")
-            reduce_name = module.qualname(reduce_dtype) if reduce_dtype is not None else None
-            param_name = module.qualname(param_dtype) if param_dtype is not None else None
+            reduce_value = _constant(module, scope, reduce_dtype)
+            param_value = _constant(module, scope, param_dtype)
+            reduce_name = module.qualname(reduce_value) if reduce_value is not None else None
+            param_name = module.qualname(param_value) if param_value is not None else None
             if reduce_name in LOSSY_DTYPES:
                 shown = ast.unparse(reduce_dtype)
+                dtype = ast.unparse(reduce_value)
+                via = f" ({dtype})" if dtype != shown else ""
                 module.report(
                     call,
                     "FSDP009",
-                    f"warning: reduce_dtype={shown} sums every rank's gradients in {shown}: lossy gradient reduction",
-                )
-            elif param_name in LOSSY_DTYPES and (
-                reduce_dtype is None or (isinstance(reduce_dtype, ast.Constant) and reduce_dtype.value is None)
-            ):
-                shown = ast.unparse(param_dtype)
-                module.report(
-                    call,
-                    "FSDP009",
-                    f"warning: no reduce_dtype, so gradients are reduced in param_dtype={shown}: "
+                    f"warning: reduce_dtype={shown}{via} sums every rank's gradients in {dtype}: "
                     "lossy gradient reduction",
                 )
+            elif param_name in LOSSY_DTYPES and _is_constant_none(reduce_value):
+                shown = ast.unparse(param_dtype)
+                dtype = ast.unparse(param_value)
+                via = f" ({dtype})" if dtype != shown else ""
+                module.report(
+                    call,
+                    "FSDP009",
+                    f"warning: no reduce_dtype, so gradients are reduced in param_dtype={shown}{via}: "
+                    "lossy gradient reduction",
+                )
+
+
+def _is_constant_none(node: ast.expr | None) -> bool:
+    """No value given, or a literal None."""
+    return node is None or (isinstance(node, ast.Constant) and node.value is None)
 
 
 @rule(
