@@ -100,6 +100,7 @@ class _Scope:
     def __init__(self, node: ast.AST, module: _Module) -> None:
         self.node = node
         self.module = module
+        self._parents: dict[ast.AST, ast.AST] | None = None
         own = list(self._own_nodes(node))
         self.nodes = sorted((n for n in own if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset))
         self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
@@ -177,6 +178,16 @@ class _Scope:
             inner = self.path(node.func, depth + 1)
             return f"{inner}()" if inner else None
         return None
+
+    def parents(self) -> dict[ast.AST, ast.AST]:
+        """Child -> parent for every node of this scope (computed once, on first use)."""
+        if self._parents is None:
+            self._parents = {
+                child: parent
+                for parent in [self.node, *self._own_nodes(self.node)]
+                for child in ast.iter_child_nodes(parent)
+            }
+        return self._parents
 
     def returns(self, path: str) -> bool:
         return any(isinstance(n, ast.Return) and n.value is not None and self.path(n.value) == path for n in self.nodes)
@@ -732,6 +743,82 @@ def _is_constant_none(node: ast.expr | None) -> bool:
     return node is None or (isinstance(node, ast.Constant) and node.value is None)
 
 
+RANK_NAME = re.compile(r"(^|_)rank$|^rank_?id$|^process_index$", re.IGNORECASE)
+MAIN_RANK_NAME = re.compile(
+    r"^(is_)?(local_|global_)?(main|master|leader|chief|rank_?0|rank_?zero)(_process|_rank|_worker)?$", re.IGNORECASE
+)
+
+
+def _last_name(node: ast.expr) -> str:
+    """`self.rank` -> rank, `dist.get_rank()` -> get_rank."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _is_rank(module: _Module, node: ast.expr, depth: int = 0) -> bool:
+    """`node` visibly is this process's rank: dist.get_rank(), int(os.environ["RANK"]), rank, self.local_rank."""
+    if depth > 5:
+        return False
+    if isinstance(node, ast.Call):
+        if _call_name(node) in ("get_rank", "get_local_rank", "get_node_local_rank"):
+            return True
+        return _call_name(node) in ("int", "get", "getenv") and bool(node.args) and _is_rank(module, node.args[0])
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str) and "RANK" in node.slice.value
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.endswith("RANK")
+    return isinstance(node, ast.Name | ast.Attribute) and bool(RANK_NAME.search(_last_name(node)))
+
+
+def _rank_condition(module: _Module, test: ast.expr) -> tuple[str, bool] | None:
+    """(condition, polarity) when `test` picks ranks: `rank == 0` and `is_main` are ("rank == 0", True),
+    `dist.get_rank() != 0` and `rank > 0` ("rank == 0", False); None for any other test."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _rank_condition(module, test.operand)
+        return (inner[0], not inner[1]) if inner else None
+    if isinstance(test, ast.BoolOp):
+        picks = any(_rank_condition(module, value) for value in test.values)
+        return (ast.unparse(test), True) if picks else None
+    if isinstance(test, ast.Name | ast.Attribute | ast.Call) and MAIN_RANK_NAME.match(_last_name(test)):
+        return ("rank == 0", True)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    left, op, right = test.left, test.ops[0], test.comparators[0]
+    if _is_rank(module, right) and not _is_rank(module, left):
+        left, right = right, left
+        flipped = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
+        op = flipped.get(type(op), op)
+    if not _is_rank(module, left):
+        return None
+    shown = "None" if _is_constant_none(right) else ast.unparse(right)
+    if isinstance(op, ast.Eq | ast.Is):
+        return (f"rank == {shown}", True)
+    if isinstance(op, ast.NotEq | ast.IsNot):
+        return (f"rank == {shown}", False)
+    # rank < 1 and rank <= 0 pick rank 0; rank > 0 and rank >= 1 the others.
+    if (_is_constant(right, 1) and isinstance(op, ast.Lt)) or (_is_constant(right, 0) and isinstance(op, ast.LtE)):
+        return ("rank == 0", True)
+    if (_is_constant(right, 0) and isinstance(op, ast.Gt)) or (_is_constant(right, 1) and isinstance(op, ast.GtE)):
+        return ("rank == 0", False)
+    return (ast.unparse(test), True)
+
+
+def _rank_conditions(module: _Module, scope: _Scope, node: ast.AST) -> set[tuple[str, bool]]:
+    """The rank tests that decide whether `node` runs: (condition, polarity) of each enclosing `if` branch."""
+    parents = scope.parents()
+    conditions: set[tuple[str, bool]] = set()
+    child, parent = node, parents.get(node)
+    while parent is not None:
+        if isinstance(parent, ast.If | ast.IfExp) and child is not parent.test:
+            condition = _rank_condition(module, parent.test)
+            if condition:
+                in_body = child in parent.body if isinstance(parent, ast.If) else child is parent.body
+                conditions.add((condition[0], condition[1] if in_body else not condition[1]))
+        child, parent = parent, parents.get(parent)
+    return conditions
+
+
 @rule(
     "FSDP010",
     "`destroy_process_group()` not preceded by a barrier (a peer may still be in a collective)",
@@ -739,15 +826,43 @@ def _is_constant_none(node: ast.expr | None) -> bool:
 )
 def _rule_destroy_without_barrier(module: _Module) -> None:
     for scope in module.scopes:
+        barriers = [c for c in scope.calls if _is(module.call_qualname(c), "barrier", "monitored_barrier")]
+        picked = {id(barrier): _rank_conditions(module, scope, barrier) for barrier in barriers}
+        every_rank = [
+            barrier
+            for barrier in barriers
+            # Unconditional, or balanced by a barrier on the other ranks (`if rank == 0: ... else: dist.barrier()`
+            # around a barrier, or the "main process first" `if rank != 0: barrier()` ... `if rank == 0: barrier()`).
+            if not picked[id(barrier)]
+            or any(
+                (condition, not polarity) in picked[id(other)]
+                for condition, polarity in picked[id(barrier)]
+                for other in barriers
+            )
+        ]
         for call in scope.calls:
             if not _is(module.call_qualname(call), "destroy_process_group"):
                 continue
-            barriers = [
-                c
-                for c in scope.calls
-                if c.lineno < call.lineno and (_is(module.call_qualname(c), "barrier", "monitored_barrier"))
-            ]
-            if not barriers:
+            if any(barrier.lineno < call.lineno for barrier in every_rank):
+                continue
+            some_ranks = [barrier for barrier in barriers if barrier.lineno < call.lineno]
+            if some_ranks:
+                barrier = some_ranks[-1]
+                condition, polarity = sorted(picked[id(barrier)])[0]
+                shown = (
+                    condition
+                    if polarity
+                    else condition.replace("==", "!=", 1)
+                    if condition.startswith("rank ==")
+                    else f"not ({condition})"
+                )
+                module.report(
+                    call,
+                    "FSDP010",
+                    f"the barrier before destroy_process_group() (line {barrier.lineno}) runs only when {shown}: "
+                    "the ranks that skip it never meet the ones waiting there, which hang",
+                )
+            else:
                 module.report(
                     call,
                     "FSDP010",
