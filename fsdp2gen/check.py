@@ -226,6 +226,10 @@ class _Module:
         self.strings = [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
         self.scopes = [_Scope(tree, self)] + [_Scope(n, self) for n in nodes if isinstance(n, definitions)]
         self.findings: list[Finding] = []
+        # FSDP001's memo of what each helper function does (see _effects), and the helpers by name.
+        self.effects: dict[tuple[int, int], list] = {}
+        self.functions: dict[str, _Scope] | None = None
+        self.following: set[_Scope] = set()
         # Every path that some fully_shard call sharded, in any scope: evidence for FSDP003/004/005.
         self.sharded: list[str] = []
         for scope in self.scopes:
@@ -289,6 +293,200 @@ def _optimizer_owners(module: _Module, scope: _Scope, call: ast.Call) -> set[str
     return owners
 
 
+# How deep FSDP001 follows helper functions: main -> setup -> build_optimizer is depth 2.
+HELPER_DEPTH = 4
+# Whose parameters a helper's effect is on: ("param", name), ("ret", tuple index or None), ("global", name).
+_Root = tuple[str, str | int | None]
+
+
+@dataclass(frozen=True)
+class _Event:
+    """An optimizer built from `path`'s parameters, or `path` sharded, at `call` (directly or in a helper)."""
+
+    call: ast.Call
+    kind: str  # "optimizer" or "shard"
+    path: str
+    via: str  # "" when `call` is torch.optim / fully_shard itself, else the helper chain: "setup() -> build()"
+
+
+def _functions(module: _Module) -> dict[str, _Scope]:
+    """Module-level functions by name (a name defined twice is left out: which one runs is not sure)."""
+    if module.functions is None:
+        counts: dict[str, int] = {}
+        for node in module.tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                counts[node.name] = counts.get(node.name, 0) + 1
+        module.functions = {
+            scope.node.name: scope
+            for scope in module.scopes
+            if scope.node in module.tree.body
+            and isinstance(scope.node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and counts[scope.node.name] == 1
+        }
+    return module.functions
+
+
+def _methods(module: _Module, scope: _Scope) -> dict[str, _Scope]:
+    """The other methods of the class whose method `scope` is, by name."""
+    for owner in module.scopes:
+        if isinstance(owner.node, ast.ClassDef) and scope.node in owner.node.body:
+            names = {n.name for n in owner.node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+            return {s.node.name: s for s in module.scopes if s.node in owner.node.body and s.node.name in names}
+    return {}
+
+
+def _callee(module: _Module, scope: _Scope, call: ast.Call) -> tuple[_Scope, dict[str, ast.expr]] | None:
+    """The helper of this file that `call` runs, with its parameters bound to the call's arguments:
+    a module-level function `f(...)`, or another method of the same class through `self.f(...)`."""
+    func = call.func
+    bound: dict[str, ast.expr] = {}
+    if isinstance(func, ast.Name) and func.id in _functions(module) and func.id not in _parameters(scope.node):
+        callee = _functions(module)[func.id]
+        names = _parameters(callee.node)
+    elif (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Name)
+        and _parameters(scope.node)[:1] == [func.value.id]
+    ):
+        callee = _methods(module, scope).get(func.attr)
+        if callee is None or not _parameters(callee.node):
+            return None
+        names = _parameters(callee.node)
+        bound[names[0]] = func.value  # self
+        names = names[1:]
+    else:
+        return None
+    arguments = callee.node.args
+    positional = [a.arg for a in [*arguments.posonlyargs, *arguments.args]][len(bound) :]
+    for name, value in zip(positional, call.args, strict=False):
+        if isinstance(value, ast.Starred):
+            break
+        bound[name] = value
+    for keyword in call.keywords:
+        if keyword.arg in names:
+            bound[keyword.arg] = keyword.value
+    return callee, bound
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    """model.layers[*] -> (model, .layers[*])."""
+    match = re.match(r"[^.\[]+", path)
+    head = match.group(0) if match else path
+    return head, path[len(head) :]
+
+
+def _binds(scope: _Scope, name: str) -> bool:
+    """`name` is a parameter of this function or assigned in it (so a module-level `name` is hidden)."""
+    return name in _parameters(scope.node) or any(
+        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in scope.nodes
+    )
+
+
+def _keeps_parameter(module: _Module, scope: _Scope, name: str) -> bool:
+    """Parameter `name` still holds the caller's object: never rebound, or only to fully_shard(name) or
+    name.to(...) style calls on itself."""
+    for _, value, is_loop in scope.assignments.get(name, []):
+        if is_loop:
+            return False
+        if isinstance(value, ast.Call):
+            if module.is_fully_shard(value):
+                value = _argument(value, 0, "module")
+            elif isinstance(value.func, ast.Attribute):
+                value = value.func.value
+        if not (isinstance(value, ast.Name) and value.id == name):
+            return False
+    return True
+
+
+def _returned(scope: _Scope) -> list[tuple[int | None, str]]:
+    """(tuple index or None, path) of what the function returns: `return model, opt` -> (0, model), (1, opt)."""
+    found: list[tuple[int | None, str]] = []
+    for node in scope.nodes:
+        if isinstance(node, ast.Return) and node.value is not None:
+            values = list(enumerate(node.value.elts)) if isinstance(node.value, ast.Tuple) else [(None, node.value)]
+            for index, value in values:
+                if isinstance(value, ast.Call) and scope.module.is_fully_shard(value):
+                    value = _argument(value, 0, "module")
+                path = scope.path(value) if value is not None else None
+                if path:
+                    found.append((index, path))
+    return found
+
+
+def _effects(module: _Module, scope: _Scope, depth: int) -> list[tuple[str, _Root, str, str]]:
+    """What calling the function `scope` does, for FSDP001: (kind, root, suffix, via), where root says
+    whose parameters: ("param", name) the caller's argument, ("ret", index) what the caller assigns the
+    result to (optimizers only: a model sharded and returned is a new object to the caller), or
+    ("global", name) a module-level name."""
+    key = (id(scope.node), depth)
+    if key in module.effects:
+        return module.effects[key]
+    if scope in module.following:
+        return []  # recursion: a helper does not follow calls to itself (or to a helper that called it)
+    module.following.add(scope)
+    name = getattr(scope.node, "name", "?")
+    effects: list[tuple[str, _Root, str, str]] = []
+    for event in _order_events(module, scope, depth):
+        head, suffix = _split_path(event.path)
+        root: _Root | None = None
+        if head in _parameters(scope.node):
+            root = ("param", head) if _keeps_parameter(module, scope, head) else None
+        elif event.kind == "optimizer" and any(path == head for _, path in _returned(scope)):
+            root = ("ret", next(index for index, path in _returned(scope) if path == head))
+        elif not _binds(scope, head) and _binds(module.scopes[0], head):
+            root = ("global", head)
+        if root is not None:
+            effects.append((event.kind, root, suffix, f"{name}()" + (f" -> {event.via}" if event.via else "")))
+    module.following.discard(scope)
+    module.effects[key] = effects
+    return effects
+
+
+def _order_events(module: _Module, scope: _Scope, depth: int = 0) -> list[_Event]:
+    """Every optimizer built and every fully_shard in this scope, in the order of the calls that do them,
+    following the helpers of this file it calls (HELPER_DEPTH deep)."""
+    events: list[_Event] = []
+    for call in scope.calls:
+        qualname = module.call_qualname(call) or ""
+        if qualname.startswith("torch.optim.") and ".lr_scheduler." not in qualname:
+            events += [_Event(call, "optimizer", owner, "") for owner in sorted(_optimizer_owners(module, scope, call))]
+            continue
+        if module.is_fully_shard(call):
+            target = _argument(call, 0, "module")
+            path = scope.path(target) if target is not None else None
+            if path:
+                events.append(_Event(call, "shard", path, ""))
+            continue
+        helper = _callee(module, scope, call) if depth < HELPER_DEPTH else None
+        if helper is None:
+            continue
+        callee, bound = helper
+        for kind, (how, which), suffix, via in _effects(module, callee, depth + 1):
+            path = None
+            if how == "param" and which in bound:
+                path = scope.path(bound[which])
+            elif how == "ret":
+                path = _assigned_result(scope, call, which)
+            elif how == "global" and (scope is module.scopes[0] or not _binds(scope, str(which))):
+                path = str(which)
+            if path:
+                events.append(_Event(call, kind, path.replace("()", "") + suffix, via))
+    return events
+
+
+def _assigned_result(scope: _Scope, call: ast.Call, index: int | None) -> str | None:
+    """The name `x = call` (index None) or `a, x = call` (index 1) binds the call's result to."""
+    statement = scope.parents().get(call)
+    if not isinstance(statement, ast.Assign | ast.AnnAssign) or statement.value is not call:
+        return None
+    target = statement.targets[0] if isinstance(statement, ast.Assign) else statement.target
+    if index is not None and isinstance(target, ast.Tuple | ast.List) and index < len(target.elts):
+        target = target.elts[index]
+    elif index is not None:
+        return None
+    return target.id if isinstance(target, ast.Name) else None
+
+
 @rule(
     "FSDP001",
     "optimizer built from a model's parameters before `fully_shard` was applied to that model",
@@ -296,26 +494,31 @@ def _optimizer_owners(module: _Module, scope: _Scope, call: ast.Call) -> set[str
 )
 def _rule_optimizer_before_shard(module: _Module) -> None:
     for scope in module.scopes:
-        shards = [(c, scope.path(_argument(c, 0, "module"))) for c in scope.calls if module.is_fully_shard(c)]
-        shards = [(c, p) for c, p in shards if p and _argument(c, 0, "module") is not None]
-        for call in scope.calls:
-            qualname = module.call_qualname(call) or ""
-            if not qualname.startswith("torch.optim.") or ".lr_scheduler." in qualname:
+        events = _order_events(module, scope)
+        shards = [event for event in events if event.kind == "shard"]
+        reported: set[tuple[int, str]] = set()
+        for event in events:
+            owner = event.path
+            if event.kind != "optimizer" or (id(event.call), owner) in reported:
                 continue
-            for owner in sorted(_optimizer_owners(module, scope, call)):
-                later = [
-                    c
-                    for c, p in shards
-                    if c.lineno > call.lineno and (_inside(p.replace("()", ""), owner) or _inside(owner, p))
-                ]
-                if later:
-                    shard_call = later[0]
-                    module.report(
-                        call,
-                        "FSDP001",
-                        f"optimizer built from {owner}.parameters() before fully_shard on line {shard_call.lineno}: "
-                        "it holds the replaced unsharded parameters and silently updates nothing",
-                    )
+            later = [
+                shard
+                for shard in shards
+                if shard.call.lineno > event.call.lineno
+                and (_inside(shard.path.replace("()", ""), owner) or _inside(owner, shard.path))
+            ]
+            if not later:
+                continue
+            reported.add((id(event.call), owner))
+            shard = later[0]
+            built = f" (in {event.via})" if event.via else ""
+            sharded = f" (in {shard.via})" if shard.via else ""
+            module.report(
+                event.call,
+                "FSDP001",
+                f"optimizer built{built} from {owner}.parameters() before fully_shard{sharded} on line "
+                f"{shard.call.lineno}: it holds the replaced unsharded parameters and silently updates nothing",
+            )
 
 
 @rule(

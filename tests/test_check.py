@@ -42,6 +42,8 @@ def test_every_rule_has_bad_scripts_that_trip_it_and_good_scripts_that_do_not() 
         assert bad and good, code
         assert all(any(c == code for _, c in expected(p)) for p in bad), code
         assert all(expected(p) == [] for p in good), code
+    # One registration per rule: each code has its own check function.
+    assert len({rule.check for rule in RULES.values()}) == len(RULES)
     # Aliased imports are part of the corpus: `fully_shard as fs`, `torch as th`, `MixedPrecisionPolicy as MP`.
     corpus_text = "\n".join(p.read_text() for p in CORPUS_SCRIPTS)
     for alias in (
@@ -124,6 +126,69 @@ def test_optimizer_before_sharding_and_root_first_in_a_generated_train_py() -> N
     planted = _plant(source, ("    for block in model.layers:\n", early + "    for block in model.layers:\n"))
     line = _line_of(planted, early)
     assert found(planted) == [(line, "FSDP001"), (line + 1, "FSDP002")]
+
+
+HELPERS = """import torch
+from torch.distributed.fsdp import fully_shard
+
+def build_optimizer(model):
+    return torch.optim.AdamW(model.parameters())
+
+def shard_model(model):
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+def main():
+    model = torch.nn.Transformer()
+{body}
+"""
+NAMED_DTYPE = """import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+{assign}
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=low)
+"""
+TEARDOWN = """import torch.distributed as dist
+
+def main():
+    rank = dist.get_rank()
+{body}
+    dist.destroy_process_group()
+"""
+# Issue 16's known misses, each with its correct twin: (source, [(line, code)] expected).
+MISSES: dict[str, tuple[str, list[tuple[int, str]]]] = {
+    "optimizer-helper-before-shard-helper": (
+        HELPERS.format(body="    optimizer = build_optimizer(model)\n    shard_model(model)"),
+        [(14, "FSDP001")],
+    ),
+    "shard-helper-before-optimizer-helper": (
+        HELPERS.format(body="    shard_model(model)\n    optimizer = build_optimizer(model)"),
+        [],
+    ),
+    "bf16-bound-to-a-name": (NAMED_DTYPE.format(assign="low = torch.bfloat16"), [(4, "FSDP009")]),
+    "bf16-bound-to-a-name-in-a-function": (
+        "import torch\nfrom torch.distributed.fsdp import MixedPrecisionPolicy as MP\n\ndef policy():\n"
+        "    low = getattr(torch, 'bfloat16')\n    return MP(param_dtype=low, reduce_dtype=low)\n",
+        [(6, "FSDP009")],
+    ),
+    "fp32-bound-to-a-name": (NAMED_DTYPE.format(assign="low = torch.float32"), []),
+    "barrier-only-on-rank-0": (TEARDOWN.format(body="    if rank == 0:\n        dist.barrier()"), [(7, "FSDP010")]),
+    "barrier-only-on-get-rank-0": (
+        TEARDOWN.format(body="    if dist.get_rank() == 0:\n        dist.barrier()"),
+        [(7, "FSDP010")],
+    ),
+    "barrier-when-world-size-above-1": (
+        TEARDOWN.format(body="    if dist.get_world_size() > 1:\n        dist.barrier()"),
+        [],
+    ),
+    "barrier-on-every-rank": (TEARDOWN.format(body="    dist.barrier()"), []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSES))
+def test_issue_16_misses_are_found_and_their_correct_twins_are_clean(case: str) -> None:
+    source, want = MISSES[case]
+    assert found(source) == want
 
 
 def test_text_output_is_one_ruff_style_line_per_finding_and_exit_1() -> None:
