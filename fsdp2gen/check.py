@@ -2,8 +2,9 @@
 
 Only Python's `ast` is used: no torch import, no code executed, so it runs anywhere in milliseconds.
 Every rule fires only on evidence inside the file it reads (a `fully_shard` call, an import, a
-call order in one function); when the evidence lives elsewhere the rule stays silent, so that a
-finding is worth reading. `# fsdp2gen: noqa FSDPxxx` on a finding's line silences it.
+call order in one function or across the helper functions it calls, a dtype bound to a name); when
+the evidence lives elsewhere the rule stays silent, so that a finding is worth reading.
+`# fsdp2gen: noqa FSDPxxx` on a finding's line silences it.
 """
 
 from __future__ import annotations
