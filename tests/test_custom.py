@@ -67,10 +67,10 @@ def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) 
         [sys.executable, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok", "--job.output_dir",
          str(tmp_path / "wrong")], cwd=edited, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
-    assert wrong.returncode == 1
-    assert wrong.stderr.strip().splitlines()[-1] == (
-        "parallel.shard_modules: no module of class GatedBlok in the model; list the class(es) of its repeated "
-        "blocks (classes in the model: Embedding, GatedBlock, LayerNorm, Linear, Model)"
+    assert wrong.returncode == 2
+    assert wrong.stderr == (
+        "train.py: error: parallel.shard_modules: no module of class GatedBlok in the model; list the class(es) of "
+        "its repeated blocks (classes in the model: Embedding, GatedBlock, LayerNorm, Linear, Model)\n"
     )
     assert not (tmp_path / "wrong" / "metrics.jsonl").exists()
 

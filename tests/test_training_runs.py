@@ -44,10 +44,11 @@ def test_two_ranks_equal_one_plain_process_in_fp32(projects: dict[str, Path], tm
 
 
 @pytest.mark.parametrize("precision,paths,count", [
-    # The whole suite once: 4 training tests + 6 checkpoint tests (resume, restart, reshard, export, 2 x bad
-    # checkpoints). Mixed precision changes the training code, not the checkpoint code (the fp16 scaler state
-    # is checkpointed by the `full` project below), so there the training tests suffice: they keep CI short.
-    ("fp32", [], 10), ("bf16", ["tests/test_training.py"], 4), ("fp16", ["tests/test_training.py"], 4),
+    # The whole suite once: 4 training tests + 8 checkpoint tests (resume, restart, reshard, export, 2 x bad
+    # checkpoints, a new run beside another with keep_last 1 and 2). Mixed precision changes the training code,
+    # not the checkpoint code (the fp16 scaler state is checkpointed by the `full` project below), so there the
+    # training tests suffice: they keep CI short.
+    ("fp32", [], 12), ("bf16", ["tests/test_training.py"], 4), ("fp16", ["tests/test_training.py"], 4),
 ])  # fmt: skip
 def test_generated_projects_own_tests_pass(
     projects: dict[str, Path], precision: str, paths: list[str], count: int
@@ -56,7 +57,7 @@ def test_generated_projects_own_tests_pass(
     assert re.search(rf"^{count} passed in ", stdout, flags=re.M), stdout[-2000:]
 
 
-@pytest.mark.parametrize("style,count", [("dcp-async", 7), ("full", 6)])
+@pytest.mark.parametrize("style,count", [("dcp-async", 9), ("full", 8)])
 def test_checkpoint_style_projects_own_tests_pass(checkpoint_projects: dict[str, Path], style: str, count: int) -> None:
     # Their checkpoint tests (the training tests are the same code as in the fp32 project's run above);
     # dcp-async adds the test that training goes on while a checkpoint is written.

@@ -24,6 +24,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# Model settings a resume may change (preflight.py compares the others with the checkpoint): the
+# initialisation scale, which a loaded checkpoint does not depend on.
+RESUME_MAY_CHANGE = ("init_std",)
+
 
 @dataclass
 class ModelArgs:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import math
+import os
 import tomllib
 import types
 import typing
@@ -25,6 +26,12 @@ class JobConfig:
     output_dir: str = "outputs"
     log_every: int = 10
 
+    def __post_init__(self) -> None:
+        if not self.output_dir:
+            raise ValueError("job.output_dir is empty; name a folder, e.g. --job.output_dir outputs")
+        if self.log_every < 1:
+            raise ValueError(f"job.log_every must be at least 1, got {self.log_every}")
+
 
 @dataclass
 class TrainingConfig:
@@ -39,11 +46,34 @@ class TrainingConfig:
     grad_accum_steps: int = 1
     max_norm: float = 1.0
 
+    def __post_init__(self) -> None:
+        at_least_one = ("steps", "global_batch_size", "seq_len", "grad_accum_steps")
+        for key in at_least_one:
+            if getattr(self, key) < 1:
+                raise ValueError(f"training.{key} must be at least 1, got {getattr(self, key)}")
+        # NaN compares false with everything, so each range is written to fail for it too.
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"training.lr must be a positive number, got {self.lr}")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"training.lr_min_ratio must be between 0 and 1, got {self.lr_min_ratio}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"training.weight_decay must be 0 or more, got {self.weight_decay}")
+        if not 0 <= self.max_norm < math.inf:
+            raise ValueError(f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"training.warmup_steps must be 0 or more, got {self.warmup_steps}")
+        if self.seed < 0:
+            raise ValueError(f"training.seed must be 0 or more, got {self.seed}")
+
 
 @dataclass
 class DataConfig:
     path: str = ""
     synthetic_samples: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.synthetic_samples < 1:
+            raise ValueError(f"data.synthetic_samples must be at least 1, got {self.synthetic_samples}")
 
 
 @dataclass
@@ -166,24 +196,33 @@ def load_config(path: str | Path, overrides: dict[str, str] | None = None) -> Co
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`train.py [--config config.toml] [--section.key VALUE ...]`."""
+    """`train.py [--config config.toml] [--section.key VALUE ...]`; a mistake exits with one line and code 2."""
     parser = argparse.ArgumentParser(description="FSDP2 training", allow_abbrev=False)
     parser.add_argument("--config", default="config.toml", help="TOML file (default: %(default)s)")
     args, rest = parser.parse_known_args(argv)
+    try:
+        return load_config(args.config, parse_overrides(rest))
+    except (ConfigError, TypeError, ValueError) as error:
+        message = str(error)
+    except FileNotFoundError:
+        message = f"config file {args.config} not found; pass --config PATH"
+    except OSError as error:
+        message = f"config file {args.config} cannot be read ({error.strerror or error}); pass --config PATH"
+    # Under torchrun every rank parses the same arguments: one of them says what is wrong.
+    parser.exit(2, f"{parser.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+
+
+def parse_overrides(rest: list[str]) -> dict[str, str]:
+    """["--training.steps", "20", "--job.device=cpu"] -> {"training.steps": "20", "job.device": "cpu"}."""
     overrides: dict[str, str] = {}
     while rest:
         flag = rest.pop(0)
         if not flag.startswith("--") or "." not in flag:
-            parser.error(f"unexpected argument {flag!r}; overrides look like --training.steps 20")
+            raise ConfigError(f"unexpected argument {flag!r}; overrides look like --training.steps 20")
         name, eq, value = flag[2:].partition("=")
         if not eq:
             if not rest:
-                parser.error(f"{flag} needs a value")
+                raise ConfigError(f"{flag} needs a value")
             value = rest.pop(0)
         overrides[name] = value
-    try:
-        return load_config(args.config, overrides)
-    except (ConfigError, TypeError, ValueError) as error:
-        parser.exit(2, f"{sys.argv[0]}: error: {error}\n")
-    except FileNotFoundError:
-        parser.exit(2, f"{sys.argv[0]}: error: config file {args.config} not found; pass --config PATH\n")
+    return overrides

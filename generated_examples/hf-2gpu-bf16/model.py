@@ -33,6 +33,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 # The files of a hub model that training, scripts/export.py and scripts/prepare_data.py read.
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 
+# Model settings a resume may change (preflight.py compares the others with the checkpoint): how the
+# weights were first filled no longer matters once they are trained.
+RESUME_MAY_CHANGE = ("pretrained",)
+
 
 @dataclass
 class ModelArgs:

@@ -19,6 +19,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# Model settings a resume may change (preflight.py compares the others with the checkpoint): the length
+# of the rotary tables (not saved) and the initialisation scale, which a loaded checkpoint does not depend on.
+RESUME_MAY_CHANGE = ("max_seq_len", "init_std")
+
 # model.size presets: a debug model that runs anywhere, a GPT-2-small-sized one, and the shapes of Llama 3.2 1B
 # (whose released weights tie the output layer to the embedding: model.tie_embeddings) and Llama 3.1 8B.
 SIZES = {

@@ -18,6 +18,7 @@ import os
 import random
 import resource
 import shutil
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -43,6 +44,17 @@ from torchao.float8.float8_linear import Float8Linear
 from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
 from model import Transformer
+from preflight import (
+    USAGE_ERROR,
+    PreflightError,
+    complete_checkpoints,
+    newest_checkpoint,
+    preflight,
+    read_checkpoint_info,
+    resuming,
+    start_run,
+    unreadable,
+)
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -54,7 +66,7 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
     job = config.job
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if job.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
+        stop("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
     if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()):
         device = torch.device("cuda", local_rank)
         # Set the device before creating the process group so NCCL binds this rank to its own GPU.
@@ -93,14 +105,9 @@ def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> Device
     if world_size == 1:
         # A single process (`python train.py`, for debugging) has nothing to replicate or shard.
         return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    # preflight.py made sure that dp_replicate x dp_shard is the world size.
     replicate = parallel.dp_replicate
     shard = world_size // replicate if parallel.dp_shard == -1 else parallel.dp_shard
-    if replicate * shard != world_size:
-        raise SystemExit(
-            f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} does not match the "
-            f"world size {world_size}; set --parallel.dp_replicate to a divisor of {world_size} "
-            "(dp_shard = -1 takes the rest)"
-        )
     sizes = {"dp_replicate": replicate, "dp_shard": shard}
     # Dimensions of size 1 are left out; dp_shard always stays (fully_shard needs a mesh).
     sizes = {name: size for name, size in sizes.items() if size > 1 or name == "dp_shard"}
@@ -135,13 +142,9 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
     reshard = parallel.reshard_after_forward
     shard_ranks = mesh["dp_shard"].size()  # the ranks a parameter is sharded over (all, unless HSDP or TP)
-    if not isinstance(reshard, bool) and shard_ranks % reshard:
-        if reshard < shard_ranks:
-            raise SystemExit(
-                f"parallel.reshard_after_forward = {reshard} must divide the {shard_ranks} ranks each parameter "
-                "is sharded over; use true, false or a divisor (e.g. the GPUs per node)"
-            )
+    if not isinstance(reshard, bool) and reshard >= shard_ranks:
         # Groups at least as large as the shard group (e.g. a run on fewer GPUs than configured): reshard fully.
+        # Smaller groups divide the shard group (preflight.py checked).
         reshard = True
     # Shard each transformer block first, then the root (embeddings, final norm, output).
     # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
@@ -289,9 +292,10 @@ class TrainState(Stateful):
         scheduler: LambdaLR,
         global_batch_size: int,
         device: torch.device,
+        run_id: str,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.global_batch_size, self.device = global_batch_size, device
+        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
         # Optimizer steps taken. data.py addresses samples by global index, so the data position is
         # step x global_batch_size samples whatever the number of ranks: no loader state to save.
         self.step = 0
@@ -314,7 +318,6 @@ class TrainState(Stateful):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        check_data_position(state["step"], state["samples_seen"], self.global_batch_size)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
@@ -350,21 +353,15 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def check_data_position(step: int, samples_seen: int, global_batch_size: int) -> None:
-    """Refuse a resume with another global batch size: data.py starts step N at sample N x global_batch_size,
-    so the resumed run would repeat or skip samples."""
-    if samples_seen != step * global_batch_size:
-        saved = samples_seen // step
-        stop(
-            f"the checkpoint was saved at step {step} after {samples_seen} samples (training.global_batch_size "
-            f"{saved}), but this run has training.global_batch_size {global_batch_size}. Resume with "
-            f"--training.global_batch_size {saved}, or start over with --checkpoint.resume never"
-        )
-
-
 def stop(message: str) -> NoReturn:
-    """End this rank with `message`. Every rank reaches this with the same message; only rank 0 prints it."""
-    raise SystemExit(message if dist.get_rank() == 0 else 1)
+    """End this rank. Every rank reaches this with the same message; only rank 0 prints it, as one line.
+
+    The exit code is USAGE_ERROR, as for the mistakes preflight.py finds: the cause is in the input.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_ERROR)
 
 
 def stop_if_rank0_failed(error: str | None) -> None:
@@ -414,6 +411,7 @@ def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict
         "world_size": dist.get_world_size(),
         "device": state.device.type,
         "model_only": model_only,
+        "run_id": state.run_id,
         "config": asdict(config),
     }
 
@@ -426,26 +424,28 @@ def publish(staging: Path, info: dict, keep_last: int) -> None:
     # The rename is atomic: step-N/ appears complete or not at all. (DCP's .metadata names the data
     # files relative to the folder, so renaming it is safe.)
     staging.rename(final)
-    # Older checkpoints go only now that a newer one is complete.
-    for old in complete_checkpoints(staging.parent)[:-keep_last]:
+    # Older checkpoints of this run go only now that a newer one is complete. Never another run's: one copied
+    # in by hand is left alone (and resume refuses it).
+    ours = [p for p in complete_checkpoints(staging.parent) if run_id_of_checkpoint(p) in (info["run_id"], None)]
+    for old in ours[:-keep_last]:
         shutil.rmtree(old)
 
 
-def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
-    """step-N folders (never step-N.tmp), oldest first."""
-    found = [p for p in checkpoint_dir.glob("step-*") if p.name.removeprefix("step-").isdigit()]
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+def run_id_of_checkpoint(path: Path) -> str | None:
+    try:
+        return json.loads((path / "checkpoint.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"  # unreadable: not provably this run's, so never pruned
 
 
 # fsdp2gen: block checkpoint_load
-def checkpoint_load(state: TrainState, checkpoint_dir: Path, config: Config) -> Path | None:
+def checkpoint_load(state: TrainState, checkpoint_dir: Path) -> Path | None:
     """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
-    path, info = newest_checkpoint(checkpoint_dir)
+    path, info = checkpoint_to_resume(checkpoint_dir)
     if path is None:
         return None
-    check_resumable(path, info, config)
     if info["model_only"]:
-        # The final checkpoint of a finished run (check_resumable made sure): nothing left to train.
+        # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
         state.step = info["step"]
         return path
     # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
@@ -464,56 +464,22 @@ def checkpoint_load(state: TrainState, checkpoint_dir: Path, config: Config) -> 
     return path
 
 
-def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path | None, dict]:
+def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
     """The newest complete step-N/ and its checkpoint.json, on every rank as rank 0 found them.
 
     Rank 0 decides, so that every rank loads the same folder even if the listing races a save.
     """
     found: list = [None, {}, None]  # folder, checkpoint.json, error
     if dist.get_rank() == 0:
-        complete = complete_checkpoints(checkpoint_dir)
-        if complete:
-            found[0] = complete[-1]
-            try:
-                found[1] = json.loads((complete[-1] / "checkpoint.json").read_text())
-            except (OSError, ValueError) as exc:
-                found[2] = unreadable(complete[-1], exc)
+        found[0] = newest_checkpoint(checkpoint_dir)
+        try:
+            found[1] = read_checkpoint_info(found[0]) if found[0] is not None else {}
+        except PreflightError as exc:
+            found[2] = str(exc)
     dist.broadcast_object_list(found, src=0)
     if found[2] is not None:
         stop(found[2])
     return found[0], found[1]
-
-
-def check_resumable(path: Path, info: dict, config: Config) -> None:
-    """Stop before loading any tensor if `path` cannot continue this run as configured."""
-    saved_model = info["config"]["model"]
-    # Every model setting must match, except the length of the rotary tables and the initialisation
-    # scale, which a loaded checkpoint does not depend on.
-    changed = [
-        f"model.{key} {saved_model.get(key)!r} -> {value!r}"
-        for key, value in asdict(config.model).items()
-        if key not in ("max_seq_len", "init_std") and saved_model.get(key) != value
-    ]
-    if changed:
-        stop(
-            f"{path} holds a different model ({', '.join(changed)}); resume with the model settings in "
-            f"{path / 'checkpoint.json'}, or start over with --checkpoint.resume never"
-        )
-    if info["model_only"] and info["step"] < config.training.steps:
-        stop(
-            f"{path} is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended at step "
-            f"{info['step']}: it cannot continue training to step {config.training.steps}. Delete it "
-            f"(rm -r {path}) to resume from the previous checkpoint, or start over with --checkpoint.resume never"
-        )
-
-
-def unreadable(path: Path, exc: BaseException) -> str:
-    reason = next((line for line in str(exc).splitlines() if line.strip()), "")
-    return (
-        f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {reason}); it is probably incomplete or corrupt. "
-        f"Delete it (rm -r {path}) to resume from the previous checkpoint, or start over with "
-        "--checkpoint.resume never"
-    )
 
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate; matched against the device name.
@@ -541,11 +507,27 @@ def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise SystemExit(
+        stop(
             "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
             "or run with --job.tensorboard false"
-        ) from None
+        )
     return SummaryWriter(output_dir / "tensorboard") if dist.get_rank() == 0 else None
+
+
+def start_checked_run(config: Config, output_dir: Path) -> str:
+    """Run preflight.py's checks on rank 0 (the launch scripts ran them before torchrun; `torchrun train.py`
+    alone did not) and make job.output_dir this run's. Every rank gets the run id, or stops with rank 0's error."""
+    shared: list = [None, None]  # run id, error
+    if dist.get_rank() == 0:
+        try:
+            preflight(config, dist.get_world_size())
+            shared[0] = start_run(output_dir, config)
+        except PreflightError as exc:
+            shared[1] = str(exc)
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        stop(shared[1])
+    return shared[0]
 
 
 def main() -> None:
@@ -566,27 +548,20 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     training = config.training
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data_rank, data_ranks = rank, world_size
-    if training.global_batch_size % (data_ranks * training.grad_accum_steps):
-        raise SystemExit(
-            f"training.global_batch_size ({training.global_batch_size}) must be divisible by data-parallel "
-            f"ranks x grad_accum_steps ({data_ranks} x {training.grad_accum_steps})"
-        )
-    if training.seq_len > config.model.max_seq_len:
-        raise SystemExit(
-            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
-        )
+    output_dir = Path(config.job.output_dir)
+    # Every mistake in the config, the data and the output folder stops the run here, before anything is built.
+    run_id = start_checked_run(config, output_dir)
 
     model = build_model_meta(config, mesh, device)
     if rank == 0:
         # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
 
-    output_dir = Path(config.job.output_dir)
     checkpoint_dir = output_dir / "checkpoints"
-    if config.checkpoint.resume == "auto":
-        resumed_from = checkpoint_load(state, checkpoint_dir, config)
+    if resuming(config):
+        resumed_from = checkpoint_load(state, checkpoint_dir)
         if resumed_from and rank == 0:
             print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
@@ -603,7 +578,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     flops_per_token = config.model.flops_per_token(training.seq_len)
     metrics_file = None
     if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        # Appended to: a resumed run goes on in the same file (its rows carry the run id).
         metrics_file = open(output_dir / "metrics.jsonl", "a")
     tensorboard = open_tensorboard(output_dir) if config.job.tensorboard else None
 
@@ -621,6 +596,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         state.step = step + 1
         if metrics_file is not None:
             record = {
+                "run_id": run_id,
                 "step": state.step,
                 "loss": loss,
                 "lr": lr,
@@ -633,7 +609,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             metrics_file.flush()
             if tensorboard is not None:
                 for name, value in record.items():
-                    if name != "step" and value is not None:
+                    if name not in ("run_id", "step") and value is not None:
                         tensorboard.add_scalar(f"train/{name}", value, state.step)
             if state.step % config.job.log_every == 0 or state.step == training.steps:
                 print(

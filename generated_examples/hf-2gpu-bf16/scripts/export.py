@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from model import HUB_FILES, ModelArgs, tensor_names  # noqa: E402
-from train import complete_checkpoints  # noqa: E402
+from preflight import complete_checkpoints  # noqa: E402
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 # checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
@@ -51,6 +51,9 @@ def main() -> None:
         if not complete:
             parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
         checkpoint = complete[-1]
+    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
+        # Never replace what is there: an earlier export may be the only copy of a model.
+        parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
     try:
         model_args = ModelArgs(**json.loads((checkpoint / "checkpoint.json").read_text())["config"]["model"])
     except (OSError, ValueError, KeyError) as error:

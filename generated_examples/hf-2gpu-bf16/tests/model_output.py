@@ -16,9 +16,9 @@ def main() -> None:
     device, mesh = init_distributed(config)
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, config.training, device)
-    state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device)
+    state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="test")
     output_dir = Path(config.job.output_dir)
-    assert checkpoint_load(state, output_dir / "checkpoints", config) is not None, "no checkpoint to load"
+    assert checkpoint_load(state, output_dir / "checkpoints") is not None, "no checkpoint to load"
     # The same input on every rank: each rank computes the whole output with the all-gathered weights.
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(config.model.vocab_size, (2, config.training.seq_len), generator=generator)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from model import ModelArgs, Transformer  # noqa: E402
-from train import complete_checkpoints  # noqa: E402
+from preflight import complete_checkpoints  # noqa: E402
 
 # checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
 PREFIX = "train.model."
@@ -46,6 +46,9 @@ def main() -> None:
         if not complete:
             parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
         checkpoint = complete[-1]
+    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
+        # Never replace what is there: an earlier export may be the only copy of a model.
+        parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
     try:
         model_config = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["model"]
     except (OSError, ValueError, KeyError) as error:

@@ -40,7 +40,7 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id="test")
     samples = ShuffledEpochs(SyntheticTokens(config.model.vocab_size, training.seq_len, 64, training.seed), 0)
 
     def step() -> float:

@@ -13,6 +13,10 @@ NPROC="${NPROC:-8}"
 DEVICE="${DEVICE:-auto}"
 CONFIG="${CONFIG:-config.toml}"
 
+# Mistakes in the config, the data or the output folder stop here, once per node, with one line and exit
+# code 2, before torchrun starts any rank (so they are neither printed per rank nor retried).
+python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.device "$DEVICE" "$@"
+
 # c10d rendezvous: node 0 hosts the store; every node must reach MASTER_ADDR:MASTER_PORT.
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama-2node-bf16}" \

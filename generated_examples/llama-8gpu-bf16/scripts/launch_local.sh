@@ -13,8 +13,12 @@ CONFIG="${CONFIG:-config.toml}"
 # If any rank dies, torchrun stops the others and starts them all again, up to MAX_RESTARTS times; they
 # resume from the newest complete checkpoint. One restart by default: it rescues a long run from a
 # one-off failure (a killed process, a GPU or network hiccup) at the cost of at most one checkpoint
-# interval, while an error that happens every time (a config mistake, out of memory) is only repeated once.
+# interval. Mistakes in the input never get that far: see below.
 MAX_RESTARTS="${MAX_RESTARTS:-1}"
+
+# Mistakes in the config, the data or the output folder stop here, once, with one line and exit code 2,
+# before torchrun starts any rank (so they are neither printed per rank nor retried).
+python preflight.py --world-size "$NPROC" --config "$CONFIG" --job.device "$DEVICE" "$@"
 
 # --standalone: a private rendezvous on a free local port, so several runs can share a machine.
 exec torchrun --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \

@@ -155,23 +155,49 @@ def test_a_corrupt_checkpoint_stops_with_a_clear_error(straight: Path, tmp_path:
         shutil.copytree(straight / "checkpoints" / name, tmp_path / "checkpoints" / name)
     newest = tmp_path / "checkpoints" / "step-10"
     truncated = newest / "__1_0.distcp"
-    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
-    result = launch("train.py", tmp_path, "--training.steps", "12", nproc=1, check=False)
-    assert result.returncode == 1, result.stderr
-    message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"checkpoint {newest} cannot be loaded"), result.stderr
-    assert f"rm -r {newest}" in message and "--checkpoint.resume never" in message
-    # Never a silent fresh start: nothing was trained.
-    assert not (tmp_path / "metrics.jsonl").exists()
+    intact = truncated.read_bytes()
+    truncated.write_bytes(intact[: len(intact) // 2])
+    refused_with(tmp_path, newest, "(ValueError: ")
+    truncated.write_bytes(intact)
+    # DCP's index of the checkpoint, missing or garbage: the same one line, not DCP's traceback.
+    metadata = newest / ".metadata"
+    intact = metadata.read_bytes()
+    metadata.unlink()
+    refused_with(tmp_path, newest, f"(FileNotFoundError: no .metadata in {newest})")
+    metadata.write_bytes(b"garbage")
+    refused_with(tmp_path, newest, "(ValueError: .metadata is not a DCP metadata file")
+    metadata.write_bytes(intact)
+    (newest / "checkpoint.json").write_text("{")
+    refused_with(tmp_path, newest, "(JSONDecodeError: ")
+
+
+def refused_with(output_dir: Path, newest: Path, reason: str) -> None:
+    """Resuming from `newest` stops with one line that names it, the reason and the fix, before any training."""
+    result = launch("train.py", output_dir, "--training.steps", "12", nproc=1, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"train.py: error: checkpoint {newest} cannot be loaded {reason}"), result.stderr
+    assert result.stderr.endswith(
+        f"Delete it (rm -r {newest}) to resume from the previous checkpoint, or start a new run in another "
+        "--job.output_dir\n"
+    ), result.stderr
+    # Never a silent fresh start: nothing was built or trained.
+    assert "parameters" not in result.stdout and not (output_dir / "metrics.jsonl").exists()
 
 
 def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path) -> None:
     # Another global batch size would re-read or skip samples: data.py addresses them by step x batch size.
     shutil.copytree(straight / "checkpoints" / "step-5", tmp_path / "batch" / "checkpoints" / "step-5")
-    result = launch("train.py", tmp_path / "batch", *TEN_STEPS, "--training.global_batch_size", "16", nproc=1,
-                    check=False)  # fmt: skip
-    assert result.returncode == 1
-    assert "after 40 samples (training.global_batch_size 8)" in result.stderr, result.stderr
+    # So would another sequence length: samples are windows of seq_len + 1 tokens.
+    checkpoint = tmp_path / "batch" / "checkpoints" / "step-5"
+    saved = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["training"]
+    for key in ("global_batch_size", "seq_len"):
+        changed = str(saved[key] // 2)
+        result = launch("train.py", tmp_path / "batch", *TEN_STEPS, f"--training.{key}", changed, nproc=1, check=False)
+        assert (result.returncode, result.stderr) == (2, (
+            f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed}; "
+            f"resume with --training.{key} {saved[key]}, or start a new run in another --job.output_dir\n"
+        ))  # fmt: skip
     # A model-only final checkpoint has no optimizer state: it ends a run and cannot extend it.
     run = tmp_path / "model-only"
     train(run, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.model_only_final", "true", nproc=1)
@@ -179,5 +205,34 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
     assert load_checkpoint(final).keys() == {"model"}
     assert load_checkpoint(run / "checkpoints" / "step-1").keys() > {"model", "optimizer"}
     result = launch("train.py", run, "--training.steps", "4", nproc=1, check=False)
-    assert result.returncode == 1
-    assert f"{final} is a model-only final checkpoint" in result.stderr, result.stderr
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"train.py: error: {final} is a model-only final checkpoint"), result.stderr
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_a_new_run_never_mixes_with_another_runs_files(keep_last: int, tmp_path: Path) -> None:
+    steps = ["--checkpoint.interval", "2", "--checkpoint.keep_last", str(keep_last)]
+    first = train(tmp_path, "--training.steps", "4", *steps, nproc=1)
+    kept = ["step-4"] if keep_last == 1 else ["step-2", "step-4"]
+    assert checkpoint_names(tmp_path) == kept
+    before = {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()}
+    # A new run in the same folder would prune the old run's checkpoints as if they were its own, or be
+    # resumed as the old run later: it is refused before anything is built, and nothing changes.
+    result = launch("train.py", tmp_path, "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1,
+                    check=False)  # fmt: skip
+    assert (result.returncode, result.stderr) == (2, (
+        f"train.py: error: job.output_dir {tmp_path} already holds a run (run.json; metrics.jsonl; checkpoints "
+        f"{', '.join(kept)}); checkpoint.resume = 'never' starts a new run, which must not mix with it: give the "
+        "new run its own --job.output_dir, or continue that run with --checkpoint.resume auto\n"
+    ))  # fmt: skip
+    assert {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()} == before
+    # In its own folder the new run gets its own id; the old run resumes as itself, and every row and
+    # checkpoint says which run it belongs to.
+    other = train(tmp_path / "other", "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1)
+    resumed = train(tmp_path, "--training.steps", "6", *steps, nproc=1)
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert {row["run_id"] for row in resumed} == {run_id} != {row["run_id"] for row in other}
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6] and resumed[:4] == first
+    assert checkpoint_names(tmp_path) == (["step-6"] if keep_last == 1 else ["step-4", "step-6"])
+    for name in checkpoint_names(tmp_path):
+        assert json.loads((tmp_path / "checkpoints" / name / "checkpoint.json").read_text())["run_id"] == run_id

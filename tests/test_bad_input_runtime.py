@@ -1,0 +1,369 @@
+"""Run-time bad input of a generated project: every mistake in the config, the data, the output folder or a
+checkpoint stops with one line, exit code 2, before any model is built; the launch scripts find it before
+torchrun starts (so it is neither printed per rank nor retried), and a new run never touches another run's files.
+
+The table CASES is the list in docs/bad-inputs.md (a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+
+# id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
+# arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
+KNOWN_TRAINING_KEYS = (
+    "steps, seed, global_batch_size, seq_len, lr, lr_min_ratio, warmup_steps, weight_decay, grad_accum_steps, max_norm"
+)
+FRESH = "another --job.output_dir"
+CORRUPT = (
+    "it is probably incomplete or corrupt. Delete it (rm -r {out}/checkpoints/step-2) to resume from the previous "
+    f"checkpoint, or start a new run in {FRESH}"
+)
+CASES: dict[str, tuple[list[str], str]] = {
+    # The config file and the command line.
+    "unknown-key": (["--training.stepz", "5"], f"unknown key training.stepz; known: {KNOWN_TRAINING_KEYS}"),
+    "unknown-section": (
+        ["--trainer.steps", "5"],
+        "unknown option --trainer.steps; options look like --training.steps 20",
+    ),
+    "stray-argument": (["stray"], "unexpected argument 'stray'; overrides look like --training.steps 20"),
+    "override-without-value": (["--training.steps"], "--training.steps needs a value"),
+    "wrong-type": (["--training.steps", "five"], "training.steps must be int, got 'five'"),
+    "wrong-choice": (["--job.device", "tpu"], "job.device must be one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+    "config-missing": (["--config", "{tmp}/nope.toml"], "config file {tmp}/nope.toml not found; pass --config PATH"),
+    "config-not-toml": (
+        ["--config", "{tmp}/broken.toml"],
+        "Expected ']' at the end of a table declaration (at line 1, column 10)",
+    ),
+    "config-is-a-folder": (
+        ["--config", "{tmp}"],
+        "config file {tmp} cannot be read (Is a directory); pass --config PATH",
+    ),
+    "steps-0": (["--training.steps", "0"], "training.steps must be at least 1, got 0"),
+    "steps-negative": (["--training.steps", "-3"], "training.steps must be at least 1, got -3"),
+    "lr-nan": (["--training.lr", "nan"], "training.lr must be a positive number, got nan"),
+    "lr-inf": (["--training.lr", "inf"], "training.lr must be a positive number, got inf"),
+    "lr-0": (["--training.lr", "0"], "training.lr must be a positive number, got 0.0"),
+    "grad-accum-0": (["--training.grad_accum_steps", "0"], "training.grad_accum_steps must be at least 1, got 0"),
+    "global-batch-0": (["--training.global_batch_size", "0"], "training.global_batch_size must be at least 1, got 0"),
+    "seq-len-0": (["--training.seq_len", "0"], "training.seq_len must be at least 1, got 0"),
+    "warmup-negative": (["--training.warmup_steps", "-1"], "training.warmup_steps must be 0 or more, got -1"),
+    "lr-min-ratio-2": (["--training.lr_min_ratio", "2"], "training.lr_min_ratio must be between 0 and 1, got 2.0"),
+    "weight-decay-negative": (["--training.weight_decay", "-0.1"], "training.weight_decay must be 0 or more, got -0.1"),
+    "max-norm-nan": (["--training.max_norm", "nan"], "training.max_norm must be 0 (no clipping) or more, got nan"),
+    "seed-negative": (["--training.seed", "-1"], "training.seed must be 0 or more, got -1"),
+    "log-every-0": (["--job.log_every", "0"], "job.log_every must be at least 1, got 0"),
+    "output-dir-empty": (
+        ["--job.output_dir", ""],
+        "job.output_dir is empty; name a folder, e.g. --job.output_dir outputs",
+    ),
+    "checkpoint-interval-0": (["--checkpoint.interval", "0"], "checkpoint.interval must be at least 1, got 0"),
+    "keep-last-0": (["--checkpoint.keep_last", "0"], "checkpoint.keep_last must be at least 1, got 0"),
+    "synthetic-samples-0": (["--data.synthetic_samples", "0"], "data.synthetic_samples must be at least 1, got 0"),
+    "dp-replicate-0": (
+        ["--parallel.dp_replicate", "0"],
+        "parallel.dp_replicate must be >= 1 and dp_shard >= 1 or -1, not 0, -1",
+    ),
+    "reshard-0": (
+        ["--parallel.reshard_after_forward", "0"],
+        "parallel.reshard_after_forward must be true, false or >= 1, not 0",
+    ),
+    "heads-not-dividing-dim": (["--model.n_heads", "5"], "model.dim (64) must be divisible by model.n_heads (5)"),
+    # The layout: the numbers must fit the ranks (2 here, 8 where the case says --world-size 8).
+    "batch-not-divisible": (
+        ["--training.global_batch_size", "9"],
+        "training.global_batch_size (9) must be divisible by data-parallel ranks x grad_accum_steps (2 x 1); "
+        "e.g. --training.global_batch_size 8",
+    ),
+    "accumulation-not-divisible": (
+        ["--training.grad_accum_steps", "3"],
+        "training.global_batch_size (8) must be divisible by data-parallel ranks x grad_accum_steps (2 x 3); "
+        "e.g. --training.global_batch_size 6",
+    ),
+    "seq-len-above-max": (
+        ["--training.seq_len", "128"],
+        "training.seq_len (128) exceeds model.max_seq_len (64); use --training.seq_len 64 or less",
+    ),
+    "replicas-not-dividing-ranks": (
+        ["--parallel.dp_replicate", "3"],
+        "parallel.dp_replicate x dp_shard x tp = 3 x -1 x 1 does not match the 2 ranks; choose dp_replicate (and tp) "
+        "whose product divides 2 (dp_shard = -1 takes the rest)",
+    ),
+    "reshard-not-dividing-shard": (
+        ["--world-size", "8", "--parallel.reshard_after_forward", "3"],
+        "parallel.reshard_after_forward = 3 must divide the 8 ranks each parameter is sharded over; use true, false "
+        "or a divisor (e.g. the GPUs per node)",
+    ),
+    "world-size-0": (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    # data.path.
+    "data-missing": (
+        ["--data.path", "{tmp}/missing.bin"],
+        "data.path {tmp}/missing.bin does not exist; point --data.path at a flat file of token ids, or set "
+        "--data.path '' for synthetic tokens",
+    ),
+    "data-is-a-folder": (
+        ["--data.path", "{tmp}"],
+        "data.path {tmp} is not a file; point --data.path at a flat file of token ids, or set --data.path '' for "
+        "synthetic tokens",
+    ),
+    "data-empty": (
+        ["--data.path", "{tmp}/empty.bin"],
+        "data.path {tmp}/empty.bin holds 0 tokens, fewer than training.seq_len + 1 = 33; give it more data or a "
+        "shorter --training.seq_len",
+    ),
+    "data-odd-bytes": (
+        ["--data.path", "{tmp}/odd.bin"],
+        "data.path {tmp}/odd.bin has 3 bytes, not a whole number of uint16 token ids (2 bytes each for "
+        "model.vocab_size 128); it was written for another vocabulary or is truncated",
+    ),
+    "data-too-small": (
+        ["--data.path", "{tmp}/small.bin"],
+        "data.path {tmp}/small.bin holds 10 tokens, fewer than training.seq_len + 1 = 33; give it more data or a "
+        "shorter --training.seq_len",
+    ),
+    "data-id-above-vocab-after-1M-tokens": (
+        ["--data.path", "{tmp}/far.bin"],
+        "data.path {tmp}/far.bin holds token id 500 >= model.vocab_size 128 (first at token 2500000); tokenize it "
+        "with the model's tokenizer",
+    ),
+    # job.output_dir.
+    "output-dir-is-a-file": (
+        ["--job.output_dir", "{tmp}/odd.bin"],
+        "job.output_dir {tmp}/odd.bin is a file, not a folder; choose a folder with --job.output_dir",
+    ),
+    "output-dir-not-creatable": (
+        ["--job.output_dir", "/proc/fsdp2gen-outputs"],
+        "job.output_dir /proc/fsdp2gen-outputs cannot be written (No such file or directory); choose a writable "
+        "folder with --job.output_dir",
+    ),
+    "output-dir-under-a-file": (
+        ["--job.output_dir", "{tmp}/odd.bin/outputs"],
+        "job.output_dir {tmp}/odd.bin/outputs cannot be written (Not a directory); choose a writable folder with "
+        "--job.output_dir",
+    ),
+    "new-run-in-a-folder-with-a-run": (
+        ["--checkpoint.resume", "never"],
+        "job.output_dir {out} already holds a run (run.json; metrics.jsonl; checkpoints step-1, step-2); "
+        "checkpoint.resume = 'never' starts a new run, which must not mix with it: give the new run its own "
+        "--job.output_dir, or continue that run with --checkpoint.resume auto",
+    ),
+    # Resuming from the newest checkpoint in job.output_dir (a finished 2-step run, unless the case changes it).
+    "resume-other-model": (
+        ["--model.dim", "128"],
+        "{out}/checkpoints/step-2 holds a different model (model.dim 64 -> 128); resume with the model settings in "
+        f"{{out}}/checkpoints/step-2/checkpoint.json, or start a new run in {FRESH}",
+    ),
+    "resume-other-global-batch": (
+        ["--training.global_batch_size", "16"],
+        "{out}/checkpoints/step-2 was saved with training.global_batch_size 8, but this run has 16; resume with "
+        f"--training.global_batch_size 8, or start a new run in {FRESH}",
+    ),
+    "resume-other-seq-len": (
+        ["--training.seq_len", "16"],
+        "{out}/checkpoints/step-2 was saved with training.seq_len 32, but this run has 16; resume with "
+        f"--training.seq_len 32, or start a new run in {FRESH}",
+    ),
+    "resume-model-only-final": (
+        [],
+        "{out}/checkpoints/step-2 is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended "
+        "at step 2: it cannot continue training to step 4. Delete it (rm -r {out}/checkpoints/step-2) to resume "
+        f"from the previous checkpoint, or start a new run in {FRESH}",
+    ),
+    "checkpoint-metadata-missing": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (FileNotFoundError: no .metadata in "
+        f"{{out}}/checkpoints/step-2); {CORRUPT}",
+    ),
+    "checkpoint-metadata-garbage": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ValueError: .metadata is not a DCP metadata file "
+        f"(UnpicklingError: pickle data was truncated)); {CORRUPT}",
+    ),
+    "checkpoint-shard-truncated": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ValueError: __0_0.distcp has 100 bytes, .metadata "
+        f"expects at least {{shard_size}}); {CORRUPT}",
+    ),
+    "checkpoint-json-garbage": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (JSONDecodeError: Expecting value: line 1 column 1 "
+        f"(char 0)); {CORRUPT}",
+    ),
+    "checkpoint-of-another-run": (
+        [],
+        "{out}/checkpoints/step-2 belongs to run someone-else, but {out} holds run {run_id} (run.json); move the "
+        f"checkpoint to its own run's folder, or start a new run in {FRESH}",
+    ),
+    "run-json-garbage": (
+        [],
+        "{out}/run.json cannot be read (JSONDecodeError: Expecting value: line 1 column 1 (char 0)); restore it, or "
+        f"start a new run in {FRESH}",
+    ),
+}
+
+
+def corrupt(case: str, out: Path) -> None:
+    """Turn the copy `out` of a finished 2-step run into the broken run folder of `case`."""
+    newest = out / "checkpoints" / "step-2"
+    if case == "checkpoint-metadata-missing":
+        (newest / ".metadata").unlink()
+    elif case == "checkpoint-metadata-garbage":
+        (newest / ".metadata").write_text("garbage")
+    elif case == "checkpoint-shard-truncated":
+        shard = newest / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif case == "checkpoint-json-garbage":
+        (newest / "checkpoint.json").write_text("")
+    elif case == "checkpoint-of-another-run":
+        info = json.loads((newest / "checkpoint.json").read_text())
+        (newest / "checkpoint.json").write_text(json.dumps({**info, "run_id": "someone-else"}))
+    elif case == "run-json-garbage":
+        (out / "run.json").write_text("")
+
+
+def run_train(project: Path, output_dir: Path, *args: str) -> None:
+    """`python train.py` (one process) with the tiny model: a run to resume from."""
+    result = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(output_dir), *args],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="module")
+def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fp32 project, the broken files the cases point at, and two finished 2-step runs to resume."""
+    tmp = tmp_path_factory.mktemp("bad-inputs")
+    (tmp / "broken.toml").write_text("[training\nsteps = 1\n")
+    (tmp / "empty.bin").write_bytes(b"")
+    (tmp / "odd.bin").write_bytes(b"abc")
+    np.arange(10, dtype=np.uint16).tofile(tmp / "small.bin")
+    # Only the first 1M tokens used to be checked: the bad id sits far beyond them.
+    far = np.zeros(3_000_000, dtype=np.uint16)
+    far[2_500_000] = 500
+    far.tofile(tmp / "far.bin")
+    project = projects["fp32"]
+    finished, model_only = tmp / "finished", tmp / "model-only"
+    run_train(project, finished, "--training.steps", "2", "--checkpoint.interval", "1")
+    run_train(project, model_only, "--training.steps", "2", "--checkpoint.interval", "1",
+              "--checkpoint.model_only_final", "true")  # fmt: skip
+    return {"project": project, "tmp": tmp, "finished": finished, "model_only": model_only}
+
+
+@pytest.fixture(scope="module")
+def results(inputs: dict) -> dict[str, list]:
+    """Every case of CASES, run by the project's own preflight.py (all in one process: see preflight_driver.py)."""
+    tmp, argvs = inputs["tmp"], {}
+    for case, (args, _) in CASES.items():
+        out = tmp / "out" / case
+        if case.startswith(("resume-", "checkpoint-", "run-json", "new-run")):
+            shutil.copytree(inputs["model_only" if case == "resume-model-only-final" else "finished"], out)
+            corrupt(case, out)
+        world = ["--world-size", "2"] if "--world-size" not in args else []
+        extra = ["--training.steps", "4"] if case == "resume-model-only-final" else []
+        argv = [*world, *TINY, "--job.device", "cpu", "--job.output_dir", str(out), *extra, *args]
+        argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
+    cases_file = tmp / "cases.json"
+    cases_file.write_text(json.dumps(argvs))
+    driver = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "preflight_driver.py"), str(cases_file)],
+        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"])},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stderr
+    return json.loads(driver.stdout)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_mistake_is_one_line_and_exit_code_2(case: str, inputs: dict, results: dict[str, list]) -> None:
+    tmp, out = inputs["tmp"], inputs["tmp"] / "out" / case
+    run_id = json.loads((inputs["finished"] / "run.json").read_text())["run_id"]
+    shard = inputs["finished"] / "checkpoints" / "step-2" / "__0_0.distcp"
+    expected = CASES[case][1].format(out=out, tmp=tmp, run_id=run_id, shard_size=shard.stat().st_size)
+    assert results[case] == [2, "", f"preflight.py: error: {expected}\n"]
+
+
+def test_the_report_lists_every_case() -> None:
+    report = (REPO / "docs" / "bad-inputs.md").read_text()
+    listed = re.findall(r"^\| `([\w-]+)` \|", report.split("## Run time")[1].split("\n## ")[0], flags=re.M)
+    assert listed == list(CASES)
+
+
+LAUNCHER_CASES = ["unknown-key", "steps-0", "data-id-above-vocab-after-1M-tokens", "new-run-in-a-folder-with-a-run"]
+
+
+@pytest.mark.parametrize("case", LAUNCHER_CASES)
+def test_launch_script_stops_before_torchrun_starts(case: str, inputs: dict, tmp_path: Path) -> None:
+    tmp, out = inputs["tmp"], tmp_path / "out"
+    if case == "new-run-in-a-folder-with-a-run":
+        shutil.copytree(inputs["finished"], out)
+    before = sorted(out.rglob("*")) if out.exists() else []
+    args = [arg.format(out=out, tmp=tmp) for arg in CASES[case][0]]
+    result = subprocess.run(
+        ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
+        cwd=inputs["project"], env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    expected = CASES[case][1].format(out=out, tmp=tmp)
+    # One line from one process, and nothing else: torchrun (which would print its own lines, and retry) never ran.
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {expected}\n")
+    assert (sorted(out.rglob("*")) if out.exists() else []) == before
+
+
+def test_multinode_launcher_checks_the_world_of_all_nodes(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--fp32")
+    env = {**torchrun_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "NODE_RANK": "0", "DEVICE": "cpu"}
+    result = subprocess.run(
+        ["scripts/launch_multinode.sh", *TINY, "--training.global_batch_size", "6", "--job.output_dir",
+         str(tmp_path / "out")],
+        cwd=project, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", (
+        "preflight.py: error: training.global_batch_size (6) must be divisible by data-parallel ranks x "
+        "grad_accum_steps (4 x 1); e.g. --training.global_batch_size 4\n"
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["unknown-key", "data-missing"])
+def test_torchrun_without_the_launcher_prints_the_error_once(case: str, inputs: dict, tmp_path: Path) -> None:
+    # Started without the launch script, train.py still finds the mistake before building the model, and only
+    # rank 0 reports it (config errors while parsing, the rest in train.py's own preflight on rank 0).
+    args = [arg.format(out=tmp_path, tmp=inputs["tmp"]) for arg in CASES[case][0]]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
+         "--job.device", "cpu", "--job.output_dir", str(tmp_path), *args],
+        cwd=inputs["project"], env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    expected = CASES[case][1].format(out=tmp_path, tmp=inputs["tmp"])
+    assert result.returncode != 0
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {expected}"]
+    assert "exitcode  : 2" in result.stderr  # torchrun's summary: the worker's exit code
+    assert "parameters" not in result.stdout  # train.py prints the model's size once it is built
+
+
+def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> None:
+    # checkpoint.resume = "never" starts a new run; when torchrun restarts it after a fault, the folder holds
+    # that same run, which then resumes (instead of being refused, or started over on top of its checkpoints).
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+         "tests/kill_rank.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(tmp_path),
+         "--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.resume", "never"],
+        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "3"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 1: SIGKILL after step" in result.stdout
+    assert f"resumed from {tmp_path}/checkpoints/step-" in result.stdout
+    records = metrics(tmp_path)
+    assert records[-1]["step"] == 6
+    assert {r["run_id"] for r in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
