@@ -7,8 +7,10 @@
 #   scripts/gpu_smoke.sh                              # every example, all visible GPUs, nccl
 #   DEVICE=cpu NPROC=2 TINY=1 scripts/gpu_smoke.sh    # the same checks on 2 CPU processes (gloo), tiny model
 #   EXAMPLES="llama-1gpu-fp32" scripts/gpu_smoke.sh   # a subset
+#   OWN_TESTS=0 scripts/gpu_smoke.sh                  # without the projects' own pytest (on by default on GPUs)
 #
-# Prints one line per example: PASS/FAIL name device nproc tokens/s first/last loss. Exit 1 if any failed.
+# Prints one line per example: PASS/FAIL name device nproc tokens/s first/last loss, and with OWN_TESTS the
+# summary of the project's own pytest run on the same GPUs. Exit 1 if any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
@@ -19,6 +21,8 @@ if [[ -z "${NPROC:-}" ]]; then
   [[ "$NPROC" -ge 1 ]] || { echo "gpu_smoke: no GPU visible; run with DEVICE=cpu NPROC=2 TINY=1" >&2; exit 2; }
 fi
 STEPS="${STEPS:-20}"
+# The projects' own tests (real torchrun on every visible GPU): what a user runs first on the node.
+if [[ "$DEVICE" == cuda ]]; then OWN_TESTS="${OWN_TESTS:-1}"; else OWN_TESTS="${OWN_TESTS:-0}"; fi
 HALF=$(( STEPS / 2 ))
 EXAMPLES="${EXAMPLES:-$(ls generated_examples)}"
 WORK="$(mktemp -d)"
@@ -94,6 +98,15 @@ sys.exit(1 if problems else 0)
 PY
 )"; then
     echo "PASS $name device=$DEVICE nproc=$NPROC $verdict$NOTE"
+    if [[ "$OWN_TESTS" == 1 ]]; then
+      if (cd "$project" && NPROC="$NPROC" "$PYTHON" -m pytest -q -p no:cacheprovider >"$WORK/$name-pytest.log" 2>&1); then
+        echo "PASS $name own tests: $(tail -n 1 "$WORK/$name-pytest.log")"
+      else
+        failed=1
+        echo "FAIL $name own tests: $(tail -n 1 "$WORK/$name-pytest.log")"
+        tail -n 40 "$WORK/$name-pytest.log"
+      fi
+    fi
   else
     failed=1
     echo "FAIL $name device=$DEVICE nproc=$NPROC ${verdict:-}"

@@ -92,9 +92,11 @@ def checkpoint_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     }
 
 
-def run_own_tests(project: Path, *paths: str) -> str:
-    """Run a generated project's own pytest suite (or `paths` of it); fail with its output unless it passes."""
+def run_own_tests(project: Path, *paths: str, nproc: int | None = None) -> str:
+    """Run a generated project's own pytest suite (or `paths` of it), on `nproc` ranks (its tests' default: 2 on
+    CPU); fail with its output unless it passes."""
+    env = {**torchrun_env(), **({"NPROC": str(nproc)} if nproc else {})}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
-                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+                            cwd=project, env=env, capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout

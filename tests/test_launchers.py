@@ -3,6 +3,8 @@ SLURM cluster."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +15,13 @@ from tests.conftest import TINY, generate, metrics, torchrun_env
 from tests.slurm_cluster import free_port, local_slurm_cluster
 
 
-def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
-    # 2 "nodes" x 2 ranks; a 2-node project defaults to HSDP: sharded within a node, replicated across nodes.
-    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--fp32")
-    assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
-    reference = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
-         "--job.output_dir", str(tmp_path / "one")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
+def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str) -> list[tuple[int, str]]:
+    """Run scripts/launch_multinode.sh as node 0 and node 1 on 127.0.0.1 (node i writing to output_dirs[i]);
+    return each node's exit code and output."""
     port = str(free_port())
     nodes = [
         subprocess.Popen(
-            ["scripts/launch_multinode.sh", *TINY, "--training.steps", "4", "--job.output_dir", str(tmp_path / "two")],
+            ["scripts/launch_multinode.sh", *TINY, *args, "--job.output_dir", str(output_dirs[rank])],
             cwd=project,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -36,18 +31,47 @@ def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) ->
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "NODE_RANK": str(rank),
-                "NPROC": "2",
+                "NPROC": str(nproc),
                 "DEVICE": "cpu",
                 "RDZV_ID": f"test-{port}",
             },
-        )  # fmt: skip
+        )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert '"world_size": 4' in next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text()
+    return [(node.wait(timeout=600), node.communicate()[0]) for node in nodes]
+
+
+def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
+    # 2 "nodes" x 4 ranks, as 2 small GPU nodes would run; a 2-node project defaults to HSDP: sharded within a
+    # node, replicated across nodes.
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "4", "--fp32")
+    assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
+    reference = subprocess.run(
+        [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
+         "--job.output_dir", str(tmp_path / "one")],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 4, "--training.steps", "4")
+    assert [code for code, _ in nodes] == [0, 0], nodes
+    info = json.loads(next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text())
+    assert info["world_size"] == 8 and info["config"]["parallel"]["dp_replicate"] == 2
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+
+
+def test_a_node_local_output_dir_stops_the_run(tmp_path: Path) -> None:
+    # Node 1 writes to a folder node 0 does not see (as a node-local disk would): the run stops before training.
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--fp32")
+    node0, node1 = tmp_path / "node0-outputs", tmp_path / "node1-outputs"
+    nodes = launch_two_nodes(project, (node0, node1), 2, "--training.steps", "2")
+    assert all(code != 0 for code, _ in nodes), nodes
+    message = (
+        f"train.py: error: job.output_dir {node0} is not shared by all nodes: 2 rank(s) do not see the file rank 0 "
+        "wrote there; put it on a filesystem every node mounts (NFS, Lustre, ...)"
+    )
+    assert re.findall(r"^train\.py: error: .*$", nodes[0][1], flags=re.M) == [message], nodes[0][1][-3000:]
+    assert not (node0 / "metrics.jsonl").exists() and not (node1 / "metrics.jsonl").exists()
 
 
 def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> None:
@@ -93,6 +117,13 @@ def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_pat
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3]
     job_id = first.stdout.split()[-1]
     assert "step      3 | loss" in logs[f"run-{job_id}.out"]
+    # The rendezvous port comes from the job id (two jobs on one head node do not collide), and the CPUs given to
+    # sbatch reach torchrun's task.
+    port = 20000 + int(job_id) % 20000
+    assert (
+        f"job {job_id}: 1 node(s) x 2 rank(s), rendezvous localhost:{port}, 2 CPUs per node"
+        in logs[f"run-{job_id}.out"]
+    )
     # A requeued or resubmitted job continues from the newest checkpoint.
     second = sbatch(project, slurm, "--training.steps", "5")
     assert second.returncode == 0, second.stderr

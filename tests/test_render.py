@@ -127,3 +127,21 @@ def test_each_option_alone_renders_a_lint_clean_project(tmp_path: Path, options:
         lint = subprocess.run([sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=project,
                               capture_output=True, text=True)  # fmt: skip
         assert lint.returncode == 0, lint.stdout
+
+
+def test_cpu_offload_on_gpus_reduces_cpu_tensors_over_gloo(tmp_path: Path) -> None:
+    # Offloaded gradients are CPU tensors, and clipping (and the fp16 scaler) all-reduce them: on CUDA the
+    # process group needs a CPU backend beside NCCL. No GPU here, so read the CUDA branch of init_distributed.
+    def cuda_backend(project: Path) -> str:
+        tree = ast.parse((project / "train.py").read_text())
+        init = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "init_distributed")
+        branches = [node for node in ast.walk(init) if isinstance(node, ast.If) and "cuda" in ast.unparse(node.test)]
+        assigned = [node.value.value for branch in branches for node in branch.body
+                    if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "backend"]  # fmt: skip
+        assert len(assigned) == 1, assigned
+        return assigned[0]
+
+    offload = generate(tmp_path / "offload", "--gpus", "2", "--fp16", "--cpu-offload")
+    plain = generate(tmp_path / "plain", "--gpus", "2", "--fp16")
+    assert cuda_backend(offload) == "cuda:nccl,cpu:gloo"
+    assert cuda_backend(plain) == "nccl"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, metrics, run_own_tests, torchrun, torchrun_env
+from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
 
 
 def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
@@ -57,6 +57,17 @@ def test_generated_projects_own_tests_pass(
     assert re.search(rf"^{count} passed in ", stdout, flags=re.M), stdout[-2000:]
 
 
+def test_an_8_gpu_project_passes_its_own_training_tests_on_8_ranks(tmp_path: Path) -> None:
+    # The node the project is for, as 8 gloo ranks: every test sizes its batches from the rank count (NPROC),
+    # and resharding to groups of 4 (of the 8 ranks) takes effect instead of falling back to a full reshard.
+    project = generate(tmp_path / "run", "--gpus", "8", "--fp32", "--reshard-after-forward", "4")
+    stdout = run_own_tests(project, "-vv", "tests/test_training.py", nproc=8)
+    # loss falls, 8 ranks == 1 process, meta init == eager init on 8 ranks, no reshard == reshard, groups of 4
+    # == full reshard, unknown key.
+    assert re.search(r" 6 passed in ", stdout), stdout[-2000:]
+    assert "test_resharding_to_groups_changes_memory_not_numbers PASSED" in stdout, stdout[-2000:]
+
+
 @pytest.mark.parametrize("style,count", [("dcp-async", 9), ("full", 8)])
 def test_checkpoint_style_projects_own_tests_pass(checkpoint_projects: dict[str, Path], style: str, count: int) -> None:
     # Their checkpoint tests (the training tests are the same code as in the fp32 project's run above);
@@ -96,3 +107,16 @@ def test_init_check_catches_blocks_left_uninitialised(projects: dict[str, Path],
     )  # fmt: skip
     assert result.returncode == 1
     assert "MISMATCH" in result.stdout and "layers.0.attention.wq.weight" in result.stdout
+
+
+def test_peak_memory_is_the_largest_ranks(projects: dict[str, Path]) -> None:
+    # Rank 1 holds 200 MiB more than rank 0; both must report rank 1's peak (the rank that runs out first).
+    result = torchrun(projects["fp32"], str(REPO / "tests" / "peak_memory_probe.py"))
+    found = re.findall(r"rank (\d): own (\S+) reported (\S+) largest (\S+)", result.stdout)
+    peaks = {int(rank): [float(value) for value in values] for rank, *values in found}
+    assert sorted(peaks) == [0, 1], result.stdout
+    for own, reported, largest in peaks.values():
+        # (Each rank read its own peak a moment before the reduction: a few KiB may separate the two.)
+        assert abs(reported - largest) < 5 and reported >= own - 5, peaks
+    own_0, reported_0, _ = peaks[0]
+    assert reported_0 > own_0 + 150, peaks  # rank 0 reports rank 1's peak, not its own

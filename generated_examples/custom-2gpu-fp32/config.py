@@ -25,12 +25,15 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "outputs"
     log_every: int = 10
+    timeout_minutes: float = 10
 
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ValueError("job.output_dir is empty; name a folder, e.g. --job.output_dir outputs")
         if self.log_every < 1:
             raise ValueError(f"job.log_every must be at least 1, got {self.log_every}")
+        if not 0 < self.timeout_minutes < math.inf:
+            raise ValueError(f"job.timeout_minutes must be a positive number, got {self.timeout_minutes}")
 
 
 @dataclass

@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -69,6 +70,8 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    # How long a rank waits in a collective before the run fails (a hung peer, a lost node).
+    timeout = timedelta(minutes=job.timeout_minutes)
     if "RANK" in os.environ:
         store, rank, world_size = next(dist.rendezvous("env://"))
         if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
@@ -80,11 +83,16 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"attempt_{attempt}", store)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if device.type == "cuda" else None,
+            timeout=timeout,
         )
     else:
         # Started without torchrun: a group of one, no rendezvous needed.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device, data_parallel_mesh(config.parallel, device)
 
 
@@ -444,8 +452,12 @@ def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
     return found[0], found[1]
 
 
-# Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate; matched against the device name.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+# Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate: the first name found in the
+# device's name wins, so the PCIe and NVL boards (lower clocks and power) come before their SXM namesakes.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "L40S": 362e12, "A10": 125e12, "V100": 125e12,
+}  # fmt: skip
 
 
 def peak_flops_per_device(device: torch.device) -> float | None:
@@ -457,10 +469,15 @@ def peak_flops_per_device(device: torch.device) -> float | None:
 
 
 def peak_memory_mib(device: torch.device) -> float:
+    """The largest peak of any rank (the one that runs out first), in MiB; a collective, so every rank calls it."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    largest = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
 
 
 def start_checked_run(config: Config, output_dir: Path) -> str:
@@ -477,6 +494,29 @@ def start_checked_run(config: Config, output_dir: Path) -> str:
     if shared[1] is not None:
         stop(shared[1])
     return shared[0]
+
+
+def check_output_dir_is_shared(output_dir: Path, device: torch.device) -> None:
+    """Stop unless every node sees rank 0's job.output_dir. In a node-local folder, step-N/ would be published
+    without the other nodes' shards, which only a resume would find out."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size():
+        return  # one node
+    token = [f".shared-check-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(token, src=0)
+    marker = output_dir / token[0]
+    if dist.get_rank() == 0:
+        marker.write_text(token[0])
+    dist.barrier()
+    missing = torch.tensor([0 if marker.is_file() else 1], device=device)
+    dist.all_reduce(missing)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        marker.unlink()
+    if missing.item():
+        stop(
+            f"job.output_dir {output_dir} is not shared by all nodes: {missing.item()} rank(s) do not see the file "
+            "rank 0 wrote there; put it on a filesystem every node mounts (NFS, Lustre, ...)"
+        )
 
 
 def main() -> None:
@@ -500,6 +540,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     output_dir = Path(config.job.output_dir)
     # Every mistake in the config, the data and the output folder stops the run here, before anything is built.
     run_id = start_checked_run(config, output_dir)
+    check_output_dir_is_shared(output_dir, device)
 
     model = build_model_meta(config, mesh, device)
     if rank == 0:
@@ -540,6 +581,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
         elapsed = time.perf_counter() - started
         state.step = step + 1
+        peak_mem_mib = peak_memory_mib(device)
         if metrics_file is not None:
             record = {
                 "run_id": run_id,
@@ -547,16 +589,20 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
+                "step_time_s": elapsed,
                 "tokens_per_s": tokens_per_step / elapsed,
+                # What published figures quote: throughput per GPU (per rank on CPU).
+                "tokens_per_s_per_gpu": tokens_per_step / elapsed / world_size,
                 "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
-                "peak_mem_mib": peak_memory_mib(device),
+                "peak_mem_mib": peak_mem_mib,
             }
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if state.step % config.job.log_every == 0 or state.step == training.steps:
                 print(
                     f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
-                    f"| {record['tokens_per_s']:,.0f} tok/s | peak {record['peak_mem_mib']:,.0f} MiB",
+                    f"| {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/GPU) "
+                    f"| peak {record['peak_mem_mib']:,.0f} MiB",
                     flush=True,
                 )
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:

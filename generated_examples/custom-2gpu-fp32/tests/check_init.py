@@ -22,14 +22,16 @@ def main() -> None:
     sharded = build_model_meta(config, mesh, device)
     gathered = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    # A different global RNG state: initialisation must depend on training.seed only.
+    # A different global RNG state: initialisation must depend on training.seed only. The eager model is built
+    # on the training device, so that both draw from the same kind of generator (CUDA's differs from the CPU's).
     torch.manual_seed(config.training.seed + 1)
-    eager = Model(config.model)
+    with torch.device(device):
+        eager = Model(config.model)
     eager.init_weights(seed=config.training.seed)
 
     mismatches = []
     if dist.get_rank() == 0:
-        expected = eager.state_dict()
+        expected = {name: tensor.cpu() for name, tensor in eager.state_dict().items()}
         if gathered.keys() != expected.keys():
             mismatches.append(f"keys differ: {sorted(gathered.keys() ^ expected.keys())}")
         for name in expected.keys() & gathered.keys():
@@ -37,7 +39,7 @@ def main() -> None:
                 mismatches.append(f"{name}: max |diff| {(gathered[name] - expected[name]).abs().max():.3e}")
     # Buffers are not sharded: every rank holds them whole (non-persistent ones are in no state dict).
     for name, buffer in eager.named_buffers():
-        if not torch.equal(sharded.get_buffer(name).cpu(), buffer):
+        if not torch.equal(sharded.get_buffer(name).cpu(), buffer.cpu()):
             mismatches.append(f"buffer {name} on rank {dist.get_rank()}")
     if mismatches:
         print("MISMATCH " + "; ".join(sorted(mismatches)), flush=True)

@@ -12,11 +12,14 @@ import torch
 
 PROJECT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NPROC = torch.cuda.device_count() if DEVICE == "cuda" else 2
+# One process per GPU, as training runs; on CPU 2 gloo ranks, or NPROC of them (NPROC=8 lays out an 8-GPU node).
+NPROC = int(os.environ.get("NPROC", torch.cuda.device_count() if DEVICE == "cuda" else 2))
+# Samples per step: divisible by every rank count the tests use (1, 4 and NPROC) times 2 micro-batches.
+GLOBAL_BATCH = 4 * NPROC
 TINY_MODEL = [
     "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
     "--model.max_seq_len", "64",
-    "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
+    "--training.seq_len", "32", "--training.global_batch_size", str(GLOBAL_BATCH), "--training.warmup_steps", "2",
     "--job.device", DEVICE, "--job.log_every", "1",
 ]  # fmt: skip
 

@@ -4,8 +4,8 @@ from_pretrained does, without any rank but 0 ever holding the whole model.
     torchrun ... tests/check_pretrained.py [MODEL_FOLDER ...] [--section.key VALUE ...]
 
 For each model folder (default: model.path) every rank prints one line: the largest difference between its
-logits and from_pretrained's, and how much its resident memory grew during build_model_meta (the peak over
-the start) next to the size of the full model. Rank 0 also compares every gathered weight with
+logits and from_pretrained's, and how much its memory (GPU memory on CUDA, else resident memory) grew during
+build_model_meta (the peak over the start) next to the size of the full model. Rank 0 also compares every gathered weight with
 from_pretrained's, and every rank its buffers (non-persistent ones included), bit for bit: "MISMATCH" lines.
 Then the model is built with model.pretrained = false, and its weights must have the statistics of
 transformers' own initialisation, with different values in each rank's shard.
@@ -30,6 +30,21 @@ def memory_kib(field: str) -> int:
     return int(line.split()[1])
 
 
+def peak_growth_mib(build, device: torch.device):
+    """build() and how far the memory that holds the shards rose above its start meanwhile, in MiB: the GPU's
+    on CUDA (where the shards live), else this process's resident memory."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = build()
+        return result, (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    # Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current resident memory.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = memory_kib("VmRSS")
+    result = build()
+    return result, (memory_kib("VmHWM") - before) / 1024
+
+
 def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # A collective: rank 0 receives every full tensor (on CPU), the other ranks an empty dict.
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -37,11 +52,7 @@ def gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_pretrained(config, mesh, device) -> list[str]:
     rank = dist.get_rank()
-    # Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current resident memory.
-    Path("/proc/self/clear_refs").write_text("5")
-    before = memory_kib("VmRSS")
-    model = build_model_meta(config, mesh, device)
-    growth_mib = (memory_kib("VmHWM") - before) / 1024
+    model, growth_mib = peak_growth_mib(lambda: build_model_meta(config, mesh, device), device)
     # A DTensor's numel() is that of the whole tensor; tied weights count once.
     tensors = {id(t): t for t in model.state_dict().values()}.values()
     full_mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20

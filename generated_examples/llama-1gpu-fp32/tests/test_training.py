@@ -9,21 +9,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runs import NPROC, PROJECT, launch, train
+import pytest
+
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, train
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 1e-5
 
 
 def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
-    # synthetic_samples == global_batch_size: every step sees the same 8 samples.
-    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", "--data.synthetic_samples", "8")
+    # synthetic_samples == global_batch_size: every step sees the same samples.
+    repeated = ["--data.synthetic_samples", str(GLOBAL_BATCH)]
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", *repeated)
     losses = [m["loss"] for m in metrics]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert losses[-1] < 0.8 * losses[0], losses
+    tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
     for record in metrics:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= record.keys()
-        assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
+        assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
+    # A peak never falls from one step to the next.
+    peaks = [record["peak_mem_mib"] for record in metrics]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
 
 
 def test_ranks_match_one_process(tmp_path: Path) -> None:

@@ -11,21 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from runs import NPROC, PROJECT, launch, train
+from runs import DEVICE, GLOBAL_BATCH, NPROC, PROJECT, launch, train
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 2e-2
 
 
 def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
-    # synthetic_samples == global_batch_size: every step sees the same 8 samples.
-    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", "--data.synthetic_samples", "8")
+    # synthetic_samples == global_batch_size: every step sees the same samples.
+    repeated = ["--data.synthetic_samples", str(GLOBAL_BATCH)]
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", *repeated)
     losses = [m["loss"] for m in metrics]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert losses[-1] < 0.8 * losses[0], losses
+    tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
     for record in metrics:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= record.keys()
-        assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
+        assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
+    # A peak never falls from one step to the next.
+    peaks = [record["peak_mem_mib"] for record in metrics]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
 
 
 def test_ranks_match_one_process(tmp_path: Path) -> None:
@@ -63,7 +69,6 @@ def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         ("activation_checkpoint_every", "1"),
         ("activation_checkpoint_every", "2"),
         ("reshard_after_forward", "false"),
-        ("reshard_after_forward", "8"),
     ],
     ids="-".join,
 )
@@ -73,6 +78,28 @@ def test_option_changes_memory_or_speed_not_numbers(
     key, value = option
     with_option = train(tmp_path, *OPTION_STEPS, *OPTIONS_OFF, f"--parallel.{key}", value)
     for a, b in zip(without_options, with_option, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+
+
+# Enough ranks that groups of 2 (or of the configured size) are smaller than the group a parameter is sharded over.
+RESHARD_RANKS = max(NPROC, 4)
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and NPROC < RESHARD_RANKS, reason=f"needs {RESHARD_RANKS} GPUs")
+def test_resharding_to_groups_changes_memory_not_numbers(tmp_path: Path) -> None:
+    # reshard_after_forward = N keeps parameters sharded over groups of N ranks between forward and backward. It
+    # applies only where N divides the ranks a parameter is sharded over and is smaller (train.py reshards fully
+    # otherwise), so the test takes groups that do: 8 if these ranks allow it, else 2.
+    shard_ranks = RESHARD_RANKS
+    configured = 8
+    group = configured if configured < shard_ranks and shard_ranks % configured == 0 else 2
+    assert group < shard_ranks and shard_ranks % group == 0, (group, shard_ranks)
+    # One shard group over all ranks (no HSDP replicas) in both runs.
+    layout = [*OPTION_STEPS, *OPTIONS_OFF, "--parallel.dp_replicate", "1"]
+    full = train(tmp_path / "full", *layout, nproc=RESHARD_RANKS)
+    grouped = train(tmp_path / "grouped", *layout, "--parallel.reshard_after_forward", str(group), nproc=RESHARD_RANKS)
+    for a, b in zip(full, grouped, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
 

@@ -22,21 +22,23 @@ def main() -> None:
     sharded = build_model_meta(config, mesh, device)
     gathered = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    # A different global RNG state: initialisation must depend on training.seed only.
+    # A different global RNG state: initialisation must depend on training.seed only. The eager model is built
+    # on the training device, so that both draw from the same kind of generator (CUDA's differs from the CPU's).
     torch.manual_seed(config.training.seed + 1)
-    eager = Transformer(config.model)
+    with torch.device(device):
+        eager = Transformer(config.model)
     eager.init_weights(seed=config.training.seed)
 
     mismatches = []
     if dist.get_rank() == 0:
-        expected = eager.state_dict()
+        expected = {name: tensor.cpu() for name, tensor in eager.state_dict().items()}
         if gathered.keys() != expected.keys():
             mismatches.append(f"keys differ: {sorted(gathered.keys() ^ expected.keys())}")
         for name in expected.keys() & gathered.keys():
             if not torch.equal(gathered[name], expected[name]):
                 mismatches.append(f"{name}: max |diff| {(gathered[name] - expected[name]).abs().max():.3e}")
     for name in ("rope_cos", "rope_sin"):
-        if not torch.equal(getattr(sharded, name).cpu(), getattr(eager, name)):
+        if not torch.equal(getattr(sharded, name).cpu(), getattr(eager, name).cpu()):
             mismatches.append(f"buffer {name} on rank {dist.get_rank()}")
     if mismatches:
         print("MISMATCH " + "; ".join(sorted(mismatches)), flush=True)

@@ -1,0 +1,20 @@
+"""Run under torchrun in a generated project: rank 1 allocates 200 MiB more than rank 0, then every rank asks
+train.peak_memory_mib, which must report the largest rank's peak (rank 1's) on every rank."""
+
+import resource
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from train import peak_memory_mib
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    ballast = np.ones(200 * 2**20, dtype=np.uint8)  # touched, so resident
+own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+reported = peak_memory_mib(torch.device("cpu"))
+owns = [None] * dist.get_world_size()
+dist.all_gather_object(owns, own)
+print(f"rank {dist.get_rank()}: own {own:.1f} reported {reported:.1f} largest {max(owns):.1f}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
