@@ -6,9 +6,9 @@ from_pretrained does, without any rank but 0 ever holding the whole model.
 For each model folder (default: model.path) every rank prints one line: the largest difference between its
 logits and from_pretrained's, and how much its memory (GPU memory on CUDA, else resident memory) grew during
 build_model_meta (the peak over the start) next to the size of the full model. Rank 0 also compares every
-gathered weight with from_pretrained's, and every rank its buffers (non-persistent ones included), bit for bit: "MISMATCH" lines.
-Then the model is built with model.pretrained = false, and its weights must have the statistics of
-transformers' own initialisation, with different values in each rank's shard.
+gathered weight with from_pretrained's, and every rank its buffers (non-persistent ones included), bit for
+bit: "MISMATCH" lines. Then the model is built with model.pretrained = false, and its weights must have the
+statistics of transformers' own initialisation, with different values in each rank's shard.
 """
 
 import sys
