@@ -171,7 +171,7 @@ BAD_INPUT = [
      "divisor such as --reshard-after-forward 8\n"),
     (["--activation-checkpointing", "some"], "fsdp2gen: error: Invalid value for '--activation-checkpointing': "),
     (["--gpus", "6", "--tp", "4"],
-     "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 2\n"),
+     "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 3\n"),
     (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
     (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
     (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
@@ -260,7 +260,8 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
     assert 'path = "meta-llama/Llama-3.2-1B"\npretrained = true ' in config
     # A local folder, given relative to the current directory, is written as an absolute path.
     (tmp_path / "models" / "tiny").mkdir(parents=True)
-    (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
+    # A from-scratch model needs only a transformers config (no weights).
+    (tmp_path / "models" / "tiny" / "config.json").write_text('{"model_type": "llama"}')
     result = fsdp2gen("new", "local", "-y", "--family", "hf", "--hf-model", "models/tiny", "--from-scratch",
                       cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -276,7 +277,8 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
 
 def test_prompts_ask_for_the_hf_model_of_family_hf(tmp_path: Path) -> None:
     (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "tiny" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")  # pretrained (the default) needs weights
     # An empty answer is refused and asked again; pretrained is not asked (its default is used).
     result = invoke("new", str(tmp_path / "run"), "--family", "hf", "--gpus", "2", "--nodes", "1", "--fp32",
                     "--checkpoint", "dcp", "--launcher", "torchrun", "--interactive",
