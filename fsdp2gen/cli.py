@@ -7,13 +7,11 @@ copier.yml (see questions.py). Errors are one line on stderr with exit code 2.
 from __future__ import annotations
 
 import enum
-import itertools
 import json
 import os
 import shlex
 import stat
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -44,9 +42,7 @@ class OneLineErrors(TyperGroup):
             result = super().main(argv, *rest, standalone_mode=False, **kwargs)
         except (BadInput, typer.TyperException) as error:
             # TyperException covers usage errors: bad option value, missing argument (typer vendors click).
-            message = error.format_message() if hasattr(error, "format_message") else str(error)
-            # One line whatever the source: click's messages can hold a newline, a template's validator too.
-            message = " ".join(message.split())
+            message = _one_line(error)
             if "--json" in argv:
                 typer.echo(json.dumps({"error": message, "code": EXIT_BAD_INPUT}))
             else:
@@ -58,6 +54,22 @@ class OneLineErrors(TyperGroup):
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line, naming the value given when typer's own check refused it."""
+    cause = error.__cause__
+    if isinstance(error, typer.BadParameter) and hasattr(cause, "errors") and cause.errors():
+        # typer checks option types with pydantic, whose message may not name the value and may start with
+        # "Value error, " (pydantic's wording, not ours).
+        first = cause.errors()[0]
+        detail = str(first["msg"]).removeprefix("Value error, ")
+        given = repr(first.get("input"))
+        given = given if len(given) <= 60 else given[:57] + "..."
+        error.message = detail if given in detail else f"{given}: {detail}"
+    message = error.format_message() if hasattr(error, "format_message") else str(error)
+    # One line whatever the source: click's messages can hold a newline, a template's validator too.
+    return " ".join(message.split())
 
 
 def _choices_enum(question: Question) -> type[enum.StrEnum]:
@@ -329,37 +341,31 @@ def _stdin_is_closed() -> bool:
     return sys.stdin is None or sys.stdin.closed
 
 
-# Invalid answers in a row that a prompt takes from a pipe before giving up (a terminal user may keep trying).
-MAX_PIPED_TRIES = 10
-
-
 def _ask(question: Question, answers: dict[str, Any]) -> Any:
-    """Prompt until the answer passes the template's own checks and validator."""
+    """Prompt until the answer passes the template's own checks and validator. Answers read from a pipe get
+    no second chance: a retry would take the next line, meant for the next question, as this answer."""
     text = question.help
     if question.choices:
         text += f" ({', '.join(question.choice_values)})"
-    for _ in _tries():
+    terminal = _stdin_is_terminal()
+    while True:
         try:
             raw = typer.prompt(text, default=str(question.default))
         except typer.Abort:
-            if _stdin_is_terminal():
+            if terminal:
                 raise  # the user pressed Ctrl-C or Ctrl-D
             fail(f"stdin ended before {question.flag} was answered; give it as {question.flag} VALUE, or pass "
                  "--yes to use the defaults")  # fmt: skip
         try:
             value = question.convert(raw.strip())
+            problem = question.error(value, answers)
         except ValueError:
-            typer.echo(f"Error: {raw!r} is not a valid {question.type}", err=True)
-            continue
-        problem = question.error(value, answers)
+            problem = f"{raw!r} is not a valid {question.type}"
         if problem is None:
             return value
+        if not terminal:
+            fail(f"{question.flag}: {problem} (answer read from stdin)")
         typer.echo(f"Error: {problem}", err=True)
-    fail(f"{MAX_PIPED_TRIES} invalid answers for {question.flag} from stdin; give it as {question.flag} VALUE")
-
-
-def _tries() -> Iterator[int]:
-    return itertools.count() if _stdin_is_terminal() else iter(range(MAX_PIPED_TRIES))
 
 
 def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:

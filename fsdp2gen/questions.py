@@ -137,7 +137,7 @@ def _hf_model_problem(value: str, answers: dict[str, Any]) -> str | None:
         return None  # a hub id, or a folder that will exist by training time: the validator has judged it
     fix = "give a folder written by save_pretrained (config.json + *.safetensors) or a hub id"
     try:
-        loaded = json.loads(read_text(config, "config.json", fix))
+        loaded = json.loads(read_text(config, "model config", fix))
     except FileInputError as error:
         return str(error)
     except json.JSONDecodeError as error:

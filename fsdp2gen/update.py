@@ -53,8 +53,8 @@ def check_updatable(project: Path) -> dict[str, Any]:
     for key in ("_commit", "_src_path"):
         if not isinstance(recorded[key], str | int | float):
             raise UpdateError(
-                f"{key} in {answers_path} must be a string, got {type(recorded[key]).__name__}; restore the file "
-                f"with `git checkout -- {ANSWERS_FILE}`"
+                f"{key} in {answers_path} must be a string, got {type(recorded[key]).__name__}; restore the value "
+                f"copier wrote (git log -p -- {ANSWERS_FILE})"
             )
     source = Path(str(recorded["_src_path"]))
     if not re.match(r"^[\w+.-]+://|^gh:|^gl:|^git@", str(recorded["_src_path"])):
@@ -70,7 +70,8 @@ def check_updatable(project: Path) -> dict[str, Any]:
 
 def _read_answers(path: Path) -> dict[str, Any]:
     """The mapping in `.copier-answers.yml`, or UpdateError saying what is wrong with the file."""
-    restore = f"restore it with `git checkout -- {ANSWERS_FILE}` or fix it by hand"
+    # The project is a clean checkout, so `git checkout` would restore the same file: an older commit may not.
+    restore = f"restore it from an earlier commit (git log -- {ANSWERS_FILE}) or fix it by hand"
     try:
         recorded = load_yaml(read_text(path, "answers file", restore))
     except FileInputError as error:
