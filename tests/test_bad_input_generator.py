@@ -97,6 +97,15 @@ def fifo(name: str) -> Setup:
     return setup
 
 
+def sparse(name: str, size: int) -> Setup:
+    @described(f"{name} is a {size // 2**20} MiB file")
+    def setup(folder: Path) -> None:
+        with open(folder / name, "wb") as f:
+            f.truncate(size)  # sparse: nothing is written to disk
+
+    return setup
+
+
 RECORDED = (
     "_commit: v0.1.0\n_src_path: https://github.com/fsdp2gen/fsdp2gen.git\nproject_name: p\nfamily: llama\n"
     "gpus: {gpus}\nnodes: {nodes}\nprecision: bf16\ncheckpoint: dcp\nlauncher: torchrun\ntp: 1\n"
@@ -149,6 +158,7 @@ def hf_folder(config: str | bytes | None = '{"model_type": "llama"}', weights: b
 
 NEW = ("new", "run", "-y")
 MAX_NAME = "a" * 256
+LONG_PATH = "/".join(["b" * 200] * 25)  # each name fits, the whole path is over PATH_MAX (4096)
 DEPENDENCY = (
     "{name} is the name of a package the project depends on, so `pip install -e .` cannot install it; pick another "
     "name with --project-name or DEST, e.g. --project-name my-{name}"
@@ -349,6 +359,11 @@ CASES = [
         ("new", f"a/{MAX_NAME}/b", "-y"),
         f"DEST name '{'a' * 40}...' is 256 bytes, more than the 255 a file name may have; choose a shorter DEST",
     ),
+    Case(
+        "dest-path-too-long",
+        ("new", LONG_PATH, "-y"),
+        f"cannot use {LONG_PATH}: File name too long; choose another DEST",
+    ),
     Case("dest-is-a-file", NEW, "{d}/run exists and is not a folder; choose another DEST", (write("run", "x"),)),
     Case(
         "dest-inside-a-file",
@@ -390,6 +405,12 @@ CASES = [
         "answers-file-device",
         (*NEW, "--answers-file", "/dev/zero"),
         f"answers file /dev/zero is not a regular file (a pipe or a device); {AF}",
+    ),
+    Case(
+        "answers-file-too-large",
+        (*NEW, "--answers-file", "a.yml"),
+        f"answers file a.yml is larger than 16 MiB; {AF}",
+        (sparse("a.yml", 17 * 2**20),),
     ),
     Case(
         "answers-file-binary",
@@ -772,6 +793,11 @@ CASES = [
         f"Invalid value for '--gpus': 'nan': {NOT_INT}",
     ),
     Case("plan-size-unknown", ("plan", "--size", "1t"), "--size 1t: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
+    Case(
+        "plan-config-missing",
+        ("plan", "--config", "nope.toml"),
+        "config file nope.toml not found; pass a generated project's config.toml",
+    ),
     Case(
         "plan-config-fifo",
         ("plan", "--config", "config.toml"),
