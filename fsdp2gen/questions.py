@@ -79,15 +79,22 @@ class Question:
 
     def type_error(self, value: Any) -> str | None:
         """The problem with `value`'s type or choice, or None (the validator is not consulted)."""
+        # Only answers files (and a project's recorded answers) reach these: flags and prompts are typed.
         if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-            return f"{_short(value)} is not an integer"
+            return f"{_short(value)} is not an integer{self._example()}"
         if self.type == "bool" and not isinstance(value, bool):
-            return f"{_short(value)} is not true or false"
+            return f"{_short(value)} is not true or false{self._example()}"
         if self.type == "str" and not isinstance(value, str):
-            return f"{_short(value)} is not a string"
+            return f"{_short(value)} is not a string{self._example()}"
         if self.choices and value not in self.choice_values:
             return f"{_short(value)} is not one of {', '.join(self.choice_values)}"
         return None
+
+    def _example(self) -> str:
+        """`, e.g. name: default` as YAML writes it (quoted where a string needs it), or "" without a default."""
+        if self.default in ("", None) or "{{" in str(self.default):
+            return ""
+        return f", e.g. {yaml.safe_dump({self.name: self.default}, default_style=None).strip()}"
 
     def error(self, value: Any, answers: dict[str, Any]) -> str | None:
         """The problem with `value` as an answer, or None if it is valid."""

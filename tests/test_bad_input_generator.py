@@ -464,25 +464,25 @@ CASES = [
     Case(
         "answers-file-gpus-word",
         (*NEW, "--answers-file", "a.yml"),
-        "gpus in a.yml: 'eight' is not an integer",
+        "gpus in a.yml: 'eight' is not an integer, e.g. gpus: 8",
         (write("a.yml", "gpus: eight\n"),),
     ),
     Case(
         "answers-file-gpus-float",
         (*NEW, "--answers-file", "a.yml"),
-        "gpus in a.yml: 4.5 is not an integer",
+        "gpus in a.yml: 4.5 is not an integer, e.g. gpus: 8",
         (write("a.yml", "gpus: 4.5\n"),),
     ),
     Case(
         "answers-file-gpus-bool",
         (*NEW, "--answers-file", "a.yml"),
-        "gpus in a.yml: True is not an integer",
+        "gpus in a.yml: True is not an integer, e.g. gpus: 8",
         (write("a.yml", "gpus: true\n"),),
     ),
     Case(
         "answers-file-gpus-nan",
         (*NEW, "--answers-file", "a.yml"),
-        "gpus in a.yml: nan is not an integer",
+        "gpus in a.yml: nan is not an integer, e.g. gpus: 8",
         (write("a.yml", "gpus: .nan\n"),),
     ),
     Case(
@@ -494,19 +494,19 @@ CASES = [
     Case(
         "answers-file-compile-word",
         (*NEW, "--answers-file", "a.yml"),
-        "compile in a.yml: 'maybe' is not true or false",
+        "compile in a.yml: 'maybe' is not true or false, e.g. compile: false",
         (write("a.yml", "compile: maybe\n"),),
     ),
     Case(
         "answers-file-family-list",
         (*NEW, "--answers-file", "a.yml"),
-        "family in a.yml: ['llama'] is not a string",
+        "family in a.yml: ['llama'] is not a string, e.g. family: llama",
         (write("a.yml", "family: [llama]\n"),),
     ),
     Case(
         "answers-file-reshard-float",
         (*NEW, "--answers-file", "a.yml"),
-        "reshard_after_forward in a.yml: 4.5 is not a string",
+        "reshard_after_forward in a.yml: 4.5 is not a string, e.g. reshard_after_forward: 'true'",
         (write("a.yml", "reshard_after_forward: 4.5\n"),),
     ),
     Case(
