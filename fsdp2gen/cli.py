@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import shlex
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -17,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from fsdp2gen import __version__
-from fsdp2gen.questions import Question, load_answers_file, questions, validate
+from fsdp2gen.questions import Question, load_answers_file, project_name_from_folder, questions, validate
 from fsdp2gen.render import DestinationError, check_destination, render_project
 
 EXIT_BAD_INPUT = 2
@@ -40,18 +42,34 @@ class OneLineErrors(TyperGroup):
             result = super().main(argv, *rest, standalone_mode=False, **kwargs)
         except (BadInput, typer.TyperException) as error:
             # TyperException covers usage errors: bad option value, missing argument (typer vendors click).
-            message = error.format_message() if hasattr(error, "format_message") else str(error)
+            message = _one_line(error)
             if "--json" in argv:
                 typer.echo(json.dumps({"error": message, "code": EXIT_BAD_INPUT}))
             else:
                 typer.echo(f"fsdp2gen: error: {message}", err=True)
             sys.exit(EXIT_BAD_INPUT)
-        except typer.Abort:
+        except typer.Abort:  # Ctrl-C (or Ctrl-D) at a prompt: the user stopped it, not bad input
             typer.echo("fsdp2gen: aborted", err=True)
             sys.exit(1)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line, naming the value given when typer's own check refused it."""
+    cause = error.__cause__
+    if isinstance(error, typer.BadParameter) and hasattr(cause, "errors") and cause.errors():
+        # typer checks option types with pydantic, whose message may not name the value and may start with
+        # "Value error, " (pydantic's wording, not ours).
+        first = cause.errors()[0]
+        detail = str(first["msg"]).removeprefix("Value error, ")
+        given = repr(first.get("input"))
+        given = given if len(given) <= 60 else given[:57] + "..."
+        error.message = detail if given in detail else f"{given}: {detail}"
+    message = error.format_message() if hasattr(error, "format_message") else str(error)
+    # One line whatever the source: click's messages can hold a newline, a template's validator too.
+    return " ".join(message.split())
 
 
 def _choices_enum(question: Question) -> type[enum.StrEnum]:
@@ -128,18 +146,45 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object 
 
 
 def _given_answers(**options: Any) -> dict[str, Any]:
-    """The answers given as options (enums as their values), each checked by the template's validator."""
+    """The answers given as options (enums as their values). They are checked once merged with the
+    answers file, the project's recorded answers or the defaults: how they fit depends on those."""
     answers = {name: value.value if isinstance(value, enum.Enum) else value for name, value in options.items()}
-    answers = {name: value for name, value in answers.items() if value is not None}
+    return {name: value for name, value in answers.items() if value is not None}
+
+
+def _check_answers(answers: dict[str, Any], sources: dict[str, str]) -> None:
+    """Fail on the first invalid answer, naming where it came from: a flag, or `name in FILE`."""
     for name, problem in validate(answers).items():
-        fail(f"{QUESTIONS[name].flag}: {problem}")
-    return answers
+        fail(f"{sources.get(name, QUESTIONS[name].flag if name in QUESTIONS else name)}: {problem}")
+
+
+def _complete_answers(answers: dict[str, Any], *, prompting: bool) -> list[str]:
+    """Fill in every missing answer, prompting for the PROMPTED ones when `prompting`; return the names
+    that took their default without being asked (announced when stdin is not a terminal)."""
+    missing = [name for name in ASKED if name not in answers]
+    if prompting:
+        for name in [name for name in missing if name in PROMPTED]:
+            answers[name] = _ask(QUESTIONS[name], answers)
+            missing.remove(name)
+    unasked = [name for name in missing if name in PROMPTED]
+    for name in missing:
+        answers[name] = QUESTIONS[name].default
+    for name in FAMILY_QUESTIONS:
+        question = QUESTIONS[name]
+        if name in answers or not question.applies(answers):
+            continue
+        if prompting and question.error(question.default, answers):
+            answers[name] = _ask(question, answers)
+        else:
+            answers[name] = question.default
+            unasked.append(name)
+    return unasked
 
 
 @app.command()
 def new(
     dest: Annotated[
-        Path,
+        str,  # not Path: Path("") is ".", and an empty DEST must be refused, not read as the current folder
         typer.Argument(metavar="DEST", help="Folder to create; its name becomes the project name.", show_default=False),
     ],
     family: FamilyOption = None,
@@ -206,38 +251,39 @@ def new(
         cpu_offload=cpu_offload,
         prefetch=prefetch,
         tensorboard=tensorboard,
+        project_name=project_name,
     )
-    if project_name is not None:
-        answers.update(_given_answers(project_name=project_name))
+    sources = {name: QUESTIONS[name].flag for name in answers}
     if answers_file is not None:
         answers = _merge_answers_file(answers_file, answers)
-    try:
-        check_destination(dest.absolute(), force=force)
-    except DestinationError as error:
-        fail(str(error))
+        sources.update({name: f"{name} in {answers_file}" for name in answers if name not in sources})
+    if not dest.strip():
+        fail("DEST is empty; give the folder to create, e.g. fsdp2gen new my-run")
+    dest_path = Path(dest)
 
     missing = [name for name in ASKED if name not in answers]
     if interactive is None:
         interactive = _stdin_is_terminal()
-    if interactive and not yes and not as_json:
-        for name in [name for name in missing if name in PROMPTED]:
-            answers[name] = _ask(QUESTIONS[name], answers)
-            missing.remove(name)
-    unasked = [name for name in missing if name in PROMPTED]
-    for name in missing:
-        answers[name] = QUESTIONS[name].default
-    for name in FAMILY_QUESTIONS:
-        question = QUESTIONS[name]
-        if name in answers or not question.applies(answers):
-            continue
-        if interactive and not yes and not as_json and question.error(question.default, answers):
-            answers[name] = _ask(question, answers)
-        else:
-            answers[name] = question.default
-            unasked.append(name)
-    # Every answer, defaults included, against the template's validators (e.g. --family hf needs --hf-model).
-    for name, problem in validate(answers).items():
-        fail(f"{QUESTIONS[name].flag}: {problem}")
+    prompting = interactive and not yes and not as_json
+    if prompting and _stdin_is_closed():
+        fail("--interactive needs stdin to read answers from, but stdin is closed; give the answers as flags "
+             "or --answers-file, or pass --yes to use the defaults")  # fmt: skip
+    # Without prompts the answers are final now: check them before the destination, as the user wrote them.
+    unasked = [] if prompting else _complete_answers(answers, prompting=False)
+    if not prompting:
+        _check_answers(answers, sources)
+    try:
+        check_destination(dest_path, force=force)
+    except DestinationError as error:
+        fail(str(error))
+    if "project_name" not in answers:
+        # copier derives it from DEST's folder name: check it here, where the message can say so.
+        derived = project_name_from_folder(Path(os.path.abspath(dest_path)).name)
+        if problem := QUESTIONS["project_name"].error(derived, answers):
+            fail(f"project name {derived!r} (from DEST's folder name): {problem}")
+    if prompting:
+        unasked = _complete_answers(answers, prompting=True)
+        _check_answers(answers, sources)
     if unasked and not yes and not as_json:
         used = ", ".join(f"{name}={answers[name]}" for name in unasked)
         typer.echo(
@@ -245,13 +291,13 @@ def new(
         )
 
     try:
-        written, answers = render_project(dest, answers, force=force, dry_run=dry_run)
+        written, answers = render_project(dest_path, answers, force=force, dry_run=dry_run)
     except (DestinationError, ValueError) as error:
         fail(str(error))
-    commands = next_commands(dest, answers)
+    commands = next_commands(dest_path, answers)
     if as_json:
         report = {
-            "dest": str(dest.absolute()),
+            "dest": str(dest_path.absolute()),
             "dry_run": dry_run,
             "answers": answers,
             "defaults_used": missing,
@@ -262,7 +308,7 @@ def new(
         return
     verb = "Would create" if dry_run else "Created"
     summary = ", ".join(f"{name}={value}" for name, value in answers.items())
-    typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
+    typer.echo(f"{verb} {dest_path} ({summary}) with {len(written)} files:")
     for path in written:
         typer.echo(f"  {path}")
     if not dry_run:
@@ -279,7 +325,7 @@ def _merge_answers_file(path: Path, flag_answers: dict[str, Any]) -> dict[str, A
         fail(str(error))
     for name, value in flag_answers.items():
         if name in from_file and from_file[name] != value:
-            fail(f"--{name} {value} contradicts {name}: {from_file[name]} in {path}; drop one of them")
+            fail(f"{QUESTIONS[name].flag} {value} contradicts {name}: {from_file[name]} in {path}; drop one of them")
     return {**from_file, **flag_answers}
 
 
@@ -290,21 +336,35 @@ def _stdin_is_terminal() -> bool:
         return False
 
 
+def _stdin_is_closed() -> bool:
+    """No stdin at all (`<&-`): Python sets sys.stdin to None, or it was closed since."""
+    return sys.stdin is None or sys.stdin.closed
+
+
 def _ask(question: Question, answers: dict[str, Any]) -> Any:
-    """Prompt until the answer passes the template's own checks and validator."""
+    """Prompt until the answer passes the template's own checks and validator. Answers read from a pipe get
+    no second chance: a retry would take the next line, meant for the next question, as this answer."""
     text = question.help
     if question.choices:
         text += f" ({', '.join(question.choice_values)})"
+    terminal = _stdin_is_terminal()
     while True:
-        raw = typer.prompt(text, default=str(question.default))
+        try:
+            raw = typer.prompt(text, default=str(question.default))
+        except typer.Abort:
+            if terminal:
+                raise  # the user pressed Ctrl-C or Ctrl-D
+            fail(f"stdin ended before {question.flag} was answered; give it as {question.flag} VALUE, or pass "
+                 "--yes to use the defaults")  # fmt: skip
         try:
             value = question.convert(raw.strip())
+            problem = question.error(value, answers)
         except ValueError:
-            typer.echo(f"Error: {raw!r} is not a valid {question.type}", err=True)
-            continue
-        problem = question.error(value, answers)
+            problem = f"{raw!r} is not a valid {question.type}"
         if problem is None:
             return value
+        if not terminal:
+            fail(f"{question.flag}: {problem} (answer read from stdin)")
         typer.echo(f"Error: {problem}", err=True)
 
 
@@ -336,7 +396,7 @@ class Conflict(enum.StrEnum):
 
 @app.command()
 def update(
-    path: Annotated[Path, typer.Argument(help="The generated project (a clean git checkout).")] = Path("."),
+    path: Annotated[str, typer.Argument(help="The generated project (a clean git checkout).")] = ".",
     family: FamilyOption = None,
     gpus: GpusOption = None,
     nodes: NodesOption = None,
@@ -362,9 +422,12 @@ def update(
     as_json: JsonOption = False,
 ) -> None:
     """Update a generated project to a newer template version, keeping your edits (runs `copier update`)."""
-    from fsdp2gen.update import UpdateError, update_project
+    from fsdp2gen.update import UpdateError, check_updatable, update_project
 
-    answers = _given_answers(
+    if not path.strip():
+        fail("PATH is empty; give the generated project's folder, e.g. fsdp2gen update .")
+    project = Path(path)
+    given = _given_answers(
         family=family,
         gpus=gpus,
         nodes=nodes,
@@ -383,15 +446,44 @@ def update(
         tensorboard=tensorboard,
     )
     try:
-        conflicts = update_project(path, answers, conflict=conflict.value, vcs_ref=vcs_ref)
+        recorded = check_updatable(project)
+        answers = _update_answers(project, recorded, given)
+        conflicts = update_project(project, answers, conflict=conflict.value, vcs_ref=vcs_ref)
     except UpdateError as error:
         fail(str(error))
     if as_json:
-        typer.echo(json.dumps({"project": str(path.absolute()), "answers": answers, "conflicts": conflicts}, indent=2))
+        typer.echo(json.dumps({"project": str(project.absolute()), "answers": given, "conflicts": conflicts}, indent=2))
     elif conflicts:
-        typer.echo(f"Updated {path} with conflicts to resolve in: {', '.join(conflicts)}")
+        typer.echo(f"Updated {project} with conflicts to resolve in: {', '.join(conflicts)}")
     else:
-        typer.echo(f"Updated {path}; review with `git diff` and commit")
+        typer.echo(f"Updated {project}; review with `git diff` and commit")
+
+
+def _update_answers(project: Path, recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The answers to pass to `copier update`: the flags, checked against the project's recorded answers
+    (not the defaults: `--tp 3` on a `--gpus 2` project must speak of its 2 GPUs)."""
+    from fsdp2gen.render import ANSWERS_FILE
+
+    where = project / ANSWERS_FILE
+    # Keys of other template versions are copier's business; only this version's questions are checked.
+    known = {name: QUESTIONS[name].normalise(value) for name, value in recorded.items() if name in QUESTIONS}
+    merged = {**known, **given}
+    for name in FAMILY_QUESTIONS:
+        if not QUESTIONS[name].applies(merged):
+            if name not in given:
+                merged.pop(name, None)  # copier drops it too (its `when:` is false now)
+        elif name not in merged:
+            merged[name] = QUESTIONS[name].default
+    sources = {name: f"{name} in {where}" for name in known} | {name: QUESTIONS[name].flag for name in given}
+    _check_answers(merged, sources)
+    # A recorded answer in YAML's natural type (`reshard_after_forward: 4`, hand-edited) is passed converted:
+    # copier would read it as it stands.
+    converted = {
+        name: value
+        for name, value in known.items()
+        if name in merged and value is not recorded[name]  # normalise returns the value itself when it keeps it
+    }
+    return {**converted, **given}
 
 
 @app.command("questions")
@@ -411,7 +503,7 @@ def list_questions(
 @app.command()
 def check(
     paths: Annotated[
-        list[Path],
+        list[str],  # not Path: Path("") is ".", which would check the current folder
         typer.Argument(metavar="PATH...", help="Python files, or folders searched for *.py.", show_default=False),
     ],
     output_format: Annotated[str, typer.Option("--format", help="text (like ruff) or json.")] = "text",
@@ -422,15 +514,46 @@ def check(
 
     if output_format not in ("text", "json"):
         fail(f"--format {output_format}: choose text or json")
-    try:
-        findings = checker.check_paths(paths)
-    except checker.CheckInputError as error:
-        fail(str(error))
+    if any(not path.strip() for path in paths):
+        fail("an empty PATH was given; pass Python files or folders")
+    findings = []
+    for file in _checkable_files([Path(path) for path in paths]):
+        try:
+            findings += checker.check_paths([file])
+        except checker.CheckInputError as error:
+            fail(str(error))
+        except RecursionError:
+            fail(f"{file}: nested too deeply to analyse (Python's recursion limit); split the long expression "
+                 "or exclude the file")  # fmt: skip
+        except (ValueError, MemoryError) as error:  # e.g. NUL bytes in the source (a ValueError before 3.12)
+            fail(f"{file}: cannot be parsed ({' '.join(str(error).split())}); fix the file or exclude it")
     if output_format == "json":
         typer.echo(checker.format_json(findings))
     elif findings:
         typer.echo(checker.format_text(findings))
     raise typer.Exit(1 if findings else 0)
+
+
+def _checkable_files(paths: list[Path]) -> list[Path]:
+    """The files `check` reads: only regular files. Reading a FIFO blocks until someone writes to it, and
+    a device may never end; a folder whose name ends in .py is not a Python file."""
+    from fsdp2gen import check as checker
+
+    try:
+        found = checker.python_files(paths)
+    except checker.CheckInputError as error:
+        fail(str(error))
+    files = []
+    for path in found:
+        try:
+            mode = path.stat().st_mode
+        except OSError as error:
+            fail(f"{path}: cannot read ({error.strerror}); fix the file or exclude it")
+        if stat.S_ISREG(mode):
+            files.append(path)
+        elif not stat.S_ISDIR(mode):  # a given folder was searched; one found by the search is skipped
+            fail(f"{path}: not a regular file (a pipe, a device or a socket); pass Python files or folders")
+    return files
 
 
 @app.command()

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
+
 FP32 = 4
 INT64 = 8
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -39,6 +41,22 @@ USABLE_FRACTION = 0.9
 
 class PlanError(ValueError):
     """Input the user can fix; the CLI reports it as one line with exit code 2."""
+
+
+# Upper bounds of the inputs: GPUs per node and nodes as the generator's copier.yml bounds them; the rest far
+# above any model or run there is, so that a typo (an extra digit or ten) is refused instead of planned, and
+# the per-layer arithmetic stays instant. Every input is at least 1.
+LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--batch": 2**16, "--seq": 2**24}
+MODEL_LIMITS = {
+    "dim": 2**17,
+    "n_layers": 2**12,
+    "n_heads": 2**12,
+    "n_kv_heads": 2**12,
+    "vocab_size": 2**22,
+    "ffn_dim": 2**20,
+    "max_seq_len": 2**24,
+}
+TRAINING_LIMITS = {"global_batch_size": 2**24, "seq_len": 2**24, "grad_accum_steps": 2**16}
 
 
 @dataclass(frozen=True)
@@ -343,22 +361,25 @@ def _levers(plan: Plan) -> list[Lever]:
     return sorted(levers, key=lambda lever: -lever.saves_bytes)
 
 
-def _positive(name: str, value: int | None) -> None:
+def _positive(name: str, value: int | None, limit: int) -> None:
     if value is not None and value < 1:
         raise PlanError(f"{name} must be at least 1, got {value}")
+    if value is not None and value > limit:
+        raise PlanError(f"{name} must be at most {limit}, got {value}")
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """([model], [training]) of a generated project's config.toml, and the project's recorded answers."""
+    if not path.exists():
+        raise PlanError(f"config file {path} not found; pass a generated project's config.toml")
     try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise PlanError(f"config file {path} not found; pass a generated project's config.toml") from None
-    except OSError as error:
-        raise PlanError(f"{path}: cannot read ({error.strerror})") from None
+        raw = tomllib.loads(read_text(path, "config file", "pass a generated project's config.toml"))
+    except FileInputError as error:
+        raise PlanError(str(error)) from None
     except tomllib.TOMLDecodeError as error:
         raise PlanError(f"{path}: invalid TOML ({error}); fix the file") from None
+    except RecursionError:
+        raise PlanError(f"{path}: nested too deeply to read; pass a generated project's config.toml") from None
     sections = {name: raw.get(name, {}) for name in ("model", "training")}
     for name, table in sections.items():
         if not isinstance(table, dict):
@@ -370,32 +391,37 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
             raise PlanError(f"{path}: unknown key model.{key}; known: {', '.join(TEMPLATE_MODEL)}")
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}")
+        if expected is float and not (math.isfinite(value) and value >= 0):
+            raise PlanError(f"{path}: model.{key} must be a finite number >= 0, got {value!r}")
         model[key] = value
     training = dict(TEMPLATE_TRAINING)
     for key in TEMPLATE_TRAINING:
         value = sections["training"].get(key, training[key])
-        if type(value) is not int or value < 1:
-            raise PlanError(f"{path}: training.{key} must be a positive int, got {value!r}")
+        if type(value) is not int or not 1 <= value <= TRAINING_LIMITS[key]:
+            raise PlanError(f"{path}: training.{key} must be an int from 1 to {TRAINING_LIMITS[key]}, got {value!r}")
         training[key] = value
     if model["size"] not in TEMPLATE_SIZES:
         raise PlanError(f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}")
     for key, value in TEMPLATE_SIZES[model["size"]].items():
         model[key] = model[key] or value
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
-        if model[key] < 1:
-            raise PlanError(f"{path}: model.{key} must be at least 1, got {model[key]}")
+    for key, limit in MODEL_LIMITS.items():
+        if not 1 <= model[key] <= limit:
+            raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}")
     # GPUs, nodes and precision the project was generated for (flags override them).
     answers: dict[str, Any] = {}
     answers_file = path.parent / ".copier-answers.yml"
     if answers_file.is_file():
         try:
-            loaded = yaml.safe_load(answers_file.read_text())
+            loaded = load_yaml(read_text(answers_file, "answers file", "fix or delete it"))
+        except FileInputError as error:
+            raise PlanError(str(error)) from None
         except yaml.YAMLError as error:
-            raise PlanError(f"{answers_file}: invalid YAML ({error}); fix or delete it") from None
+            raise PlanError(f"{answers_file}: invalid YAML ({yaml_problem(error)}); fix or delete it") from None
         answers = loaded if isinstance(loaded, dict) else {}
         for key in ("gpus", "nodes"):
-            if key in answers and (type(answers[key]) is not int or answers[key] < 1):
-                raise PlanError(f"{answers_file}: {key} must be a positive int, got {answers[key]!r}")
+            limit = LIMITS[f"--{key}"]
+            if key in answers and (type(answers[key]) is not int or not 1 <= answers[key] <= limit):
+                raise PlanError(f"{answers_file}: {key} must be an int from 1 to {limit}, got {answers[key]!r}")
     return model, training, answers
 
 
@@ -418,7 +444,7 @@ def build_request(
     if size is not None and config is not None:
         raise PlanError("--size and --config both given; the model comes from one of them")
     for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
-        _positive(name, value)
+        _positive(name, value, LIMITS[name])
     if ac not in AC_MODES:
         raise PlanError(f"--ac {ac}: choose one of {', '.join(AC_MODES)}")
     if gpu not in GPUS:

@@ -7,6 +7,8 @@ exactly the same answers.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -14,6 +16,8 @@ from typing import Any
 
 import yaml
 from jinja2.sandbox import SandboxedEnvironment
+
+from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -73,17 +77,88 @@ class Question:
             return raw.lower() in ("true", "yes", "y")
         return raw
 
+    def type_error(self, value: Any) -> str | None:
+        """The problem with `value`'s type or choice, or None (the validator is not consulted)."""
+        # Only answers files (and a project's recorded answers) reach these: flags and prompts are typed.
+        if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{_short(value)} is not an integer{self._example()}"
+        if self.type == "bool" and not isinstance(value, bool):
+            return f"{_short(value)} is not true or false{self._example()}"
+        if self.type == "str" and not isinstance(value, str):
+            return f"{_short(value)} is not a string{self._example()}"
+        if self.choices and value not in self.choice_values:
+            return f"{_short(value)} is not one of {', '.join(self.choice_values)}"
+        return None
+
+    def _example(self) -> str:
+        """`, e.g. name: default` as YAML writes it (quoted where a string needs it), or "" without a default."""
+        if self.default in ("", None) or "{{" in str(self.default):
+            return ""
+        return f", e.g. {yaml.safe_dump({self.name: self.default}, default_style=None).strip()}"
+
     def error(self, value: Any, answers: dict[str, Any]) -> str | None:
         """The problem with `value` as an answer, or None if it is valid."""
-        if self.choices and value not in self.choice_values:
-            return f"{value!r} is not one of {', '.join(self.choice_values)}"
-        if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-            return f"{value!r} is not an integer"
-        if self.type == "bool" and not isinstance(value, bool):
-            return f"{value!r} is not true or false"
-        if not self.validator:
-            return None
-        return _render(self.validator, {**answers, self.name: value}) or None
+        if problem := self.type_error(value):
+            return problem
+        if self.validator:
+            try:
+                problem = _render(self.validator, {**answers, self.name: value})
+            except (TypeError, ValueError, OverflowError, ArithmeticError) as error:
+                # Another answer of the wrong type can break this validator's arithmetic: name that answer.
+                return f"cannot be checked against the other answers ({error}); fix those first"
+            if problem:
+                return " ".join(problem.split())
+        if check := PYTHON_CHECKS.get(self.name):
+            return check(value, answers)
+        return None
+
+    def normalise(self, value: Any) -> Any:
+        """`value` as written naturally in YAML, converted to this question's type where that is unambiguous.
+
+        `reshard_after_forward: true` or `: 4` (a bool, an int) mean the strings "true" and "4" this str
+        question takes; `gpus: "4"` means 4. Anything else is returned as is, for error() to refuse.
+        """
+        if self.type == "str" and isinstance(value, bool):
+            return "true" if value else "false"
+        if self.type == "str" and isinstance(value, int):
+            return str(value)
+        if self.type in ("int", "bool") and isinstance(value, str):
+            try:
+                return self.convert(value.strip())
+            except ValueError:
+                return value
+        return value
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: a message stays one readable line whatever was given."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _hf_model_problem(value: str, answers: dict[str, Any]) -> str | None:
+    """What the template's validator cannot read: a local model folder's config.json must be a transformers
+    config (a JSON object with model_type), else loading it fails only when training starts."""
+    config = Path(os.path.expanduser(value)) / "config.json"
+    if not config.is_file():
+        return None  # a hub id, or a folder that will exist by training time: the validator has judged it
+    fix = "give a folder written by save_pretrained (config.json + *.safetensors) or a hub id"
+    try:
+        loaded = json.loads(read_text(config, "model config", fix))
+    except FileInputError as error:
+        return str(error)
+    except json.JSONDecodeError as error:
+        return f"{config} is not valid JSON ({error.msg}, line {error.lineno}); {fix}"
+    if not isinstance(loaded, dict):
+        return f"{config} holds a JSON {type(loaded).__name__}, not an object; {fix}"
+    if not isinstance(loaded.get("model_type"), str) or not loaded["model_type"]:
+        return f"{config} has no model_type, so transformers cannot tell the architecture; {fix}"
+    return None
+
+
+# Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
+# run after the validator, by fsdp2gen only.
+PYTHON_CHECKS = {"hf_model": _hf_model_problem}
 
 
 def _render(template: str, answers: dict[str, Any]) -> str:
@@ -122,28 +197,55 @@ def questions() -> dict[str, Question]:
 
 
 def validate(answers: dict[str, Any]) -> dict[str, str]:
-    """{question name: problem} for every invalid answer among `answers`."""
+    """{question name: problem} for every invalid answer among `answers`.
+
+    Unknown names and wrong types come first, alone: a validator reads the other answers, and one of the
+    wrong type would make its message (or its arithmetic) about the wrong thing.
+    """
     all_questions = questions()
     problems = {}
     for name, value in answers.items():
         if name not in all_questions:
             problems[name] = f"unknown question; known: {', '.join(all_questions)}"
-        elif message := all_questions[name].error(value, answers):
+        elif message := all_questions[name].type_error(value):
+            problems[name] = message
+    if problems:
+        return problems
+    for name, value in answers.items():
+        if message := all_questions[name].error(value, answers):
             problems[name] = message
     return problems
 
 
+def project_name_from_folder(folder_name: str) -> str:
+    """The project name copier derives from the destination folder's name (project_name's default)."""
+    return _jinja().from_string(questions()["project_name"].default).render(_folder_name=folder_name)
+
+
 def load_answers_file(path: Path) -> dict[str, Any]:
-    """Validated answers from a YAML file with the keys of `.copier-answers.yml` (`_`-keys are ignored)."""
+    """Answers from a YAML file with the keys of `.copier-answers.yml` (`_`-keys are ignored).
+
+    Values written in YAML's natural types are converted (see Question.normalise); unknown keys and values
+    of the wrong type are refused here. How the answers fit together is checked later, once they are merged
+    with the flags and defaults, so that the messages speak of the answers that will be used.
+    """
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ValueError(f"cannot read answers file {path}: {error.strerror or error}") from None
+        loaded = load_yaml(read_text(path, "answers file", "pass a YAML file of answers like 'gpus: 8'"))
+    except FileInputError as error:
+        raise ValueError(str(error)) from None
     except yaml.YAMLError as error:
-        raise ValueError(f"answers file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise ValueError(f"answers file {path} is not valid YAML: {yaml_problem(error)}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"answers file {path} must be a mapping like 'gpus: 8', got {type(loaded).__name__}")
-    answers = {str(key): value for key, value in loaded.items() if not str(key).startswith("_")}
-    for name, problem in validate(answers).items():
-        raise ValueError(f"{name} in {path}: {problem}")
+    all_questions = questions()
+    answers = {}
+    for key, value in loaded.items():
+        name = str(key)
+        if name.startswith("_"):
+            continue
+        if name not in all_questions:
+            raise ValueError(f"{name} in {path}: unknown question; known: {', '.join(all_questions)}")
+        answers[name] = all_questions[name].normalise(value)
+        if problem := all_questions[name].type_error(answers[name]):
+            raise ValueError(f"{name} in {path}: {problem}")
     return answers

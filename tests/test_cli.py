@@ -95,6 +95,13 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     assert any("scripts/launch_multinode.sh" in line for line in lines[1 + len(files) :])
 
 
+@pytest.fixture
+def terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stdin as a terminal: an invalid answer is asked again (from a pipe it is an error, see below)."""
+    monkeypatch.setattr("fsdp2gen.cli._stdin_is_terminal", lambda: True)
+
+
+@pytest.mark.usefixtures("terminal")
 def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
     # family, nodes, precision and checkpoint are asked (gpus was given); an invalid answer is asked again.
     result = invoke("new", str(tmp_path / "run"), "--gpus", "2", "--interactive", input="llama\n0\n2\nfp16\n\nslurm\n")
@@ -114,12 +121,23 @@ def test_prompts_ask_for_missing_answers_only(tmp_path: Path) -> None:
     assert answers["launcher"] == "slurm"
 
 
+@pytest.mark.usefixtures("terminal")
 def test_prompt_rejects_a_non_integer_and_an_unknown_choice(tmp_path: Path) -> None:
     result = invoke("new", str(tmp_path / "run"), "--interactive", input="gpt\nllama\nabc\n4\n1\nbf16\ndcp\ntorchrun\n")
     assert result.exit_code == 0, result.output
     assert "Error: 'gpt' is not one of llama, hf, custom" in result.output
     assert "Error: 'abc' is not a valid int" in result.output
     assert answers_of(tmp_path / "run")["gpus"] == 4
+
+
+def test_piped_answers_get_no_second_chance(tmp_path: Path) -> None:
+    # A retry would read the next line, meant for the next question: the first invalid answer is an error.
+    result = invoke("new", str(tmp_path / "run"), "--interactive", input="llama\n0\n2\n")
+    assert result.exit_code == 2
+    assert result.stderr.endswith(
+        "fsdp2gen: error: --gpus: must be at least 1, e.g. --gpus 8 (answer read from stdin)\n"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_no_interactive_never_prompts(tmp_path: Path) -> None:
@@ -171,7 +189,7 @@ BAD_INPUT = [
      "divisor such as --reshard-after-forward 8\n"),
     (["--activation-checkpointing", "some"], "fsdp2gen: error: Invalid value for '--activation-checkpointing': "),
     (["--gpus", "6", "--tp", "4"],
-     "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 2\n"),
+     "fsdp2gen: error: --tp: 4 must divide the 6 GPUs per node (TP stays inside a node), e.g. --tp 3\n"),
     (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
     (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
     (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
@@ -260,7 +278,8 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
     assert 'path = "meta-llama/Llama-3.2-1B"\npretrained = true ' in config
     # A local folder, given relative to the current directory, is written as an absolute path.
     (tmp_path / "models" / "tiny").mkdir(parents=True)
-    (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
+    # A from-scratch model needs only a transformers config (no weights).
+    (tmp_path / "models" / "tiny" / "config.json").write_text('{"model_type": "llama"}')
     result = fsdp2gen("new", "local", "-y", "--family", "hf", "--hf-model", "models/tiny", "--from-scratch",
                       cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -274,9 +293,11 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
     assert "hf_model" not in answers_of(tmp_path / "llama") and "pretrained" not in answers_of(tmp_path / "llama")
 
 
+@pytest.mark.usefixtures("terminal")
 def test_prompts_ask_for_the_hf_model_of_family_hf(tmp_path: Path) -> None:
     (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "tiny" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")  # pretrained (the default) needs weights
     # An empty answer is refused and asked again; pretrained is not asked (its default is used).
     result = invoke("new", str(tmp_path / "run"), "--family", "hf", "--gpus", "2", "--nodes", "1", "--fp32",
                     "--checkpoint", "dcp", "--launcher", "torchrun", "--interactive",
