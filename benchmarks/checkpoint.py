@@ -98,7 +98,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     model = base.build_model_meta(config, mesh, device)
     optimizer, scheduler = base.build_optimizer(model, training, device)
     states = {
-        style: trains[style].TrainState(model, optimizer, scheduler, training.global_batch_size, device)
+        style: trains[style].TrainState(model, optimizer, scheduler, training.global_batch_size, device, "benchmark")
         for style in STYLES
     }
     # As in the async project's main(): background saves run their collectives on a gloo group of their own.
@@ -151,7 +151,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         checkpoint_dir = Path(configs[style].job.output_dir) / "checkpoints"
         dist.barrier()
         started = time.perf_counter()
-        loaded = trains[style].checkpoint_load(states[style], checkpoint_dir, configs[style])
+        loaded = trains[style].checkpoint_load(states[style], checkpoint_dir)
         seconds = slowest(time.perf_counter() - started)
         assert loaded == checkpoint_dir / f"step-{step}", (style, loaded)
         return seconds
