@@ -204,35 +204,45 @@ def norm_activation_bytes(hidden: int, compute: int) -> int:
     return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
 
 
-def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
-    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens."""
+def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank.
+
+    With tp > 1 (train.py's apply_tensor_parallel, torchtitan's layout) a rank holds 1/tp of everything (the
+    norms' tokens, the attention heads, the MLP's hidden units) except the inputs of wq/wk/wv and of w1/w3:
+    attention and the MLP all-gather the sequence, and their first matmuls keep that full input for backward.
+    """
     tokens = batch * seq_len
     hidden = tokens * model.dim
     kv = tokens * model.n_kv_heads * model.head_dim
     ffn = tokens * model.ffn_dim
-    saved = 2 * norm_activation_bytes(hidden, compute)
-    # Inputs of wq/wk/wv (one tensor), rotated q, k, v, the attention output (laid out as batch, seq, heads,
-    # so wo's input is a view of it), and the input of w1/w3.
-    saved += compute * (hidden + hidden + 2 * kv + hidden + hidden)
+    split = 2 * norm_activation_bytes(hidden, compute)
+    # Rotated q, k, v and the attention output (laid out as batch, seq, heads, so wo's input is a view of it).
+    split += compute * (hidden + 2 * kv + hidden)
     # w1 output (silu), silu output and w3 output (their product), and w2's input.
-    saved += 4 * compute * ffn
+    split += 4 * compute * ffn
     # rsqrt of both norms and attention's logsumexp, in fp32.
-    saved += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    split += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
+    whole = compute * 2 * hidden
     if compute != FP32:
         # MixedPrecisionPolicy casts the block's cos/sin inputs to the compute dtype.
-        saved += 2 * seq_len * (model.head_dim // 2) * compute
-    return saved
+        whole += 2 * seq_len * (model.head_dim // 2) * compute
+    return math.ceil(split / tp) + whole
 
 
-def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
-    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets."""
+def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets.
+
+    With tp > 1 the final norm's tokens and the logits' vocabulary are split (loss_parallel); the output
+    layer's input (all-gathered) and the token ids are whole on every tp rank.
+    """
     tokens = batch * seq_len
     hidden = tokens * model.dim
+    split = norm_activation_bytes(hidden, compute) + FP32 * tokens
     return (
-        norm_activation_bytes(hidden, compute)
-        + FP32 * tokens
+        math.ceil(split / tp)
+        + FP32 * tokens * math.ceil(model.vocab_size / tp)
         + compute * hidden
-        + FP32 * tokens * model.vocab_size
         + 2 * INT64 * tokens
         + FP32  # cross_entropy's total_weight
     )
@@ -243,14 +253,14 @@ def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, 
 
     full: every block keeps only its input, and backward recomputes one block at a time.
     selective: every second block is checkpointed (torchtitan's selective_ac_option=2).
-    With tp > 1 (sequence and loss parallel) every rank holds 1/tp of them.
+    With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
-    block = block_activation_bytes(model, batch, seq_len, compute)
-    block_input = compute * batch * seq_len * model.dim
+    block = block_activation_bytes(model, batch, seq_len, compute, tp)
+    block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
     checkpointed = {"none": 0, "selective": model.n_layers // 2, "full": model.n_layers}[ac]
     kept = (model.n_layers - checkpointed) * block + checkpointed * block_input
     recompute = block if checkpointed else 0
-    return math.ceil((kept + recompute + head_activation_bytes(model, batch, seq_len, compute)) / tp)
+    return kept + recompute + head_activation_bytes(model, batch, seq_len, compute, tp)
 
 
 @dataclass

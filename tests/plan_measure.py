@@ -6,6 +6,10 @@ Builds the model and optimizer with the project's own train.py (meta device, ful
 then the root, to_empty, init_weights, AdamW), runs one forward/backward/step on a micro-batch, and
 writes per rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of
 the tensors autograd saved for backward (unique storages, parameters and buffers excluded).
+
+With tensor parallelism (a project generated with --tp) the parameters are DTensors on the (dp, tp) mesh
+and many saved tensors are DTensors too: each counts by its local tensor, what this rank holds. The ranks
+of a tp group read the same samples, and the loss is computed under loss_parallel, as train.py does.
 """
 
 from __future__ import annotations
@@ -18,11 +22,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The tensor that holds this rank's memory: a DTensor's local shard, a pending collective's result."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if isinstance(tensor, AsyncCollectiveTensor):
+        tensor = tensor.wait()
+    return tensor
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -41,8 +52,9 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, _ = build_optimizer(model, training, device)
-    micro_batch = training.global_batch_size // (world_size * training.grad_accum_steps)
-    generator = torch.Generator().manual_seed(rank)
+    tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    micro_batch = training.global_batch_size // (world_size // tp * training.grad_accum_steps)
+    generator = torch.Generator().manual_seed(rank // tp)  # one tp group, one micro-batch
     tokens = torch.randint(0, config.model.vocab_size, (micro_batch, training.seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -51,17 +63,18 @@ def main() -> None:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # Parameters (FSDP2's gathered ones while their block runs) and buffers are not activations.
         held = {local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in held:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    # loss_parallel changes nothing for plain logits; with tp the logits are split by vocabulary.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_parallel():
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    # Everything saved stays alive until backward starts: the end of forward is the peak.
-    activations = sum(saved.values())
-    loss.backward()
+        # Everything saved stays alive until backward starts: the end of forward is the peak.
+        activations = sum(saved.values())
+        loss.backward()
     optimizer.step()
 
     params = list(model.parameters())
@@ -76,8 +89,11 @@ def main() -> None:
             if torch.is_tensor(value)
         ),
         "parameter_count": sum(p.numel() for p in params),
+        # Each parameter's shard on this rank, by name (tensor-parallel split, then FSDP's dim-0 chunk).
+        "local_shapes": {name: list(local(p).shape) for name, p in model.named_parameters()},
         "activations": activations,
         "micro_batch": micro_batch,
+        "tp": tp,
     }
     gathered: list[dict] = [{} for _ in range(world_size)]
     dist.all_gather_object(gathered, measured)
