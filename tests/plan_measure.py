@@ -3,13 +3,13 @@
     python -m torch.distributed.run --standalone --nproc-per-node N tests/plan_measure.py PROJECT CONFIG OUT.json
 
 Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
-then the root, to_empty, init_weights, AdamW), runs one forward/backward/step on a micro-batch, and
-writes per rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of
-the tensors autograd saved for backward (unique storages, parameters and buffers excluded).
+then the root, to_empty, init_weights, AdamW), runs its train_step on one micro-batch, and writes per
+rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of the tensors
+autograd saved for backward (unique storages, parameters and buffers excluded).
 
 With tensor parallelism (a project generated with --tp) the parameters are DTensors on the (dp, tp) mesh
 and many saved tensors are DTensors too: each counts by its local tensor, what this rank holds. The ranks
-of a tp group read the same samples, and the loss is computed under loss_parallel, as train.py does.
+of a tp group read the same samples.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,14 +42,14 @@ def main() -> None:
     project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     sys.path.insert(0, str(project))
     from config import parse_args
-    from train import build_model_meta, build_optimizer, init_distributed
+    from train import build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
     device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
-    optimizer, _ = build_optimizer(model, training, device)
+    optimizer, scheduler = build_optimizer(model, training, device)
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
     micro_batch = training.global_batch_size // (world_size // tp * training.grad_accum_steps)
     generator = torch.Generator().manual_seed(rank // tp)  # one tp group, one micro-batch
@@ -68,20 +66,24 @@ def main() -> None:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    # loss_parallel changes nothing for plain logits; with tp the logits are split by vocabulary.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_parallel():
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        # Everything saved stays alive until backward starts: the end of forward is the peak.
-        activations = sum(saved.values())
-        loss.backward()
-    optimizer.step()
+    gradients: list[int] = []
+
+    def count_gradients(*_: object) -> None:
+        # Before the step (train_step drops the gradients after it): the reduce-scattered gradient shards.
+        gradients.append(sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None))
+
+    optimizer.register_step_pre_hook(count_gradients)
+    # The project's own forward, loss (with tp: loss_parallel over vocabulary-split logits) and backward.
+    # Everything saved stays alive until backward starts, so the sum of what was saved is the peak.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        train_step(model, optimizer, scheduler, [(inputs, targets)], training.max_norm, device)
+    activations = sum(saved.values())
 
     params = list(model.parameters())
     measured = {
         "rank": rank,
         "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params),
+        "gradients": gradients[0],
         "optimizer_state": sum(
             local_bytes(value)
             for state in optimizer.state.values()
