@@ -409,6 +409,17 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     return model, training, answers
 
 
+def _project_tp(path: Path, answers: dict[str, Any]) -> int:
+    """The tensor-parallel degree a project runs with: config.toml's parallel.tp, else the one it was generated
+    with (.copier-answers.yml), else 1."""
+    with path.open("rb") as f:
+        parallel = tomllib.load(f).get("parallel", {})
+    tp = parallel.get("tp", answers.get("tp", 1)) if isinstance(parallel, dict) else 1
+    if type(tp) is not int or tp < 1:
+        raise PlanError(f"{path}: parallel.tp must be a positive int, got {tp!r}")
+    return tp
+
+
 def build_request(
     *,
     family: str | None = None,
@@ -419,7 +430,7 @@ def build_request(
     precision: str | None = None,
     offload: bool = False,
     ac: str = "none",
-    tp: int = 1,
+    tp: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
     gpu: str = "h100-80gb",
@@ -445,6 +456,7 @@ def build_request(
         label = str(config)
         seq_len = seq or training["seq_len"]
         global_batch, accum = training["global_batch_size"], training["grad_accum_steps"]
+        tp = tp or _project_tp(config, answers)
     elif size is not None:
         if (family or "llama") != "llama":
             raise PlanError(f"--family {family}: only llama is planned")
@@ -456,6 +468,7 @@ def build_request(
     else:
         raise PlanError(f"give --size ({', '.join(LLAMA_SIZES)}) or --config PATH/config.toml")
 
+    tp = tp or 1
     # The same checks as model.py's ModelArgs and train.py.
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
         raise PlanError(f"{label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
@@ -482,6 +495,9 @@ def build_request(
         raise PlanError(f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor")
     if model.n_kv_heads % tp or model.ffn_dim % tp:
         raise PlanError(f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim})")
+    if seq_len % tp:
+        # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
+        raise PlanError(f"--tp {tp} must divide the sequence length ({seq_len}); change --seq or --tp")
     if batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
         raise PlanError(
             f"training.global_batch_size ({global_batch}) is not divisible by {request.fsdp_ranks} data-parallel "

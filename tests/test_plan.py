@@ -163,9 +163,10 @@ def test_plan_matches_a_measured_tensor_parallel_run(
     config.write_text(TINY_CONFIG.replace("[training]", f"tie_embeddings = {str(tied).lower()}\n\n[training]")
                       + "\n[parallel]\ntp = 2\n")  # fmt: skip
     measured = measure(tp_projects[precision], config, 4, tmp_path / "measured.json")
-    plan = plan_json("--config", str(config), "--gpus", "4", "--tp", "2", "--precision", precision)
+    # No --tp: plan reads the project's parallel.tp from its config.toml.
+    plan = plan_json("--config", str(config), "--gpus", "4", "--precision", precision)
     per_gpu, ranks = plan["per_gpu_bytes"], measured["ranks"]
-    assert plan["setup"]["fsdp_ranks"] == 2 and all(rank["tp"] == 2 for rank in ranks)
+    assert plan["setup"]["tp"] == 2 and plan["setup"]["fsdp_ranks"] == 2 and all(rank["tp"] == 2 for rank in ranks)
     assert plan["setup"]["micro_batch"] == ranks[0]["micro_batch"] == 4  # 8 samples over 2 data-parallel ranks
     assert plan["model"]["parameters"] == ranks[0]["parameter_count"]
     # Rank 0's shard of every parameter: plan's tensor-parallel shape, then FSDP's dim-0 chunk of it.
@@ -281,6 +282,8 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         (["--size", "9b"], "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
         ([], "give --size (1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
+        (["--size", "8b", "--tp", "8", "--seq", "8196"],
+         "--tp 8 must divide the sequence length (8196); change --seq or --tp"),
         (["--size", "8b", "--gpu", "tpu-v5"], "--gpu tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
         (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0"),
         (["--size", "8b", "--ac", "some"], "--ac some: choose one of none, selective, full"),
