@@ -573,7 +573,10 @@ def plan(
     ] = None,
     offload: Annotated[bool, typer.Option("--offload", help="Keep parameters, gradients, optimizer on CPU.")] = False,
     ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: none, selective or full.")] = "none",
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (FSDP over the rest).")] = 1,
+    tp: Annotated[
+        int | None,
+        typer.Option("--tp", help="Tensor-parallel degree (FSDP over the rest). [default: 1, or the project's]"),
+    ] = None,
     batch: Annotated[
         int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
     ] = None,

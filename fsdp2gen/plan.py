@@ -222,35 +222,45 @@ def norm_activation_bytes(hidden: int, compute: int) -> int:
     return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
 
 
-def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
-    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens."""
+def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank.
+
+    With tp > 1 (train.py's apply_tensor_parallel, torchtitan's layout) a rank holds 1/tp of everything (the
+    norms' tokens, the attention heads, the MLP's hidden units) except the inputs of wq/wk/wv and of w1/w3:
+    attention and the MLP all-gather the sequence, and their first matmuls keep that full input for backward.
+    """
     tokens = batch * seq_len
     hidden = tokens * model.dim
     kv = tokens * model.n_kv_heads * model.head_dim
     ffn = tokens * model.ffn_dim
-    saved = 2 * norm_activation_bytes(hidden, compute)
-    # Inputs of wq/wk/wv (one tensor), rotated q, k, v, the attention output (laid out as batch, seq, heads,
-    # so wo's input is a view of it), and the input of w1/w3.
-    saved += compute * (hidden + hidden + 2 * kv + hidden + hidden)
+    split = 2 * norm_activation_bytes(hidden, compute)
+    # Rotated q, k, v and the attention output (laid out as batch, seq, heads, so wo's input is a view of it).
+    split += compute * (hidden + 2 * kv + hidden)
     # w1 output (silu), silu output and w3 output (their product), and w2's input.
-    saved += 4 * compute * ffn
+    split += 4 * compute * ffn
     # rsqrt of both norms and attention's logsumexp, in fp32.
-    saved += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    split += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
+    whole = compute * 2 * hidden
     if compute != FP32:
         # MixedPrecisionPolicy casts the block's cos/sin inputs to the compute dtype.
-        saved += 2 * seq_len * (model.head_dim // 2) * compute
-    return saved
+        whole += 2 * seq_len * (model.head_dim // 2) * compute
+    return math.ceil(split / tp) + whole
 
 
-def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int) -> int:
-    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets."""
+def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets.
+
+    With tp > 1 the final norm's tokens and the logits' vocabulary are split (loss_parallel); the output
+    layer's input (all-gathered) and the token ids are whole on every tp rank.
+    """
     tokens = batch * seq_len
     hidden = tokens * model.dim
+    split = norm_activation_bytes(hidden, compute) + FP32 * tokens
     return (
-        norm_activation_bytes(hidden, compute)
-        + FP32 * tokens
+        math.ceil(split / tp)
+        + FP32 * tokens * math.ceil(model.vocab_size / tp)
         + compute * hidden
-        + FP32 * tokens * model.vocab_size
         + 2 * INT64 * tokens
         + FP32  # cross_entropy's total_weight
     )
@@ -261,14 +271,14 @@ def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, 
 
     full: every block keeps only its input, and backward recomputes one block at a time.
     selective: every second block is checkpointed (torchtitan's selective_ac_option=2).
-    With tp > 1 (sequence and loss parallel) every rank holds 1/tp of them.
+    With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
-    block = block_activation_bytes(model, batch, seq_len, compute)
-    block_input = compute * batch * seq_len * model.dim
+    block = block_activation_bytes(model, batch, seq_len, compute, tp)
+    block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
     checkpointed = {"none": 0, "selective": model.n_layers // 2, "full": model.n_layers}[ac]
     kept = (model.n_layers - checkpointed) * block + checkpointed * block_input
     recompute = block if checkpointed else 0
-    return math.ceil((kept + recompute + head_activation_bytes(model, batch, seq_len, compute)) / tp)
+    return kept + recompute + head_activation_bytes(model, batch, seq_len, compute, tp)
 
 
 @dataclass
@@ -425,6 +435,17 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     return model, training, answers
 
 
+def _project_tp(path: Path, answers: dict[str, Any]) -> int:
+    """The tensor-parallel degree a project runs with: config.toml's parallel.tp, else the one it was generated
+    with (.copier-answers.yml), else 1."""
+    with path.open("rb") as f:
+        parallel = tomllib.load(f).get("parallel", {})
+    tp = parallel.get("tp", answers.get("tp", 1)) if isinstance(parallel, dict) else 1
+    if type(tp) is not int or tp < 1:
+        raise PlanError(f"{path}: parallel.tp must be a positive int, got {tp!r}")
+    return tp
+
+
 def build_request(
     *,
     family: str | None = None,
@@ -435,7 +456,7 @@ def build_request(
     precision: str | None = None,
     offload: bool = False,
     ac: str = "none",
-    tp: int = 1,
+    tp: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
     gpu: str = "h100-80gb",
@@ -461,6 +482,7 @@ def build_request(
         label = str(config)
         seq_len = seq or training["seq_len"]
         global_batch, accum = training["global_batch_size"], training["grad_accum_steps"]
+        tp = tp or _project_tp(config, answers)
     elif size is not None:
         if (family or "llama") != "llama":
             raise PlanError(f"--family {family}: only llama is planned")
@@ -472,6 +494,7 @@ def build_request(
     else:
         raise PlanError(f"give --size ({', '.join(LLAMA_SIZES)}) or --config PATH/config.toml")
 
+    tp = tp or 1
     # The same checks as model.py's ModelArgs and train.py.
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
         raise PlanError(f"{label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
@@ -498,6 +521,9 @@ def build_request(
         raise PlanError(f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor")
     if model.n_kv_heads % tp or model.ffn_dim % tp:
         raise PlanError(f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim})")
+    if seq_len % tp:
+        # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
+        raise PlanError(f"--tp {tp} must divide the sequence length ({seq_len}); change --seq or --tp")
     if batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
         raise PlanError(
             f"training.global_batch_size ({global_batch}) is not divisible by {request.fsdp_ranks} data-parallel "

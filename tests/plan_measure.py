@@ -3,9 +3,13 @@
     python -m torch.distributed.run --standalone --nproc-per-node N tests/plan_measure.py PROJECT CONFIG OUT.json
 
 Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
-then the root, to_empty, init_weights, AdamW), runs one forward/backward/step on a micro-batch, and
-writes per rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of
-the tensors autograd saved for backward (unique storages, parameters and buffers excluded).
+then the root, to_empty, init_weights, AdamW), runs its train_step on one micro-batch, and writes per
+rank: the bytes of the local parameter, gradient and AdamW state shards, and the peak of the tensors
+autograd saved for backward (unique storages, parameters and buffers excluded).
+
+With tensor parallelism (a project generated with --tp) the parameters are DTensors on the (dp, tp) mesh
+and many saved tensors are DTensors too: each counts by its local tensor, what this rank holds. The ranks
+of a tp group read the same samples.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The tensor that holds this rank's memory: a DTensor's local shard, a pending collective's result."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if isinstance(tensor, AsyncCollectiveTensor):
+        tensor = tensor.wait()
+    return tensor
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -33,16 +42,17 @@ def main() -> None:
     project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     sys.path.insert(0, str(project))
     from config import parse_args
-    from train import build_model_meta, build_optimizer, init_distributed
+    from train import build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
     device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
-    optimizer, _ = build_optimizer(model, training, device)
-    micro_batch = training.global_batch_size // (world_size * training.grad_accum_steps)
-    generator = torch.Generator().manual_seed(rank)
+    optimizer, scheduler = build_optimizer(model, training, device)
+    tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    micro_batch = training.global_batch_size // (world_size // tp * training.grad_accum_steps)
+    generator = torch.Generator().manual_seed(rank // tp)  # one tp group, one micro-batch
     tokens = torch.randint(0, config.model.vocab_size, (micro_batch, training.seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -51,24 +61,29 @@ def main() -> None:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         # Parameters (FSDP2's gathered ones while their block runs) and buffers are not activations.
         held = {local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in held:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    gradients: list[int] = []
+
+    def count_gradients(*_: object) -> None:
+        # Before the step (train_step drops the gradients after it): the reduce-scattered gradient shards.
+        gradients.append(sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None))
+
+    optimizer.register_step_pre_hook(count_gradients)
+    # The project's own forward, loss (with tp: loss_parallel over vocabulary-split logits) and backward.
+    # Everything saved stays alive until backward starts, so the sum of what was saved is the peak.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    # Everything saved stays alive until backward starts: the end of forward is the peak.
+        train_step(model, optimizer, scheduler, [(inputs, targets)], training.max_norm, device)
     activations = sum(saved.values())
-    loss.backward()
-    optimizer.step()
 
     params = list(model.parameters())
     measured = {
         "rank": rank,
         "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params),
+        "gradients": gradients[0],
         "optimizer_state": sum(
             local_bytes(value)
             for state in optimizer.state.values()
@@ -76,8 +91,11 @@ def main() -> None:
             if torch.is_tensor(value)
         ),
         "parameter_count": sum(p.numel() for p in params),
+        # Each parameter's shard on this rank, by name (tensor-parallel split, then FSDP's dim-0 chunk).
+        "local_shapes": {name: list(local(p).shape) for name, p in model.named_parameters()},
         "activations": activations,
         "micro_batch": micro_batch,
+        "tp": tp,
     }
     gathered: list[dict] = [{} for _ in range(world_size)]
     dist.all_gather_object(gathered, measured)

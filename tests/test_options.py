@@ -27,16 +27,20 @@ RUN = [*TINY, "--training.steps", str(STEPS), "--training.max_norm", "1e-3", "--
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def reference(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
-    out = tmp_path_factory.mktemp("reference")
+def reference_run(project: Path, out: Path, options: list[str]) -> tuple[list[dict], dict]:
+    """tests/reference_loop.py (plain PyTorch, one process) with the run's options: metrics and final weights."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "reference_loop.py"), str(out), *RUN],
-        cwd=projects["fp32"], env={**torchrun_env(), "PYTHONPATH": str(projects["fp32"])},
+        [sys.executable, str(REPO / "tests" / "reference_loop.py"), str(out), *RUN, *options],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return metrics(out), torch.load(out / "final.pt")
+
+
+@pytest.fixture(scope="module")
+def reference(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+    return reference_run(projects["fp32"], tmp_path_factory.mktemp("reference"), [])
 
 
 def final_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,17 +73,38 @@ def test_sharded_run_equals_plain_pytorch(
     assert_run_equals_reference(projects["fp32"], reference, tmp_path, nproc, options)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_tensor_parallel_run_equals_plain_pytorch(
-    tp_project: Path, reference: tuple[list[dict], dict], tmp_path: Path
+    tp_project: Path, reference: tuple[list[dict], dict], tmp_path: Path, tied: bool
 ) -> None:
-    # 4 ranks: tp 2 (block linears split, norms of grads combined across meshes for clipping) x FSDP 2.
+    """4 ranks, tp 2 x FSDP 2, torchtitan's layout: sequence-parallel norms, vocabulary-split embedding and
+    output, loss_parallel, block linears split; all parameters on the 2-D mesh, clipping on every step. Tied:
+    the embedding and output share one vocabulary-split parameter (train.py re-ties them after TP)."""
     assert "tp = 2\n" in (tp_project / "config.toml").read_text()
-    assert_run_equals_reference(tp_project, reference, tmp_path, 4, [])
+    options = ["--model.tie_embeddings", "true"] if tied else []
+    expected = reference_run(tp_project, tmp_path / "reference", options) if tied else reference
+    worst = assert_run_equals_reference(tp_project, expected, tmp_path / "run", 4, options)
+    print(f"\ntp 2 x dp 2, tied={tied}: max |diff| vs plain PyTorch {worst}")
+
+
+def test_tensor_parallel_needs_seq_len_divisible_by_tp(tp_project: Path, tmp_path: Path) -> None:
+    """Sequence parallelism splits every sample's tokens over the tp ranks: preflight refuses an odd seq_len."""
+    result = subprocess.run(
+        [sys.executable, "preflight.py", "--world-size", "4", *TINY, "--training.seq_len", "31",
+         "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out")],
+        cwd=tp_project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    expected = (
+        "preflight.py: error: training.seq_len (31) must be divisible by parallel.tp (2), which splits each "
+        "sample's tokens; e.g. --training.seq_len 30\n"
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)
 
 
 def assert_run_equals_reference(
     project: Path, reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
-) -> None:
+) -> dict[str, float]:
+    """Fail unless the run equals the reference within TOLERANCE; the largest differences seen."""
     torchrun(project, "train.py", *RUN, *options, "--checkpoint.model_only_final", "true",
              "--job.output_dir", str(tmp_path), nproc=nproc)  # fmt: skip
     expected_metrics, expected_params = reference
@@ -94,6 +119,13 @@ def assert_run_equals_reference(
     assert params.keys() == expected_params.keys()
     for name, tensor in expected_params.items():
         assert (params[name] - tensor).abs().max().item() <= TOLERANCE, name
+    return {
+        "loss": max(abs(ours["loss"] - plain["loss"]) for ours, plain in zip(records, expected_metrics, strict=True)),
+        "grad_norm": max(
+            abs(ours["grad_norm"] - plain["grad_norm"]) for ours, plain in zip(records, expected_metrics, strict=True)
+        ),
+        "parameters": max((params[name] - tensor).abs().max().item() for name, tensor in expected_params.items()),
+    }
 
 
 ALL_OPTIONS = [

@@ -26,7 +26,7 @@ from fsdp2gen.plan import (
     parameter_count,
     parameter_shapes,
 )
-from tests.conftest import REPO, invoke, torchrun_env
+from tests.conftest import REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
 LLAMA_MODEL = TEMPLATE / '{% if family == "llama" %}model.py{% endif %}'
@@ -144,6 +144,46 @@ def test_plan_matches_a_real_sharded_run(projects: dict[str, Path], tmp_path: Pa
     print(f"\n{ranks} ranks {precision}: plan {per_gpu} vs measured {measured['ranks']}")
 
 
+@pytest.fixture(scope="module")
+def tp_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """--tp 2 projects on 4 ranks (dp 2 x tp 2), fp32 and bf16."""
+    root = tmp_path_factory.mktemp("tp-projects")
+    return {precision: generate(root / precision, "--gpus", "4", f"--{precision}", "--tp", "2")
+            for precision in ("fp32", "bf16")}  # fmt: skip
+
+
+@pytest.mark.parametrize("precision,tied", [("fp32", False), ("bf16", True)])
+def test_plan_matches_a_measured_tensor_parallel_run(
+    tp_projects: dict[str, Path], tmp_path: Path, precision: str, tied: bool
+) -> None:
+    """plan --tp 2 against the generated TP layout run on 4 ranks: each parameter's shard, the state bytes, the
+    saved activations. Would fail if plan and train.py's apply_tensor_parallel split different modules (e.g.
+    a replicated embedding/output or norms, full-vocabulary logits, or activations all divided by tp)."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_CONFIG.replace("[training]", f"tie_embeddings = {str(tied).lower()}\n\n[training]")
+                      + "\n[parallel]\ntp = 2\n")  # fmt: skip
+    measured = measure(tp_projects[precision], config, 4, tmp_path / "measured.json")
+    # No --tp: plan reads the project's parallel.tp from its config.toml.
+    plan = plan_json("--config", str(config), "--gpus", "4", "--precision", precision)
+    per_gpu, ranks = plan["per_gpu_bytes"], measured["ranks"]
+    assert plan["setup"]["tp"] == 2 and plan["setup"]["fsdp_ranks"] == 2 and all(rank["tp"] == 2 for rank in ranks)
+    assert plan["setup"]["micro_batch"] == ranks[0]["micro_batch"] == 4  # 8 samples over 2 data-parallel ranks
+    assert plan["model"]["parameters"] == ranks[0]["parameter_count"]
+    # Rank 0's shard of every parameter: plan's tensor-parallel shape, then FSDP's dim-0 chunk of it.
+    shape = LlamaShape(**{k: plan["model"][k] for k in LlamaShape.__dataclass_fields__})
+    expected = {name: [-(-dims[0] // 2), *dims[1:]] for name, dims in parameter_shapes(shape, tp=2)}
+    assert ranks[0]["local_shapes"] == expected
+    # The largest shard (rank 0's; FSDP2 pads the others to it): within 1%.
+    for part in ("parameters", "gradients", "optimizer_state"):
+        largest = max(rank[part] for rank in ranks)
+        assert abs(per_gpu[part] - largest) <= 0.01 * largest, (part, per_gpu[part], largest)
+    # Saved activations, the same on every rank (one micro-batch per tp group, each rank its 1/tp): within 2%.
+    (saved_bytes,) = {rank["activations"] for rank in ranks}
+    assert abs(per_gpu["activations"] - saved_bytes) <= 0.02 * saved_bytes, (per_gpu["activations"], saved_bytes)
+    ranks = [{key: value for key, value in rank.items() if key != "local_shapes"} for rank in ranks]
+    print(f"\ntp 2 x dp 2 {precision} tied={tied}: plan {per_gpu} vs measured {ranks}")
+
+
 def plan_json(*args: str) -> dict:
     result = invoke("plan", *args, "--json")
     assert result.exit_code == 0, result.stderr
@@ -204,10 +244,17 @@ def test_more_gpus_shard_the_state_further_and_tp_splits_the_matrices() -> None:
     assert sixteen["activations"] == eight["activations"]
     tp = plan_json("--size", "70b", "--gpus", "8", "--nodes", "2", "--tp", "8")
     assert tp["setup"]["fsdp_ranks"] == 2
-    # Everything but the 2 x 80 + 1 norm vectors (replicated under TP) is split 8 ways, then sharded 2 ways.
+    # The layout train.py generates (test_plan_matches_a_measured_tensor_parallel_run measures it): everything
+    # but the 2 x 80 + 1 norm vectors (replicated under TP) is split 8 ways, then sharded 2 ways.
     norms = (2 * 80 + 1) * 8192
     assert tp["per_gpu_bytes"]["parameters"] == 4 * ((70_553_706_496 - norms) // 16 + norms // 2)
-    assert tp["per_gpu_bytes"]["activations"] * 8 >= sixteen["activations"]
+    # Activations (bf16, 1 x 8192 tokens): every rank keeps 1/8 of what one rank keeps without TP, except the
+    # full-sequence inputs of wq/wk/wv and w1/w3 (all-gathered; 80 blocks), of the output layer, the block
+    # inputs' bf16 rotary tables, and the token ids and targets.
+    tokens, bf16 = 8192, 2
+    whole = 80 * (2 * bf16 * tokens * 8192 + 2 * tokens * 64 * bf16) + bf16 * tokens * 8192 + 2 * 8 * tokens + 4
+    expected = (sixteen["activations"] - whole) / 8 + whole
+    assert abs(tp["per_gpu_bytes"]["activations"] - expected) <= 81, (tp["per_gpu_bytes"]["activations"], expected)
 
 
 def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
@@ -235,6 +282,8 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         (["--size", "9b"], "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
         ([], "give --size (1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
+        (["--size", "8b", "--tp", "8", "--seq", "8196"],
+         "--tp 8 must divide the sequence length (8196); change --seq or --tp"),
         (["--size", "8b", "--gpu", "tpu-v5"], "--gpu tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
         (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0"),
         (["--size", "8b", "--ac", "some"], "--ac some: choose one of none, selective, full"),
