@@ -43,9 +43,10 @@ class PreflightError(Exception):
 def preflight(config: Config, world_size: int) -> None:
     """Raise PreflightError for the first mistake that would stop (or silently spoil) a run on `world_size` ranks."""
     check_environment(config)
-    check_layout(config, world_size)
+    vocab_size, max_seq_len = model_limits(config)
+    check_layout(config, world_size, max_seq_len)
     if config.data.path:
-        check_token_file(Path(config.data.path), config.training.seq_len, config.model.vocab_size)
+        check_token_file(Path(config.data.path), config.training.seq_len, vocab_size)
     output_dir = Path(config.job.output_dir)
     check_output_dir(output_dir)
     if resuming(config):
@@ -73,13 +74,26 @@ def check_environment(config: Config) -> None:
         raise PreflightError("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
 
 
-def check_layout(config: Config, world_size: int) -> None:
+def model_limits(config: Config) -> tuple[int, int]:
+    """The model's vocabulary size and longest sequence. Reading them may load the model's own config (a
+    Hugging Face folder or hub id), so any failure to do that is reported here, as one line."""
+    try:
+        return config.model.vocab_size, config.model.max_seq_len
+    except Exception as exc:  # whatever the model's loader raises: a missing folder, a bad hub id, no network
+        settings = ", ".join(f"{key}={value!r}" for key, value in asdict(config.model).items())
+        reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise PreflightError(
+            f"the model ({settings}) cannot be loaded ({type(exc).__name__}: {reason}); fix the [model] section"
+        ) from None
+
+
+def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
     """The batch, the sequence length and the mesh must fit the number of ranks."""
     training, parallel = config.training, config.parallel
-    if training.seq_len > config.model.max_seq_len:
+    if training.seq_len > max_seq_len:
         raise PreflightError(
-            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len}); "
-            f"use --training.seq_len {config.model.max_seq_len} or less"
+            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({max_seq_len}); "
+            f"use --training.seq_len {max_seq_len} or less"
         )
     if world_size == 1:
         return  # one process: no mesh to lay out
@@ -95,6 +109,13 @@ def check_layout(config: Config, world_size: int) -> None:
     for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_dim", model.ffn_dim)):
         if value % tp:
             raise PreflightError(f"model.{name} = {value} must be divisible by parallel.tp = {tp}; change one of them")
+    if training.seq_len % tp:
+        # Sequence parallelism gives each tp rank an equal share of every sample's tokens.
+        fitting = max(tp, training.seq_len // tp * tp)
+        raise PreflightError(
+            f"training.seq_len ({training.seq_len}) must be divisible by parallel.tp ({tp}), which splits each "
+            f"sample's tokens; e.g. --training.seq_len {fitting}"
+        )
     data_ranks = world_size // tp  # the ranks of one tp group read the same samples
     per_step = data_ranks * training.grad_accum_steps
     if training.global_batch_size % per_step:

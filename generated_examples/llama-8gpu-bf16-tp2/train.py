@@ -34,7 +34,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.optim.lr_scheduler import LambdaLR
 
 from config import Config, ParallelConfig, TrainingConfig, parse_args
@@ -167,24 +175,58 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Split each block's linear layers across the tp ranks (Megatron-style), before FSDP shards them.
+    """Split the model across the tp ranks (Megatron-style, with sequence and loss parallelism, as torchtitan
+    does), before FSDP shards what each rank keeps over the data-parallel ranks.
 
-    wq/wk/wv and w1/w3 split their outputs (attention heads, MLP hidden units); wo and w2 split their
-    inputs and sum the partial results: one all-reduce for attention and one for the MLP per block.
-    Norms, embeddings and the output layer are not split (FSDP alone shards them).
+    Between the blocks' matmuls the activations are split along the sequence (Shard(1)): each tp rank holds
+    and normalises 1/tp of the tokens. Each attention and MLP all-gathers its input to the full sequence,
+    computes its share of the heads / hidden units (wq/wk/wv and w1/w3 split their outputs), and wo / w2
+    reduce-scatter the partial sums back to sequence shards. The embedding and the output layer split the
+    vocabulary: the logits stay split by vocabulary, and loss_parallel computes the loss from the pieces,
+    so no rank ever holds the full logits. preflight.py made sure that tp divides the heads, the MLP width
+    and training.seq_len.
     """
-    # preflight.py made sure that tp divides the heads and the MLP width.
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            # Each rank looks up the tokens of its vocabulary rows (the others give 0); the sum over ranks is
+            # reduce-scattered so each rank gets its 1/tp of the sequence.
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            # The final norm, like the blocks' norms, normalises this rank's tokens.
+            "norm": SequenceParallel(),
+            # Gathers the full sequence and computes this rank's slice of the vocabulary, left a DTensor
+            # (Shard(-1)) so that train_step's loss_parallel can compute the loss from the slices.
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    if model.args.tie_embeddings:
+        # Both layers split the (vocab, dim) matrix by vocabulary rows, so one parameter still serves both; but
+        # parallelize_module gave each module a new parameter of its own: tie them again.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                # A norm works token by token: each rank normalises its own tokens.
+                "attention_norm": SequenceParallel(),
+                # Attention needs the whole sequence (causal mask, rotary positions 0..seq_len-1): gather it.
+                # The rotary tables (cos, sin) are passed as they are.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),  # this rank's heads; model.py views them as (-1, head_dim)
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
 
 
 # fsdp2gen: block build_optimizer
@@ -236,9 +278,13 @@ def train_step(
         logits = model(inputs.to(device, non_blocking=True))
         # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
         # makes the accumulated gradient equal to the gradient of one big batch.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / len(batches)
-        loss.backward()
-        loss_sum += loss.detach()
+        # With tp the logits are a DTensor split by vocabulary over the tp ranks: loss_parallel computes the
+        # cross-entropy, and its backward, from the pieces (a few small all-reduces), never the full logits.
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / len(batches)
+            loss.backward()
+        # The loss comes out replicated over the tp ranks (a DTensor): every rank keeps its own copy.
+        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
     grad_norm = clip_grad_norm(list(model.parameters()), max_norm if max_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -249,8 +295,10 @@ def train_step(
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for parameters on different meshes: with TP, block linears live on (dp, tp) and the
-    rest on dp alone, and clip_grad_norm_ refuses to mix meshes. Norm per mesh, combined, then one clip."""
+    """clip_grad_norm_ for parameters on any number of meshes: clip_grad_norm_ refuses to mix meshes.
+
+    apply_tensor_parallel puts every parameter on the (dp, tp) mesh, but a module left out of its plan stays
+    on dp alone. Norm per mesh (each reduced over that mesh's ranks), combined, then one clip for all."""
     by_mesh: dict[DeviceMesh, list[torch.nn.Parameter]] = {}
     for param in parameters:
         if param.grad is not None:
