@@ -7,13 +7,14 @@ After an intended template change, refresh them with:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, generate, tree
+from tests.conftest import REPO, fsdp2gen, generate, tree
 
 EXAMPLES = REPO / "generated_examples"
 # The parallelism and performance options at their defaults, for goldens that leave them so.
@@ -29,6 +30,17 @@ DEFAULT_OPTIONS = {
 }
 # name -> answers; every name must exist in generated_examples/ and vice versa. Every option is on in one at least.
 GOLDENS = {
+    # What the README's main command writes (`fsdp2gen new my-run --gpus 8 --bf16 --yes`): every other answer
+    # at its default.
+    "llama-8gpu-bf16": {
+        "family": "llama",
+        "gpus": 8,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+    },
     "llama-1gpu-fp32": {
         "family": "llama",
         "gpus": 1,
@@ -38,7 +50,7 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
     },
-    "llama-8gpu-bf16": {
+    "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard": {
         "family": "llama",
         "gpus": 8,
         "nodes": 1,
@@ -55,7 +67,7 @@ GOLDENS = {
         "tensorboard": True,
     },
     # HSDP (replicated across the 2 nodes, sharded within each), launched by SLURM.
-    "llama-2node-bf16": {
+    "llama-2node-bf16-slurm-reshard8-fullac-compile": {
         "family": "llama",
         "gpus": 8,
         "nodes": 2,
@@ -87,7 +99,7 @@ GOLDENS = {
         **DEFAULT_OPTIONS,
         "tp": 2,
     },
-    "llama-4gpu-bf16-full": {
+    "llama-4gpu-bf16-full-offload": {
         "family": "llama",
         "gpus": 4,
         "nodes": 1,
@@ -157,3 +169,13 @@ def test_golden_regenerates_identically(tmp_path: Path, name: str) -> None:
     assert changed == [], f"{name}: {changed} differ; if intended, run FSDP2GEN_UPDATE_GOLDENS=1 pytest {__file__}"
     for path in expected:
         assert os.access(golden / path, os.X_OK) == os.access(fresh / path, os.X_OK), path
+
+
+def test_the_readme_main_command_writes_the_default_golden(tmp_path: Path) -> None:
+    # The README's first command, with its options as written there; only the project's name differs.
+    command = re.search(r"fsdp2gen new my-run ([^&]*?) &&", (REPO / "README.md").read_text())
+    assert command, "README's main command not found"
+    fresh = tmp_path / "llama-8gpu-bf16"
+    result = fsdp2gen("new", str(fresh), *command[1].split())
+    assert result.returncode == 0, result.stderr
+    assert tree(fresh) == tree(EXAMPLES / "llama-8gpu-bf16")

@@ -258,7 +258,9 @@ def test_more_gpus_shard_the_state_further_and_tp_splits_the_matrices() -> None:
 
 
 def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
-    plan = plan_json("--config", str(REPO / "generated_examples" / "llama-2node-bf16" / "config.toml"))
+    plan = plan_json(
+        "--config", str(REPO / "generated_examples" / "llama-2node-bf16-slurm-reshard8-fullac-compile" / "config.toml")
+    )
     assert plan["setup"] == {
         "gpus": 8,
         "nodes": 2,

@@ -1,4 +1,4 @@
-"""Train hf-2gpu-bf16 with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+"""Train the model with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
 

@@ -26,7 +26,6 @@ class JobConfig:
     output_dir: str = "outputs"
     log_every: int = 10
     timeout_minutes: float = 10
-    tensorboard: bool = True
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -89,10 +88,6 @@ class ParallelConfig:
     reshard_after_forward: bool | int = True
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     output_dtype: Literal["float32", "compute"] = "float32"
-    activation_checkpoint_every: int = 2
-    compile: bool = True
-    float8: bool = True
-    prefetch_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
@@ -103,11 +98,6 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.reshard_after_forward must be true, false or >= 1, not {self.reshard_after_forward}"
             )
-        if self.activation_checkpoint_every < 0:
-            every = self.activation_checkpoint_every
-            raise ValueError(f"parallel.activation_checkpoint_every must be 0 (off) or more, got {every}")
-        if self.prefetch_blocks < 0:
-            raise ValueError(f"parallel.prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
 
 
 @dataclass

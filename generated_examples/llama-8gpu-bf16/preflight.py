@@ -18,7 +18,6 @@ hide, or resume as its own another run's checkpoints.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import uuid
@@ -73,11 +72,6 @@ def check_environment(config: Config) -> None:
     """What the job asks of this machine and its Python packages."""
     if config.job.device == "cuda" and not torch.cuda.is_available():
         raise PreflightError("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
-    if config.job.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise PreflightError(
-            "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
-            "or run with --job.tensorboard false"
-        )
 
 
 def model_limits(config: Config) -> tuple[int, int]:

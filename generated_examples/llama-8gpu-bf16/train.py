@@ -1,4 +1,4 @@
-"""Train llama-8gpu-bf16 with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+"""Train the model with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
 
@@ -20,27 +20,22 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.float8_linear import Float8Linear
 
 from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
@@ -56,9 +51,6 @@ from preflight import (
     start_run,
     unreadable,
 )
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
 
 
 # fsdp2gen: block init_distributed
@@ -129,21 +121,6 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = Transformer(config.model)
-    if parallel.float8:
-        # Before the wrappers and fully_shard: fully_shard must see the float8 weights to all-gather them in float8.
-        convert_blocks_to_float8(model.layers, device)
-    # Wrap blocks before sharding them, so that FSDP's hooks sit outside the wrappers: parameters are
-    # gathered before a block is recomputed or runs compiled code. The wrappers add a prefix to parameter
-    # names that get_state_dict/get_model_state_dict remove, so checkpoints load with or without them.
-    for index, block in enumerate(model.layers):
-        if parallel.activation_checkpoint_every and index % parallel.activation_checkpoint_every == 0:
-            # Keep only the block's input; recompute its activations in backward (non-reentrant, the
-            # variant that works with FSDP2's hooks).
-            block = checkpoint_wrapper(block)
-        if parallel.compile:
-            # One graph per block, reused by every block of the same shape (compiled once, not n_layers times).
-            block = torch.compile(block)
-        model.layers[index] = block
     # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
     # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
     # rounds small contributions away.
@@ -176,49 +153,11 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
         mesh=mesh,
         mp_policy=root_policy,
     )
-    if parallel.prefetch_blocks:
-        # FSDP2 already prefetches one block ahead implicitly; explicit prefetching issues the next
-        # blocks' all-gathers earlier, so they overlap more compute (and hold more gathered blocks).
-        blocks = list(model.layers)
-        for index, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + parallel.prefetch_blocks])
-            block.set_modules_to_backward_prefetch(blocks[max(0, index - parallel.prefetch_blocks) : index][::-1])
     # Allocate this rank's shards on the device. Their content is garbage until init_weights
     # fills every parameter and buffer (including the non-persistent rotary tables).
     model.to_empty(device=device)
     model.init_weights(seed=config.training.seed)
     return model
-
-
-def convert_blocks_to_float8(blocks: Iterable[nn.Module], device: torch.device) -> None:
-    """Swap the blocks' linear layers for torchao's Float8Linear: their matmuls run in float8 (e4m3 for weights
-    and activations, e5m2 for gradients) with one scale per tensor, while the master weights stay fp32.
-
-    The embeddings and the output layer stay in bf16: they are the layers most hurt by float8's rounding.
-    """
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        stop(
-            f"parallel.float8 needs float8 tensor cores (compute capability 8.9 or newer: H100, H200, B200, L40S), "
-            f"but {torch.cuda.get_device_name(device)} has {major}.{minor}; run with --parallel.float8 false"
-        )
-    # FSDP all-gathers the weights already cast to float8 (half the bytes of bf16), with the scales
-    # train_step precomputes after each optimizer step.
-    float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    linears = converted = 0
-    for block in blocks:
-        linears += sum(isinstance(module, nn.Linear) for module in block.modules())
-        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16.
-        convert_to_float8_training(
-            block,
-            config=float8_config,
-            module_filter_fn=lambda linear, _: linear.in_features % 16 == 0 and linear.out_features % 16 == 0,
-        )
-        converted += sum(isinstance(module, Float8Linear) for module in block.modules())
-    if dist.get_rank() == 0:
-        # On CPU torch's float8 matmul is a reference kernel: right for tests, far too slow for training.
-        where = " (CPU: torch's slow reference kernel)" if device.type == "cpu" else ""
-        print(f"float8: {converted} of the blocks' {linears} linear layers compute in float8{where}", flush=True)
 
 
 # fsdp2gen: block build_optimizer
@@ -260,7 +199,6 @@ def train_step(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     max_norm: float,
     device: torch.device,
-    float8: bool,
 ) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
     loss_sum = torch.zeros((), device=device)
@@ -279,10 +217,6 @@ def train_step(
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
-    if float8:
-        # The float8 scale of each weight comes from its absolute maximum over all shards: computed here for
-        # every weight in one all-reduce, instead of one all-reduce per weight in the next forward.
-        precompute_float8_dynamic_scale_for_fsdp(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     # Gloo has no AVG reduction: sum the per-rank losses, then divide.
@@ -518,19 +452,6 @@ def peak_memory_mib(device: torch.device) -> float:
     return largest.item()
 
 
-def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
-    """Rank 0's TensorBoard writer (None on the other ranks). Every rank checks that tensorboard, an
-    optional dependency, is installed, so that all stop together if it is not."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        stop(
-            "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
-            "or run with --job.tensorboard false"
-        )
-    return SummaryWriter(output_dir / "tensorboard") if dist.get_rank() == 0 else None
-
-
 def start_checked_run(config: Config, output_dir: Path) -> str:
     """Run preflight.py's checks on rank 0 (the launch scripts ran them before torchrun; `torchrun train.py`
     alone did not) and make job.output_dir this run's. Every rank gets the run id, or stops with rank 0's error."""
@@ -621,7 +542,6 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     if rank == 0:
         # Appended to: a resumed run goes on in the same file (its rows carry the run id).
         metrics_file = open(output_dir / "metrics.jsonl", "a")
-    tensorboard = open_tensorboard(output_dir) if config.job.tensorboard else None
 
     model.train()
     for step in range(state.step, training.steps):
@@ -630,9 +550,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
         )
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(
-            model, optimizer, scheduler, batches, training.max_norm, device, config.parallel.float8
-        )
+        loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
         elapsed = time.perf_counter() - started
         state.step = step + 1
         peak_mem_mib = peak_memory_mib(device)
@@ -652,10 +570,6 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             }
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            if tensorboard is not None:
-                for name, value in record.items():
-                    if name not in ("run_id", "step") and value is not None:
-                        tensorboard.add_scalar(f"train/{name}", value, state.step)
             if state.step % config.job.log_every == 0 or state.step == training.steps:
                 print(
                     f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
@@ -671,8 +585,6 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
 
     if metrics_file is not None:
         metrics_file.close()
-    if tensorboard is not None:
-        tensorboard.close()
 
 
 if __name__ == "__main__":

@@ -22,14 +22,6 @@ TINY_MODEL = [
     "--training.seq_len", "32", "--training.global_batch_size", str(GLOBAL_BATCH), "--training.warmup_steps", "2",
     "--job.device", DEVICE, "--job.log_every", "1",
 ]  # fmt: skip
-if DEVICE == "cpu":
-    # Compiling takes ~20 s per process on CPU; test_training.py checks compiled blocks once, explicitly.
-    TINY_MODEL += ["--parallel.compile", "false"]
-# Float8 matmuls need a GPU of compute capability 8.9+ (on CPU torch has a slow reference kernel): other
-# devices train without them, except test_float8_* in test_training.py.
-FLOAT8_DEVICE = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
-if not FLOAT8_DEVICE:
-    TINY_MODEL += ["--parallel.float8", "false"]
 
 
 def launch(

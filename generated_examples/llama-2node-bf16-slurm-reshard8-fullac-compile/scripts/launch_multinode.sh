@@ -19,5 +19,5 @@ python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.
 
 # c10d rendezvous: node 0 hosts the store; every node must reach MASTER_ADDR:MASTER_PORT.
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
-  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama-2node-bf16}" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama-2node-bf16-slurm-reshard8-fullac-compile}" \
   train.py --config "$CONFIG" --job.device "$DEVICE" "$@"

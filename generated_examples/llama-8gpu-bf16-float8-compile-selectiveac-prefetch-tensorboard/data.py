@@ -1,0 +1,85 @@
+"""Token data, addressed by global sample index.
+
+A step reads samples [step * global_batch_size, (step + 1) * global_batch_size),
+and each rank takes a contiguous slice of that window. The samples a step sees
+therefore do not depend on the number of ranks, and the position in the data
+is fully described by the step, which makes resuming exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class SyntheticTokens:
+    """A learnable synthetic stream: each sample counts up from a random start with a random stride.
+
+    Deterministic in (seed, sample index); the next token is predictable from
+    the previous two, so the loss visibly drops within a few steps.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, num_samples: int, seed: int) -> None:
+        self.vocab_size, self.seq_len, self.num_samples, self.seed = vocab_size, seq_len, num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, index])
+        start = rng.integers(self.vocab_size)
+        stride = rng.integers(1, 8)
+        return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """uint16 token ids (nanoGPT format) while they fit, uint32 for larger vocabularies."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+class TokenFile:
+    """Non-overlapping windows of a flat binary file of token ids (`token_dtype`), memory-mapped."""
+
+    def __init__(self, path: str | Path, seq_len: int, vocab_size: int) -> None:
+        self.tokens = np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
+        self.seq_len = seq_len
+        self.num_samples = (len(self.tokens) - 1) // seq_len
+        # preflight.py checked the file before the run: its size, its length, and that every id < vocab_size.
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return self.tokens[start : start + self.seq_len + 1]
+
+
+class ShuffledEpochs:
+    """Visit the samples of `dataset` in a new seeded order every epoch, forever."""
+
+    def __init__(self, dataset: SyntheticTokens | TokenFile, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def __getitem__(self, position: int) -> np.ndarray:
+        epoch, offset = divmod(position, len(self.dataset))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        return self.dataset[int(self._order[offset])]
+
+
+def micro_batches(
+    samples: ShuffledEpochs, step: int, global_batch_size: int, grad_accum_steps: int, rank: int, world_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (inputs, targets) micro-batches for optimizer step `step` (0-based)."""
+    per_rank = global_batch_size // world_size
+    micro = per_rank // grad_accum_steps
+    first = step * global_batch_size + rank * per_rank
+    batches = []
+    for m in range(grad_accum_steps):
+        rows = np.stack([samples[first + m * micro + i] for i in range(micro)]).astype(np.int64)
+        tokens = torch.from_numpy(rows)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches

@@ -1,0 +1,138 @@
+"""End-to-end tests of training: real torchrun processes, gloo on CPU (or nccl on every visible GPU).
+
+Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoint.py covers checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import DEVICE, FLOAT8_DEVICE, GLOBAL_BATCH, NPROC, PROJECT, launch, metrics, train
+
+# 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
+PARITY_TOLERANCE = 2e-2
+
+
+def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
+    # synthetic_samples == global_batch_size: every step sees the same samples.
+    repeated = ["--data.synthetic_samples", str(GLOBAL_BATCH)]
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", *repeated)
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert losses[-1] < 0.8 * losses[0], losses
+    tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
+    for record in metrics:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
+        assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
+    # A peak never falls from one step to the next.
+    peaks = [record["peak_mem_mib"] for record in metrics]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
+
+
+def test_ranks_match_one_process(tmp_path: Path) -> None:
+    # The global batch is fixed, so the number of ranks must not change the numbers.
+    steps = ["--training.steps", "4", "--training.grad_accum_steps", "2"]
+    single = train(tmp_path / "one", *steps, nproc=1)
+    sharded = train(tmp_path / "many", *steps)
+    for a, b in zip(single, sharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
+    result = launch("tests/check_init.py", tmp_path)
+    assert "MISMATCH" not in result.stdout
+    assert result.stdout.count("tensors equal") == NPROC
+
+
+# Each option trades memory for speed or the reverse; none may change the numbers.
+OPTIONS_OFF = [
+    "--parallel.activation_checkpoint_every", "0",
+    "--parallel.prefetch_blocks", "0",
+    "--parallel.reshard_after_forward", "true",
+]  # fmt: skip
+OPTION_STEPS = ["--training.steps", "4", "--model.n_layers", "4"]
+
+
+@pytest.fixture(scope="module")
+def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return train(tmp_path_factory.mktemp("without_options"), *OPTION_STEPS, *OPTIONS_OFF)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ("activation_checkpoint_every", "1"),
+        ("activation_checkpoint_every", "2"),
+        ("prefetch_blocks", "2"),
+    ],
+    ids="-".join,
+)
+def test_option_changes_memory_or_speed_not_numbers(
+    tmp_path: Path, without_options: list[dict], option: tuple[str, str]
+) -> None:
+    key, value = option
+    with_option = train(tmp_path, *OPTION_STEPS, *OPTIONS_OFF, f"--parallel.{key}", value)
+    for a, b in zip(without_options, with_option, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
+    # Slow on CPU (each process compiles the block for ~20 s), so the other tests run eagerly.
+    steps = ["--training.steps", "2"]
+    eager = train(tmp_path / "eager", *steps, "--parallel.compile", "false")
+    compiled = train(tmp_path / "compiled", *steps, "--parallel.compile", "true")
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+
+
+def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None:
+    steps = ["--training.steps", "4", "--checkpoint.interval", "2", "--parallel.float8", "true"]
+    if DEVICE == "cuda" and not FLOAT8_DEVICE:
+        # No float8 tensor cores: the run must stop at once and say so.
+        result = launch("train.py", tmp_path, *steps, check=False)
+        assert result.returncode != 0
+        assert "parallel.float8 needs float8 tensor cores" in result.stdout + result.stderr, result.stderr[-2000:]
+        return
+    result = launch("train.py", tmp_path / "float8", *steps)
+    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers", result.stdout)
+    assert converted and int(converted[1]) > 0, result.stdout
+    float8 = metrics(tmp_path / "float8")
+    bf16 = train(tmp_path / "bf16", *steps, "--parallel.float8", "false")
+    for a, b in zip(float8, bf16, strict=True):
+        # Float8 rounds each matmul's inputs to 3 mantissa bits (e4m3) with one scale per tensor.
+        assert abs(a["loss"] - b["loss"]) <= 1e-2 * abs(b["loss"]), (a, b)
+    # Resume the float8 run from its step-2 checkpoint: steps 3 and 4 are the same again.
+    shutil.copytree(tmp_path / "float8" / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
+    resumed = train(tmp_path / "resumed", *steps)
+    assert [m["step"] for m in resumed] == [3, 4]
+    for a, b in zip(float8[2:], resumed, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
+
+
+def test_tensorboard_logs_the_metrics(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = train(tmp_path, "--training.steps", "3", "--job.tensorboard", "true")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    assert [step for step, _ in losses] == [m["step"] for m in metrics]
+    for (_, logged), record in zip(losses, metrics, strict=True):
+        assert abs(logged - record["loss"]) <= 1e-6 * abs(record["loss"]), (logged, record)
+
+
+def test_unknown_config_key_is_rejected() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "3"], cwd=PROJECT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "unknown key training.stepz" in result.stderr

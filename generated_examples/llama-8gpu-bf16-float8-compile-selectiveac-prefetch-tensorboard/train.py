@@ -1,0 +1,679 @@
+"""Train the model with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
+
+    torchrun --nproc-per-node 8 train.py --config config.toml --training.steps 100
+
+`python train.py` alone runs a single process, which is handy for debugging.
+The six blocks below run in this order in `train()`; their order is what makes
+FSDP2 correct, so keep it when you edit them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.float8_linear import Float8Linear
+
+from config import Config, ParallelConfig, TrainingConfig, parse_args
+from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
+from model import Transformer
+from preflight import (
+    USAGE_ERROR,
+    PreflightError,
+    complete_checkpoints,
+    newest_checkpoint,
+    preflight,
+    read_checkpoint_info,
+    resuming,
+    start_run,
+    unreadable,
+)
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+
+# fsdp2gen: block init_distributed
+def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group torchrun set up, pin this process to its own device, and lay out the mesh."""
+    job = config.job
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if job.device == "cuda" and not torch.cuda.is_available():
+        stop("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
+    if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", local_rank)
+        # Set the device before creating the process group so NCCL binds this rank to its own GPU.
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    # How long a rank waits in a collective before the run fails (a hung peer, a lost node).
+    timeout = timedelta(minutes=job.timeout_minutes)
+    if "RANK" in os.environ:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+            # One torchrun runs every rank. It keeps one store for all its restarts (--max-restarts), where
+            # restarted workers would read the addresses the previous attempt's workers left and fail to
+            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys.
+            # (With several nodes each torchrun counts only its own restarts, so this would split the ranks;
+            # there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a fresh store per attempt, instead.)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"attempt_{attempt}", store)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if device.type == "cuda" else None,
+            timeout=timeout,
+        )
+    else:
+        # Started without torchrun: a group of one, no rendezvous needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device, data_parallel_mesh(config.parallel, device)
+
+
+def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh (FSDP: every rank holds 1/N of the model), or with dp_replicate > 1 a 2-D one (HSDP).
+
+    HSDP shards within groups of dp_shard ranks (typically one node, over its fast links) and replicates
+    across the dp_replicate groups: parameters are all-gathered inside a node only, and gradients are
+    reduce-scattered in the node, then all-reduced across nodes. Rank r is in replica r // dp_shard.
+    """
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        # A single process (`python train.py`, for debugging) has nothing to replicate or shard.
+        return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    # preflight.py made sure that dp_replicate x dp_shard is the world size.
+    replicate = parallel.dp_replicate
+    shard = world_size // replicate if parallel.dp_shard == -1 else parallel.dp_shard
+    sizes = {"dp_replicate": replicate, "dp_shard": shard}
+    # Dimensions of size 1 are left out; dp_shard always stays (fully_shard needs a mesh).
+    sizes = {name: size for name, size in sizes.items() if size > 1 or name == "dp_shard"}
+    return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+
+
+# fsdp2gen: block build_model_meta
+def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> Transformer:
+    """Build on the meta device, shard bottom-up, then allocate and initialise only local shards."""
+    parallel = config.parallel
+    # No memory is allocated here: a model larger than one GPU can be described on every rank.
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    if parallel.float8:
+        # Before the wrappers and fully_shard: fully_shard must see the float8 weights to all-gather them in float8.
+        convert_blocks_to_float8(model.layers, device)
+    # Wrap blocks before sharding them, so that FSDP's hooks sit outside the wrappers: parameters are
+    # gathered before a block is recomputed or runs compiled code. The wrappers add a prefix to parameter
+    # names that get_state_dict/get_model_state_dict remove, so checkpoints load with or without them.
+    for index, block in enumerate(model.layers):
+        if parallel.activation_checkpoint_every and index % parallel.activation_checkpoint_every == 0:
+            # Keep only the block's input; recompute its activations in backward (non-reentrant, the
+            # variant that works with FSDP2's hooks).
+            block = checkpoint_wrapper(block)
+        if parallel.compile:
+            # One graph per block, reused by every block of the same shape (compiled once, not n_layers times).
+            block = torch.compile(block)
+        model.layers[index] = block
+    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
+    # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
+    # rounds small contributions away.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+    reshard = parallel.reshard_after_forward
+    shard_ranks = mesh["dp_shard"].size()  # the ranks a parameter is sharded over (all, unless HSDP or TP)
+    if not isinstance(reshard, bool) and reshard >= shard_ranks:
+        # Groups at least as large as the shard group (e.g. a run on fewer GPUs than configured): reshard fully.
+        # Smaller groups divide the shard group (preflight.py checked).
+        reshard = True
+    # Shard each transformer block first, then the root (embeddings, final norm, output).
+    # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
+    for block in model.layers:
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+        )
+    # The root keeps its parameters after forward (its default): backward needs them right away.
+    # Its output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the
+    # compute dtype, halving the logits' memory).
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=torch.float32 if parallel.output_dtype == "float32" else None,
+    )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=root_policy,
+    )
+    if parallel.prefetch_blocks:
+        # FSDP2 already prefetches one block ahead implicitly; explicit prefetching issues the next
+        # blocks' all-gathers earlier, so they overlap more compute (and hold more gathered blocks).
+        blocks = list(model.layers)
+        for index, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + parallel.prefetch_blocks])
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - parallel.prefetch_blocks) : index][::-1])
+    # Allocate this rank's shards on the device. Their content is garbage until init_weights
+    # fills every parameter and buffer (including the non-persistent rotary tables).
+    model.to_empty(device=device)
+    model.init_weights(seed=config.training.seed)
+    return model
+
+
+def convert_blocks_to_float8(blocks: Iterable[nn.Module], device: torch.device) -> None:
+    """Swap the blocks' linear layers for torchao's Float8Linear: their matmuls run in float8 (e4m3 for weights
+    and activations, e5m2 for gradients) with one scale per tensor, while the master weights stay fp32.
+
+    The embeddings and the output layer stay in bf16: they are the layers most hurt by float8's rounding.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        stop(
+            f"parallel.float8 needs float8 tensor cores (compute capability 8.9 or newer: H100, H200, B200, L40S), "
+            f"but {torch.cuda.get_device_name(device)} has {major}.{minor}; run with --parallel.float8 false"
+        )
+    # FSDP all-gathers the weights already cast to float8 (half the bytes of bf16), with the scales
+    # train_step precomputes after each optimizer step.
+    float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    linears = converted = 0
+    for block in blocks:
+        linears += sum(isinstance(module, nn.Linear) for module in block.modules())
+        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16.
+        convert_to_float8_training(
+            block,
+            config=float8_config,
+            module_filter_fn=lambda linear, _: linear.in_features % 16 == 0 and linear.out_features % 16 == 0,
+        )
+        converted += sum(isinstance(module, Float8Linear) for module in block.modules())
+    if dist.get_rank() == 0:
+        # On CPU torch's float8 matmul is a reference kernel: right for tests, far too slow for training.
+        where = " (CPU: torch's slow reference kernel)" if device.type == "cpu" else ""
+        print(f"float8: {converted} of the blocks' {linears} linear layers compute in float8{where}", flush=True)
+
+
+# fsdp2gen: block build_optimizer
+def build_optimizer(
+    model: Transformer, training: TrainingConfig, device: torch.device
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the sharded parameters, so each rank keeps optimizer state for its shards only.
+
+    Created after fully_shard: an optimizer built earlier would hold the replaced
+    unsharded parameters and silently update nothing.
+    """
+    on_gpu = device.type == "cuda"
+    # Norm weights (the only 1-D parameters) are not decayed.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=training.lr,
+        betas=(0.9, 0.95),
+        fused=on_gpu,
+        foreach=not on_gpu,
+    )
+
+    def warmup_cosine(step: int) -> float:
+        if step < training.warmup_steps:
+            return (step + 1) / training.warmup_steps
+        progress = (step - training.warmup_steps) / max(1, training.steps - training.warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return training.lr_min_ratio + (1.0 - training.lr_min_ratio) * cosine
+
+    return optimizer, LambdaLR(optimizer, warmup_cosine)
+
+
+# fsdp2gen: block train_step
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    max_norm: float,
+    device: torch.device,
+    float8: bool,
+) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
+    loss_sum = torch.zeros((), device=device)
+    for index, (inputs, targets) in enumerate(batches):
+        # Accumulate locally and reduce-scatter only on the last micro-batch (FSDP2 has no no_sync()).
+        model.set_requires_gradient_sync(index == len(batches) - 1)
+        # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
+        logits = model(inputs.to(device, non_blocking=True))
+        # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
+        # makes the accumulated gradient equal to the gradient of one big batch.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / len(batches)
+        loss.backward()
+        loss_sum += loss.detach()
+    # The gradients are DTensor shards; clip_grad_norm_ reduces the norm over all ranks.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    if float8:
+        # The float8 scale of each weight comes from its absolute maximum over all shards: computed here for
+        # every weight in one all-reduce, instead of one all-reduce per weight in the next forward.
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    # Gloo has no AVG reduction: sum the per-rank losses, then divide.
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / dist.get_world_size(), grad_norm.item()
+
+
+class TrainState(Stateful):
+    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
+        run_id: str,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+        self.step = 0
+        # checkpoint_load turns this off when the world size changed: RNG streams belong to ranks.
+        self.with_rng = True
+
+    def state_dict(self) -> dict:
+        # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
+        }
+        if self.with_rng:
+            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        if self.with_rng:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's random number generators: torch (and CUDA), numpy, python."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        },
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    numpy_state = state["numpy"]
+    key = numpy_state["key"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", key, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def stop(message: str) -> NoReturn:
+    """End this rank. Every rank reaches this with the same message; only rank 0 prints it, as one line.
+
+    The exit code is USAGE_ERROR, as for the mistakes preflight.py finds: the cause is in the input.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_ERROR)
+
+
+def stop_if_rank0_failed(error: str | None) -> None:
+    """Share rank 0's error (or None) with every rank, so that all stop together instead of the others
+    waiting for rank 0 in their next collective."""
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        stop(shared[0])
+
+
+# fsdp2gen: block checkpoint_save
+def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> None:
+    """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
+
+    A crash mid-save leaves only a .tmp folder, which resume ignores.
+    """
+    staging = start_staging(checkpoint_dir, state.step)
+    model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+    # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+    app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+    # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
+    # and the .metadata (written last, by rank 0) are on disk.
+    dcp.save(app_state, checkpoint_id=staging)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+        except OSError as exc:
+            error = f"could not finish checkpoint {staging}: {exc}"
+    stop_if_rank0_failed(error)
+
+
+def start_staging(checkpoint_dir: Path, step: int) -> Path:
+    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
+    if dist.get_rank() == 0:
+        for leftover in checkpoint_dir.glob("step-*.tmp"):
+            shutil.rmtree(leftover)
+    dist.barrier()
+    return checkpoint_dir / f"step-{step}.tmp"
+
+
+def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
+    """checkpoint.json: what resume checks before loading any tensor, and what scripts/export.py reads."""
+    return {
+        "step": state.step,
+        "world_size": dist.get_world_size(),
+        "device": state.device.type,
+        "model_only": model_only,
+        "run_id": state.run_id,
+        "config": asdict(config),
+    }
+
+
+def publish(staging: Path, info: dict, keep_last: int) -> None:
+    """Rank 0, once every rank's part of step-N.tmp/ is written: describe it, rename it, prune old ones."""
+    (staging / "checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
+    final = staging.with_name(staging.name.removesuffix(".tmp"))
+    shutil.rmtree(final, ignore_errors=True)
+    # The rename is atomic: step-N/ appears complete or not at all. (DCP's .metadata names the data
+    # files relative to the folder, so renaming it is safe.)
+    staging.rename(final)
+    # Older checkpoints of this run go only now that a newer one is complete. Never another run's: one copied
+    # in by hand is left alone (and resume refuses it).
+    ours = [p for p in complete_checkpoints(staging.parent) if run_id_of_checkpoint(p) in (info["run_id"], None)]
+    for old in ours[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def run_id_of_checkpoint(path: Path) -> str | None:
+    try:
+        return json.loads((path / "checkpoint.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"  # unreadable: not provably this run's, so never pruned
+
+
+# fsdp2gen: block checkpoint_load
+def checkpoint_load(state: TrainState, checkpoint_dir: Path) -> Path | None:
+    """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
+    path, info = checkpoint_to_resume(checkpoint_dir)
+    if path is None:
+        return None
+    if info["model_only"]:
+        # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+        state.step = info["step"]
+        return path
+    # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+    state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+    try:
+        # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
+        dcp.load({"train": state}, checkpoint_id=path)
+    except dcp.CheckpointException as exc:
+        # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
+        # them (and is a BaseException): report the first.
+        stop(unreadable(path, next(iter(exc.failures.values()))[0]))
+    except Exception as exc:
+        stop(unreadable(path, exc))
+    finally:
+        state.with_rng = True
+    return path
+
+
+def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
+    """The newest complete step-N/ and its checkpoint.json, on every rank as rank 0 found them.
+
+    Rank 0 decides, so that every rank loads the same folder even if the listing races a save.
+    """
+    found: list = [None, {}, None]  # folder, checkpoint.json, error
+    if dist.get_rank() == 0:
+        found[0] = newest_checkpoint(checkpoint_dir)
+        try:
+            found[1] = read_checkpoint_info(found[0]) if found[0] is not None else {}
+        except PreflightError as exc:
+            found[2] = str(exc)
+    dist.broadcast_object_list(found, src=0)
+    if found[2] is not None:
+        stop(found[2])
+    return found[0], found[1]
+
+
+# Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate: the first name found in the
+# device's name wins, so the PCIe and NVL boards (lower clocks and power) come before their SXM namesakes.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+    "L40S": 362e12, "A10": 125e12, "V100": 125e12,
+}  # fmt: skip
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """The device's peak from PEAK_FLOPS, or None (CPU, unknown GPU): then no MFU is reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The largest peak of any rank (the one that runs out first), in MiB; a collective, so every rank calls it."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    largest = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
+def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
+    """Rank 0's TensorBoard writer (None on the other ranks). Every rank checks that tensorboard, an
+    optional dependency, is installed, so that all stop together if it is not."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        stop(
+            "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
+            "or run with --job.tensorboard false"
+        )
+    return SummaryWriter(output_dir / "tensorboard") if dist.get_rank() == 0 else None
+
+
+def start_checked_run(config: Config, output_dir: Path) -> str:
+    """Run preflight.py's checks on rank 0 (the launch scripts ran them before torchrun; `torchrun train.py`
+    alone did not) and make job.output_dir this run's. Every rank gets the run id, or stops with rank 0's error."""
+    shared: list = [None, None]  # run id, error
+    if dist.get_rank() == 0:
+        try:
+            preflight(config, dist.get_world_size())
+            shared[0] = start_run(output_dir, config)
+        except PreflightError as exc:
+            shared[1] = str(exc)
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        stop(shared[1])
+    return shared[0]
+
+
+def check_output_dir_is_shared(output_dir: Path, device: torch.device) -> None:
+    """Stop unless every node sees rank 0's job.output_dir. In a node-local folder, step-N/ would be published
+    without the other nodes' shards, which only a resume would find out."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size():
+        return  # one node
+    token = [f".shared-check-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(token, src=0)
+    marker = output_dir / token[0]
+    if dist.get_rank() == 0:
+        marker.write_text(token[0])
+    dist.barrier()
+    missing = torch.tensor([0 if marker.is_file() else 1], device=device)
+    dist.all_reduce(missing)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        marker.unlink()
+    if missing.item():
+        stop(
+            f"job.output_dir {output_dir} is not shared by all nodes: {missing.item()} rank(s) do not see the file "
+            "rank 0 wrote there; put it on a filesystem every node mounts (NFS, Lustre, ...)"
+        )
+
+
+def main() -> None:
+    config = parse_args()
+    device, mesh = init_distributed(config)
+    train(config, device, mesh)
+    # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
+    # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
+    # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
+    gc.collect()
+    # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
+    """Build, resume, and train to training.steps, checkpointing on the way."""
+    training = config.training
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    data_rank, data_ranks = rank, world_size
+    output_dir = Path(config.job.output_dir)
+    # Every mistake in the config, the data and the output folder stops the run here, before anything is built.
+    run_id = start_checked_run(config, output_dir)
+    check_output_dir_is_shared(output_dir, device)
+
+    model = build_model_meta(config, mesh, device)
+    if rank == 0:
+        # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    optimizer, scheduler = build_optimizer(model, training, device)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
+
+    checkpoint_dir = output_dir / "checkpoints"
+    if resuming(config):
+        resumed_from = checkpoint_load(state, checkpoint_dir)
+        if resumed_from and rank == 0:
+            print(f"resumed from {resumed_from} at step {state.step}", flush=True)
+
+    if config.data.path:
+        dataset = TokenFile(config.data.path, training.seq_len, config.model.vocab_size)
+    else:
+        dataset = SyntheticTokens(
+            config.model.vocab_size, training.seq_len, config.data.synthetic_samples, training.seed
+        )
+    samples = ShuffledEpochs(dataset, training.seed)
+    tokens_per_step = training.global_batch_size * training.seq_len
+    # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
+    peak_flops = peak_flops_per_device(device)
+    flops_per_token = config.model.flops_per_token(training.seq_len)
+    metrics_file = None
+    if rank == 0:
+        # Appended to: a resumed run goes on in the same file (its rows carry the run id).
+        metrics_file = open(output_dir / "metrics.jsonl", "a")
+    tensorboard = open_tensorboard(output_dir) if config.job.tensorboard else None
+
+    model.train()
+    for step in range(state.step, training.steps):
+        started = time.perf_counter()
+        batches = micro_batches(
+            samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
+        )
+        lr = scheduler.get_last_lr()[0]
+        loss, grad_norm = train_step(
+            model, optimizer, scheduler, batches, training.max_norm, device, config.parallel.float8
+        )
+        elapsed = time.perf_counter() - started
+        state.step = step + 1
+        peak_mem_mib = peak_memory_mib(device)
+        if metrics_file is not None:
+            record = {
+                "run_id": run_id,
+                "step": state.step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "step_time_s": elapsed,
+                "tokens_per_s": tokens_per_step / elapsed,
+                # What published figures quote: throughput per GPU (per rank on CPU).
+                "tokens_per_s_per_gpu": tokens_per_step / elapsed / world_size,
+                "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
+                "peak_mem_mib": peak_mem_mib,
+            }
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if tensorboard is not None:
+                for name, value in record.items():
+                    if name not in ("run_id", "step") and value is not None:
+                        tensorboard.add_scalar(f"train/{name}", value, state.step)
+            if state.step % config.job.log_every == 0 or state.step == training.steps:
+                print(
+                    f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
+                    f"| {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/GPU) "
+                    f"| peak {record['peak_mem_mib']:,.0f} MiB",
+                    flush=True,
+                )
+        if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
+            save_started = time.perf_counter()
+            checkpoint_save(state, checkpoint_dir, config)
+            if rank == 0:
+                print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
+
+    if metrics_file is not None:
+        metrics_file.close()
+    if tensorboard is not None:
+        tensorboard.close()
+
+
+if __name__ == "__main__":
+    main()
