@@ -103,6 +103,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     }
     # As in the async project's main(): background saves run their collectives on a gloo group of their own.
     save_group = dist.new_group(backend="gloo")
+    stager = trains["dcp-async"].DefaultStager(trains["dcp-async"].staging_options(device))  # one per run, as there
     samples = ShuffledEpochs(
         SyntheticTokens(config.model.vocab_size, training.seq_len, config.data.synthetic_samples, training.seed),
         training.seed,
@@ -138,7 +139,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         dist.barrier()
         started = time.perf_counter()
         if style == "dcp-async":
-            in_flight = train.checkpoint_save(state, checkpoint_dir, style_config, None, save_group)
+            in_flight = train.checkpoint_save(state, checkpoint_dir, style_config, None, save_group, stager)
             blocked = time.perf_counter() - started
             in_flight.finish()
             complete = time.perf_counter() - started
@@ -161,7 +162,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         train, state, style_config = trains["dcp-async"], states["dcp-async"], configs["dcp-async"]
         state.step = step
         in_flight = train.checkpoint_save(
-            state, Path(style_config.job.output_dir) / "checkpoints", style_config, None, save_group
+            state, Path(style_config.job.output_dir) / "checkpoints", style_config, None, save_group, stager
         )
         started = time.perf_counter()
         train_one_step()

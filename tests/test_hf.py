@@ -131,7 +131,7 @@ def test_generated_hf_projects_own_tests_pass(project: Path) -> None:
         cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
-    assert re.search(r"^4 passed, 8 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    assert re.search(r"^4 passed, 9 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
     growth = re.findall(
         r"rank (\d): \S+: logits [^;]*; build_model_meta peak \+(\S+) MiB, full model (\S+) MiB", result.stdout
     )
@@ -148,3 +148,31 @@ def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: P
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("parallel.shard_modules: no module of class Qwen2Layer in the model; "), message
     assert "Qwen2DecoderLayer" in message
+
+
+def test_training_seed_seeds_every_run_of_a_pretrained_model(
+    project: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Dropout on, and every sample the same (so that the seed's data order changes nothing): the losses depend
+    # only on the dropout masks, which training.seed must decide, also when the weights are loaded, not drawn.
+    import json
+    import shutil
+
+    model = tmp_path / "llama-dropout"
+    shutil.copytree(models["llama-untied"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    np.tile(np.arange(16, dtype=np.uint16), 5).tofile(tmp_path / "tokens.bin")  # 4 windows of 16 + 1 tokens
+
+    def losses(seed: int, run: str) -> list[float]:
+        result = subprocess.run(
+            [sys.executable, "train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed),
+             "--model.path", str(model), "--data.path", str(tmp_path / "tokens.bin"),
+             "--job.output_dir", str(tmp_path / run)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [record["loss"] for record in metrics(tmp_path / run)]
+
+    first = losses(0, "seed-0")
+    assert losses(0, "seed-0-again") == first
+    assert losses(1, "seed-1")[0] != first[0]

@@ -5,7 +5,8 @@ rank's shards with `to_empty`, and then fills them with one of:
 
 - `load_pretrained`: rank 0 reads the safetensors files, one file at a time; each tensor is broadcast and
   every rank keeps only its own shard of it. No other rank ever holds the whole model.
-- `init_from_scratch`: the model's own initialisation (transformers' `_init_weights`), on the shards.
+- `init_from_scratch`: the model's own initialisation (transformers' `_init_weights`), on the shards, equal
+  bit for bit whatever the number of ranks (and in every replica of HSDP).
 
 Either way the non-persistent buffers (rotary `inv_freq` and the like) are recomputed by the model's own
 code: they are not in the checkpoint, and `to_empty` leaves them as garbage.
@@ -14,6 +15,8 @@ code: they are not in the checkpoint, and `to_empty` leaves them as garbage.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 # The files of a hub model that training, scripts/export.py and scripts/prepare_data.py read.
@@ -139,11 +143,15 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
 
 
 def init_from_scratch(model: PreTrainedModel, seed: int) -> None:
-    """The model's own random initialisation of every parameter and buffer, on the sharded model."""
-    # Random ops on sharded (DTensor) parameters draw the same values on every rank of a CPU mesh: a seed
-    # per rank gives each shard its own values. (The result depends on the number of ranks.)
-    torch.manual_seed(seed + dist.get_rank())
-    run_hf_init(model)
+    """The model's own random initialisation of every parameter and buffer, on the sharded model.
+
+    The values are those of the whole tensors drawn from one generator seeded with `seed`, so they do not depend
+    on the number of ranks, nor differ between the replicas of HSDP.
+    """
+    # Every rank seeds alike and draws every number of every tensor, in the same order; each keeps its part.
+    torch.manual_seed(seed)
+    with WholeTensorRandomFills():
+        run_hf_init(model)
     for module in model.modules():
         if isinstance(module, nn.Embedding) and module.padding_idx is not None and isinstance(module.weight, DTensor):
             # transformers zeroes weight[padding_idx], which does nothing on a sharded weight: zero the row
@@ -154,6 +162,63 @@ def init_from_scratch(model: PreTrainedModel, seed: int) -> None:
             if 0 <= row < weight.to_local().shape[0]:
                 with torch.no_grad():
                     weight.to_local()[row].zero_()
+
+
+# The in-place random fills (aten ops) behind torch.nn.init's random functions, and so transformers' init.
+aten = torch.ops.aten
+RANDOM_FILLS = {aten.normal_, aten.uniform_, aten.random_, aten.exponential_, aten.log_normal_, aten.cauchy_,
+                aten.geometric_, aten.bernoulli_}  # fmt: skip
+
+
+class WholeTensorRandomFills(TorchDispatchMode):
+    """Random fills of sharded (DTensor) tensors draw the whole tensor, one block of rows at a time, and keep this
+    rank's part (fill_by_blocks). DTensor's own random ops on a CPU mesh draw the same numbers in every shard, and
+    seeding each rank apart makes the result depend on the number of ranks. Other ops need nothing: zero_, mul_,
+    clamp_ ... do the same on a shard as on the whole tensor, and init functions that scale by the fan-in read
+    the whole tensor's shape.
+
+    Caught at the aten level (a dispatch mode sees ops before DTensor does), so that every torch.nn.init
+    function is covered, whichever way it reaches the op. The alternative, initialising the whole model on rank 0
+    and broadcasting it, needs the whole model in one rank's memory; this holds one block (INIT_BLOCK_ELEMENTS
+    values) at a time, at the cost of every rank drawing every number (cheap next to training).
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in RANDOM_FILLS and isinstance(args[0], DTensor):
+            fill_by_blocks(args[0], lambda block: func(block, *args[1:], **kwargs))
+            return args[0]
+        return func(*args, **kwargs)
+
+
+# Blocks of rows of at most this many values are drawn at a time.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
+@torch.no_grad()
+def fill_by_blocks(param: DTensor, fill: Callable[[torch.Tensor], object]) -> None:
+    """Fill the whole tensor behind `param` block of rows by block of rows; keep this rank's part of each.
+
+    The blocks depend only on the full shape, so every world size consumes the generator identically.
+    """
+    local = param.to_local()
+    # Where this rank's part sits in the whole tensor, for any placement (FSDP, HSDP, TP).
+    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if param.ndim == 0:
+        block = torch.empty((), dtype=param.dtype, device=local.device)
+        fill(block)
+        local.copy_(block)
+        return
+    rows, row_shape = param.shape[0], tuple(param.shape[1:])
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
+    columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], local_shape[1:], strict=True))
+    for first in range(0, rows, rows_per_block):
+        last = min(rows, first + rows_per_block)
+        block = torch.empty((last - first, *row_shape), dtype=param.dtype, device=local.device)
+        fill(block)
+        low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
+        if low < high:
+            local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])
 
 
 def run_hf_init(model: PreTrainedModel) -> None:

@@ -269,6 +269,18 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
+def seed_everything(seed: int) -> None:
+    """Start torch's (CPU and every GPU's), numpy's and python's random number generators from `seed`.
+
+    Every run, pretrained or not, and alike on every rank (the ranks of a tensor-parallel group must draw the
+    same dropout masks): dropout and any other random op repeat from run to run. A resume then restores each
+    rank's saved states, which continue the interrupted run's streams exactly.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds the CUDA generators of every device too
+
+
 def set_rng_state(state: dict, device: torch.device) -> None:
     numpy_state = state["numpy"]
     key = numpy_state["key"].numpy().astype(np.uint32)
@@ -497,6 +509,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     # Every mistake in the config, the data and the output folder stops the run here, before anything is built.
     run_id = start_checked_run(config, output_dir)
     check_output_dir_is_shared(output_dir, device)
+    seed_everything(training.seed)
 
     model = build_model_meta(config, mesh, device)
     if rank == 0:

@@ -8,7 +8,13 @@ logits and from_pretrained's, and how much its memory (GPU memory on CUDA, else 
 build_model_meta (the peak over the start) next to the size of the full model. Rank 0 also compares every
 gathered weight with from_pretrained's, and every rank its buffers (non-persistent ones included), bit for
 bit: "MISMATCH" lines. Then the model is built with model.pretrained = false, and its weights must have the
-statistics of transformers' own initialisation, with different values in each rank's shard.
+statistics of transformers' own initialisation, with different values in each rank's shard. Rank 0 saves
+them, gathered, to job.output_dir/from_scratch.pt: they must be the same bit for bit on any number of ranks
+(test_training.py).
+
+    torchrun ... tests/check_pretrained.py [--section.key VALUE ...] from-scratch
+
+checks (and saves) only the model built from scratch.
 """
 
 import sys
@@ -83,20 +89,22 @@ def check_pretrained(config, mesh, device) -> list[str]:
 
 
 def check_from_scratch(config, mesh, device) -> list[str]:
-    """Each tensor's mean and std near those of transformers' init; each rank's shard drawn separately."""
+    """Each tensor's mean and std near those of transformers' init; each rank's shard drawn separately; saved."""
     config.model = ModelArgs(path=config.model.path, pretrained=False)
     model = build_model_meta(config, mesh, device)
     mismatches = []
-    world_size = dist.get_world_size()
     for name, param in model.named_parameters():
-        # The first row of each rank's shard (every rank has rows when their number divides evenly).
-        if world_size > 1 and param.ndim == 2 and param.shape[0] % world_size == 0:
-            rows = [torch.empty_like(param.to_local()[0]) for _ in range(world_size)]
-            dist.all_gather(rows, param.to_local()[0].contiguous())
+        # The first row of each shard (every rank has rows when their number divides evenly), within a group of
+        # ranks holding different shards (the last mesh dimension; with HSDP, replicas hold the same shards).
+        shards = param.device_mesh.size(param.device_mesh.ndim - 1)
+        if shards > 1 and param.ndim == 2 and param.shape[0] % shards == 0:
+            rows = [torch.empty_like(param.to_local()[0]) for _ in range(shards)]
+            dist.all_gather(rows, param.to_local()[0].contiguous(), group=param.device_mesh.get_group(-1))
             if rows[0].std() > 0 and any(torch.equal(rows[0], row) for row in rows[1:]):
                 mismatches.append(f"{name}: the same values in every rank's shard")
     gathered = gathered_state(model)
     if dist.get_rank() == 0:
+        torch.save(gathered, Path(config.job.output_dir) / "from_scratch.pt")
         torch.manual_seed(config.training.seed)
         reference = AutoModelForCausalLM.from_config(config.model.hf_config, dtype=torch.float32).state_dict()
         for name, tensor in reference.items():
@@ -111,14 +119,17 @@ def check_from_scratch(config, mesh, device) -> list[str]:
 
 
 def main() -> None:
-    args = sys.argv[1:]
+    # "from-scratch" may come anywhere among the overrides (runs.launch puts its own first).
+    from_scratch_only = "from-scratch" in sys.argv[1:]
+    args = [arg for arg in sys.argv[1:] if arg != "from-scratch"]
     folders = []
     while args and not args[0].startswith("--"):
         folders.append(args.pop(0))
     config = parse_args(args)
     device, mesh = init_distributed(config)
+    Path(config.job.output_dir).mkdir(parents=True, exist_ok=True)
     mismatches = []
-    for folder in folders or [config.model.path]:
+    for folder in [] if from_scratch_only else folders or [config.model.path]:
         config.model = ModelArgs(path=folder, pretrained=True)
         mismatches += check_pretrained(config, mesh, device)
     mismatches += check_from_scratch(config, mesh, device)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, make_model, train
 
@@ -63,6 +64,24 @@ def test_pretrained_weights_load_sharded_and_equal_from_pretrained(tmp_path: Pat
             # Rank 0 reads the files; every other rank holds its shards plus one tensor in flight.
             assert float(growth) < float(full), (rank, growth, full)
     assert "from scratch: " in result.stdout
+
+
+def test_from_scratch_init_is_the_same_on_any_number_of_ranks(tmp_path: Path) -> None:
+    # Each whole tensor drawn from one seeded generator: 1 process, NPROC ranks (FSDP) and, on 2 ranks, 2 replicas
+    # of 1 shard (HSDP) fill the model with the same values, bit for bit. Seeding each rank apart would not.
+    runs = {"1 process": ([], 1), f"{NPROC} ranks": ([], NPROC)}
+    if NPROC == 2:
+        runs["HSDP 2 x 1"] = (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"], 2)
+    weights = {}
+    for name, (overrides, nproc) in runs.items():
+        output_dir = tmp_path / name.replace(" ", "-")
+        result = launch("tests/check_pretrained.py", output_dir, *overrides, "from-scratch", nproc=nproc)
+        assert "MISMATCH" not in result.stdout, result.stdout
+        weights[name] = torch.load(output_dir / "from_scratch.pt", weights_only=True)
+    one = weights.pop("1 process")
+    for name, gathered in weights.items():
+        assert gathered.keys() == one.keys(), name
+        assert [key for key, value in one.items() if not torch.equal(value, gathered[key])] == [], name
 
 
 def test_unknown_config_key_is_rejected() -> None:

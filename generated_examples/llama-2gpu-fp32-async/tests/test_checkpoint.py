@@ -250,3 +250,51 @@ def test_training_continues_while_a_checkpoint_is_written(tmp_path: Path) -> Non
     # The background save holds the state at the time it was started, like the synchronous one.
     sync, background = load_checkpoint(tmp_path / "sync"), load_checkpoint(tmp_path / "checkpoints" / "step-2")
     assert_identical(sync, background)
+    # So does the next one, copied into the same staging buffers while training went on.
+    assert result.stdout.count("second async save into the same buffers") == NPROC
+    sync, background = load_checkpoint(tmp_path / "sync-again"), load_checkpoint(tmp_path / "checkpoints" / "step-3")
+    assert_identical(sync, background)
+
+
+def test_one_stager_for_the_run_reused_by_every_save_and_closed(tmp_path: Path) -> None:
+    # A new stager per save would copy each save into freshly allocated (never pinned) memory.
+    steps = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    result = launch("tests/check_async_save.py", tmp_path, "stager", *steps)
+    # Pinned (page-locked) copies on a GPU, plain memory on CPU.
+    pinned = DEVICE == "cuda"
+    expected = (
+        "1 stager(s), made with the options of staging_options: True; 3 saves, all by the same stager: True, "
+        f"the model copied into the same buffers each time: True, pinned: [{pinned}]; closed after saves [3]"
+    )
+    assert re.findall(r"^rank \d+: (.*)$", result.stdout, flags=re.M) == [expected] * NPROC, result.stdout
+    assert checkpoint_names(tmp_path) == ["step-4", "step-6"]
+
+
+def test_staging_is_pinned_exactly_when_the_state_is_on_a_gpu() -> None:
+    from train import staging_options
+
+    # On a GPU: page-locked buffers, non-blocking device-to-host copies (then one synchronize).
+    gpu = staging_options(torch.device("cuda", 0))
+    assert (gpu.use_pinned_memory, gpu.use_non_blocking_copy) == (True, True)
+    # CPU state (a CPU run, or CPU offload on a GPU): plain memory; pinning would need CUDA and gain nothing.
+    for options in (staging_options(torch.device("cpu")), staging_options(torch.device("cuda", 0), cpu_offload=True)):
+        assert (options.use_pinned_memory, options.use_non_blocking_copy) == (False, False)
+    # Always: staged before checkpoint_save returns (the optimizer may change the parameters right after), in a
+    # thread's memory (no shared memory: no checkpoint process).
+    for options in (gpu, staging_options(torch.device("cpu"))):
+        assert (options.use_async_staging, options.use_shared_memory) == (False, False)
+
+
+def test_a_save_that_rank_0_cannot_publish_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    result = launch("tests/check_async_save.py", tmp_path, "publish-fails", check=False)
+    assert result.returncode != 0
+    assert "rank 0: publish_if_done returned" in result.stdout, result.stdout + result.stderr
+    assert "MISSED" not in result.stdout
+    staging = tmp_path / "checkpoints" / "step-1.tmp"
+    errors = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
+    assert errors == [f"check_async_save.py: error: could not finish checkpoint {staging}: [Errno 20] Not a directory: "
+                      f"'{staging}' -> '{staging.with_suffix('')}'"], result.stderr  # fmt: skip
+    # Every rank stopped with that error (exit code 2), none with an exception of its own. (torchrun may end a
+    # rank that has not exited yet once another has: -15.)
+    assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr
+    assert "NotADirectoryError" not in result.stderr
