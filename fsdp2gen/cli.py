@@ -1,7 +1,8 @@
 """The `fsdp2gen` command line.
 
-Options, choices, defaults and help for `new` come from the template's
-copier.yml (see questions.py). Errors are one line on stderr with exit code 2.
+The answer options of `new` and `update` (choices, defaults, help) are generated
+from the template's copier.yml (see questions.py and answer_options), so a new
+question needs no change here. Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -234,11 +235,11 @@ def new(
         bool, typer.Option("--dry-run", help="List the files that would be written; write nothing.")
     ] = False,
     as_json: JsonOption = False,
-    **given: Any,
+    **flags: Any,
 ) -> None:
     """Generate an FSDP2 training project in DEST."""
-    _apply_precision_shortcut(given, [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag])
-    answers = _given_answers({**given, "project_name": project_name})
+    _apply_precision_shortcut(flags, [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag])
+    answers = _given_answers({**flags, "project_name": project_name})
     dest_path, answers, defaults_used = _collect_answers(
         dest, answers, answers_file=answers_file, yes=yes, force=force, interactive=interactive, as_json=as_json
     )
@@ -246,15 +247,15 @@ def new(
     _report(dest_path, answers, written, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
 
 
-def _apply_precision_shortcut(given: dict[str, Any], shortcuts: list[str]) -> None:
+def _apply_precision_shortcut(flags: dict[str, Any], shortcuts: list[str]) -> None:
     """Set the precision answer from --bf16/--fp16/--fp32 (in place, keeping its place among the answers),
     refusing two shortcuts, or a shortcut that contradicts --precision."""
-    precision = given["precision"]
+    precision = flags["precision"]
     if len(shortcuts) > 1 or (shortcuts and precision and precision.value != shortcuts[0]):
         used = [f"--{s}" for s in shortcuts] + ([f"--precision {precision.value}"] if precision else [])
         fail(f"conflicting precision options {' '.join(used)}; give only one")
     if shortcuts:
-        given["precision"] = shortcuts[0]
+        flags["precision"] = shortcuts[0]
 
 
 def _collect_answers(
