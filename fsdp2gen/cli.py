@@ -1,19 +1,22 @@
 """The `fsdp2gen` command line.
 
-Options, choices, defaults and help for `new` come from the template's
-copier.yml (see questions.py). Errors are one line on stderr with exit code 2.
+The answer options of `new` and `update` (choices, defaults, help) are generated
+from the template's copier.yml (see questions.py and answer_options), so a new
+question needs no change here. Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import os
 import shlex
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from typer.core import TyperGroup
@@ -23,6 +26,7 @@ from fsdp2gen.questions import Question, load_answers_file, project_name_from_fo
 from fsdp2gen.render import DestinationError, check_destination, render_project
 
 EXIT_BAD_INPUT = 2
+KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 
 
 class BadInput(Exception):
@@ -88,9 +92,6 @@ PROMPTED = ["family", "gpus", "nodes", "precision", "checkpoint", "launcher"]
 FAMILY_QUESTIONS = [name for name in QUESTIONS if QUESTIONS[name].when]
 Family = _choices_enum(QUESTIONS["family"])
 Precision = _choices_enum(QUESTIONS["precision"])
-Checkpoint = _choices_enum(QUESTIONS["checkpoint"])
-Launcher = _choices_enum(QUESTIONS["launcher"])
-ActivationCheckpointing = _choices_enum(QUESTIONS["activation_checkpointing"])
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -117,35 +118,58 @@ def root(
     pass
 
 
-def _help(name: str) -> str:
-    question = QUESTIONS[name]
-    return f"{question.help} [default: {question.default}]"
+# A bool question's flags are --name/--no-name, except where the "no" reads better as another word.
+OFF_FLAGS = {"pretrained": "--from-scratch"}
 
 
-FamilyOption = Annotated[Family | None, typer.Option(help=_help("family"))]
-GpusOption = Annotated[int | None, typer.Option(help=_help("gpus"))]
-NodesOption = Annotated[int | None, typer.Option(help=_help("nodes"))]
-PrecisionOption = Annotated[Precision | None, typer.Option(help=_help("precision"))]
-CheckpointOption = Annotated[Checkpoint | None, typer.Option(help=_help("checkpoint"))]
-LauncherOption = Annotated[Launcher | None, typer.Option(help=_help("launcher"))]
-TpOption = Annotated[int | None, typer.Option("--tp", help=_help("tp"))]
-HfModelOption = Annotated[str | None, typer.Option(help=QUESTIONS["hf_model"].help, show_default=False)]
-PretrainedOption = Annotated[
-    bool | None, typer.Option("--pretrained/--from-scratch", help=_help("pretrained"), show_default=False)
+def _option(question: Question) -> inspect.Parameter:
+    """The question as a typer option: its type (choices as an Enum), help and default from copier.yml.
+    Its value is None when not given, so that the answers file, recorded answers or default decide."""
+    value_type: Any = (
+        _choices_enum(question) if question.choices else {"int": int, "bool": bool}.get(question.type, str)
+    )
+    flag = question.flag
+    if question.type == "bool":
+        flag += "/" + OFF_FLAGS.get(question.name, "--no-" + question.flag.removeprefix("--"))
+    shown = f" [default: {question.default}]" if question.default != "" else ""
+    option = typer.Option(flag, help=question.help + shown, show_default=False)
+    return inspect.Parameter(question.name, KEYWORD_ONLY, default=None, annotation=Annotated[value_type | None, option])
+
+
+# One option per question but project_name (`new` derives it from DEST), in the order `new` asks them:
+# the prompted ones first, then the rest in copier.yml's order.
+ANSWER_OPTIONS = [
+    _option(QUESTIONS[name])
+    for name in PROMPTED + [name for name in QUESTIONS if name not in PROMPTED]
+    if name != "project_name"
 ]
-ReshardOption = Annotated[str | None, typer.Option(help=_help("reshard_after_forward"), show_default=False)]
-ActivationCheckpointingOption = Annotated[
-    ActivationCheckpointing | None, typer.Option(help=_help("activation_checkpointing"))
-]
-CompileOption = Annotated[bool | None, typer.Option("--compile/--no-compile", help=_help("compile"))]
-Float8Option = Annotated[bool | None, typer.Option("--float8/--no-float8", help=_help("float8"))]
-CpuOffloadOption = Annotated[bool | None, typer.Option("--cpu-offload/--no-cpu-offload", help=_help("cpu_offload"))]
-PrefetchOption = Annotated[bool | None, typer.Option("--prefetch/--no-prefetch", help=_help("prefetch"))]
-TensorboardOption = Annotated[bool | None, typer.Option("--tensorboard/--no-tensorboard", help=_help("tensorboard"))]
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def answer_options(after: dict[str, tuple[str, ...]] | None = None) -> Callable[[Command], Command]:
+    """Give the command an option per question (ANSWER_OPTIONS), passed to its `**` parameter (None if not given).
+
+    typer reads a command's parameters from its signature, so the decorated command's signature is rewritten:
+    its arguments, the question options, then its own (keyword-only) options; those named in `after` are
+    listed right after that question's option instead.
+    """
+
+    def decorate(command: Command) -> Command:
+        declared = inspect.signature(command, eval_str=True).parameters.values()
+        own = {p.name: p for p in declared if p.kind is KEYWORD_ONLY}
+        listed = [p for p in declared if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        for option in ANSWER_OPTIONS:
+            listed += [option] + [own.pop(name) for name in (after or {}).get(option.name, ())]
+        command.__signature__ = inspect.Signature(listed + list(own.values()))  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object (the result, or the error).")]
 
 
-def _given_answers(**options: Any) -> dict[str, Any]:
+def _given_answers(options: dict[str, Any]) -> dict[str, Any]:
     """The answers given as options (enums as their values). They are checked once merged with the
     answers file, the project's recorded answers or the defaults: how they fit depends on those."""
     answers = {name: value.value if isinstance(value, enum.Enum) else value for name, value in options.items()}
@@ -182,30 +206,16 @@ def _complete_answers(answers: dict[str, Any], *, prompting: bool) -> list[str]:
 
 
 @app.command()
+@answer_options(after={"precision": ("bf16", "fp16", "fp32")})
 def new(
     dest: Annotated[
         str,  # not Path: Path("") is ".", and an empty DEST must be refused, not read as the current folder
         typer.Argument(metavar="DEST", help="Folder to create; its name becomes the project name.", show_default=False),
     ],
-    family: FamilyOption = None,
-    gpus: GpusOption = None,
-    nodes: NodesOption = None,
-    precision: PrecisionOption = None,
+    *,
     bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
     fp16: Annotated[bool, typer.Option("--fp16", help="Same as --precision fp16.")] = False,
     fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
-    checkpoint: CheckpointOption = None,
-    launcher: LauncherOption = None,
-    tp: TpOption = None,
-    hf_model: HfModelOption = None,
-    pretrained: PretrainedOption = None,
-    reshard_after_forward: ReshardOption = None,
-    activation_checkpointing: ActivationCheckpointingOption = None,
-    compile_blocks: CompileOption = None,
-    float8: Float8Option = None,
-    cpu_offload: CpuOffloadOption = None,
-    prefetch: PrefetchOption = None,
-    tensorboard: TensorboardOption = None,
     project_name: Annotated[str | None, typer.Option(help="Project name [default: DEST's folder name]")] = None,
     answers_file: Annotated[
         Path | None,
@@ -225,34 +235,36 @@ def new(
         bool, typer.Option("--dry-run", help="List the files that would be written; write nothing.")
     ] = False,
     as_json: JsonOption = False,
+    **flags: Any,
 ) -> None:
     """Generate an FSDP2 training project in DEST."""
-    shortcuts = [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag]
-    if len(shortcuts) > 1 or (shortcuts and precision and precision.value != shortcuts[0]):
-        given = [f"--{s}" for s in shortcuts] + ([f"--precision {precision.value}"] if precision else [])
-        fail(f"conflicting precision options {' '.join(given)}; give only one")
-    if shortcuts:
-        precision = Precision(shortcuts[0])
-
-    answers = _given_answers(
-        family=family,
-        gpus=gpus,
-        nodes=nodes,
-        precision=precision,
-        checkpoint=checkpoint,
-        launcher=launcher,
-        tp=tp,
-        hf_model=hf_model,
-        pretrained=pretrained,
-        reshard_after_forward=reshard_after_forward,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile_blocks,
-        float8=float8,
-        cpu_offload=cpu_offload,
-        prefetch=prefetch,
-        tensorboard=tensorboard,
-        project_name=project_name,
+    _apply_precision_shortcut(flags, [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag])
+    answers = _given_answers({**flags, "project_name": project_name})
+    dest_path, answers, defaults_used = _collect_answers(
+        dest, answers, answers_file=answers_file, yes=yes, force=force, interactive=interactive, as_json=as_json
     )
+    written, answers = _write_project(dest_path, answers, force=force, dry_run=dry_run)
+    _report(dest_path, answers, written, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
+
+
+def _apply_precision_shortcut(flags: dict[str, Any], shortcuts: list[str]) -> None:
+    """Set the precision answer from --bf16/--fp16/--fp32 (in place, keeping its place among the answers),
+    refusing two shortcuts, or a shortcut that contradicts --precision."""
+    precision = flags["precision"]
+    if len(shortcuts) > 1 or (shortcuts and precision and precision.value != shortcuts[0]):
+        used = [f"--{s}" for s in shortcuts] + ([f"--precision {precision.value}"] if precision else [])
+        fail(f"conflicting precision options {' '.join(used)}; give only one")
+    if shortcuts:
+        flags["precision"] = shortcuts[0]
+
+
+def _collect_answers(
+    dest: str, answers: dict[str, Any], *, answers_file: Path | None, yes: bool, force: bool,
+    interactive: bool | None, as_json: bool,
+) -> tuple[Path, dict[str, Any], list[str]]:  # fmt: skip
+    """Every answer, checked, from the flags, then the answers file, then prompts (on a terminal) or the
+    defaults; and DEST, checked before any prompt. Returns DEST, the answers and the asked questions that
+    took their default (JSON's defaults_used)."""
     sources = {name: QUESTIONS[name].flag for name in answers}
     if answers_file is not None:
         answers = _merge_answers_file(answers_file, answers)
@@ -260,7 +272,6 @@ def new(
     if not dest.strip():
         fail("DEST is empty; give the folder to create, e.g. fsdp2gen new my-run")
     dest_path = Path(dest)
-
     missing = [name for name in ASKED if name not in answers]
     if interactive is None:
         interactive = _stdin_is_terminal()
@@ -272,15 +283,7 @@ def new(
     unasked = [] if prompting else _complete_answers(answers, prompting=False)
     if not prompting:
         _check_answers(answers, sources)
-    try:
-        check_destination(dest_path, force=force)
-    except DestinationError as error:
-        fail(str(error))
-    if "project_name" not in answers:
-        # copier derives it from DEST's folder name: check it here, where the message can say so.
-        derived = project_name_from_folder(Path(os.path.abspath(dest_path)).name)
-        if problem := QUESTIONS["project_name"].error(derived, answers):
-            fail(f"project name {derived!r} (from DEST's folder name): {problem}")
+    _check_dest(dest_path, answers, force=force)
     if prompting:
         unasked = _complete_answers(answers, prompting=True)
         _check_answers(answers, sources)
@@ -289,18 +292,44 @@ def new(
         typer.echo(
             f"fsdp2gen: stdin is not a terminal; using defaults {used} (pass --yes to accept silently)", err=True
         )
+    return dest_path, answers, missing
 
+
+def _check_dest(dest: Path, answers: dict[str, Any], *, force: bool) -> None:
+    """DEST can be written to, and its folder name makes a valid project name unless one was given."""
     try:
-        written, answers = render_project(dest_path, answers, force=force, dry_run=dry_run)
+        check_destination(dest, force=force)
+    except DestinationError as error:
+        fail(str(error))
+    if "project_name" not in answers:
+        # copier derives it from DEST's folder name: check it here, where the message can say so.
+        derived = project_name_from_folder(Path(os.path.abspath(dest)).name)
+        if problem := QUESTIONS["project_name"].error(derived, answers):
+            fail(f"project name {derived!r} (from DEST's folder name): {problem}")
+
+
+def _write_project(
+    dest: Path, answers: dict[str, Any], *, force: bool, dry_run: bool
+) -> tuple[list[str], dict[str, Any]]:
+    """Render the project (or list its files, on a dry run); returns its files and the recorded answers."""
+    try:
+        return render_project(dest, answers, force=force, dry_run=dry_run)
     except (DestinationError, ValueError) as error:
         fail(str(error))
-    commands = next_commands(dest_path, answers)
+
+
+def _report(
+    dest: Path, answers: dict[str, Any], written: list[str], *, defaults_used: list[str], dry_run: bool,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """What was written and the commands to run next: as text, or as one JSON object."""
+    commands = next_commands(dest, answers)
     if as_json:
         report = {
-            "dest": str(dest_path.absolute()),
+            "dest": str(dest.absolute()),
             "dry_run": dry_run,
             "answers": answers,
-            "defaults_used": missing,
+            "defaults_used": defaults_used,
             "files": written,
             "next": [{"command": command, "why": why} for command, why in commands],
         }
@@ -308,7 +337,7 @@ def new(
         return
     verb = "Would create" if dry_run else "Created"
     summary = ", ".join(f"{name}={value}" for name, value in answers.items())
-    typer.echo(f"{verb} {dest_path} ({summary}) with {len(written)} files:")
+    typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
     for path in written:
         typer.echo(f"  {path}")
     if not dry_run:
@@ -395,24 +424,10 @@ class Conflict(enum.StrEnum):
 
 
 @app.command()
+@answer_options()
 def update(
     path: Annotated[str, typer.Argument(help="The generated project (a clean git checkout).")] = ".",
-    family: FamilyOption = None,
-    gpus: GpusOption = None,
-    nodes: NodesOption = None,
-    precision: PrecisionOption = None,
-    checkpoint: CheckpointOption = None,
-    launcher: LauncherOption = None,
-    tp: TpOption = None,
-    hf_model: HfModelOption = None,
-    pretrained: PretrainedOption = None,
-    reshard_after_forward: ReshardOption = None,
-    activation_checkpointing: ActivationCheckpointingOption = None,
-    compile_blocks: CompileOption = None,
-    float8: Float8Option = None,
-    cpu_offload: CpuOffloadOption = None,
-    prefetch: PrefetchOption = None,
-    tensorboard: TensorboardOption = None,
+    *,
     conflict: Annotated[
         Conflict, typer.Option(help="How to show conflicts: inline markers or .rej files, as copier does.")
     ] = Conflict.inline,
@@ -420,6 +435,7 @@ def update(
         str | None, typer.Option(help="Template version (git tag) to update to [default: newest]")
     ] = None,
     as_json: JsonOption = False,
+    **flags: Any,
 ) -> None:
     """Update a generated project to a newer template version, keeping your edits (runs `copier update`)."""
     from fsdp2gen.update import UpdateError, check_updatable, update_project
@@ -427,24 +443,7 @@ def update(
     if not path.strip():
         fail("PATH is empty; give the generated project's folder, e.g. fsdp2gen update .")
     project = Path(path)
-    given = _given_answers(
-        family=family,
-        gpus=gpus,
-        nodes=nodes,
-        precision=precision,
-        checkpoint=checkpoint,
-        launcher=launcher,
-        tp=tp,
-        hf_model=hf_model,
-        pretrained=pretrained,
-        reshard_after_forward=reshard_after_forward,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile_blocks,
-        float8=float8,
-        cpu_offload=cpu_offload,
-        prefetch=prefetch,
-        tensorboard=tensorboard,
-    )
+    given = _given_answers(flags)
     try:
         recorded = check_updatable(project)
         answers = _update_answers(project, recorded, given)
