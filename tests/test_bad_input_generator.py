@@ -740,8 +740,7 @@ CASES = [
     Case(
         "check-deep-expression",
         ("check", "deep.py"),
-        "deep.py: nested too deeply to analyse (Python's recursion limit); split the long expression or exclude the "
-        "file",
+        "deep.py: code nested too deeply to analyse (Python's recursion limit); fix the file or exclude it",
         (write("deep.py", DEEP),),
     ),
     Case(
