@@ -304,6 +304,9 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
+    # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
+    # the accumulated ones (deferred_gradients below), not more memory.
+    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
     per_gpu |= {
         # rope_cos and rope_sin: fp32 buffers, not sharded.
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
@@ -311,7 +314,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
         # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
-        "reduce_scatter_buffers": compute * root_unit + (compute + FP32) * block_unit,
+        "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
         "activations": activations[request.ac],
     }
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
@@ -320,6 +323,12 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     unsharded = FP32 * sum(math.prod(shape) for _, shape in shapes)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["total"] = sum(per_gpu.values())
+    if request.grad_accum_steps == 1:
+        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
+        # gradient shards appear only as backward frees its activations, so they are not part of the
+        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
+        at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
+        per_gpu["total"] = max(per_gpu["total"] - per_gpu["gradients"], at_step)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -569,6 +578,8 @@ def format_text(plan: Plan) -> str:
             label += " [CPU]"
         if key == "deferred_gradients" and not request.defers_gradients:
             continue  # every_micro_batch or no accumulation: the gradients stay sharded
+        if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
+            label += " [after backward]"  # not at the forward/backward peak: see estimate()
         lines.append(f"{label:<48}{_size(value):>12}")
     for mode, label in (("none", "no AC"), ("selective", "selective AC"), ("full", "full AC")):
         used = " (used)" if mode == request.ac else ""
