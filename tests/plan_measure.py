@@ -107,7 +107,7 @@ def measure_train_step(model, optimizer, scheduler, training, batches) -> dict[s
         train_step(model, optimizer, scheduler, batches, training.max_norm, torch.device("cpu"),
                    grad_sync=training.grad_sync)  # fmt: skip
     hook.remove()
-    del optimizer.step
+    optimizer.step = real_step
     return marks
 
 
