@@ -16,7 +16,9 @@ import pytest
 
 from fsdp2gen.plan import (
     GPUS,
+    GRAD_SYNC_MODES,
     LLAMA_SIZES,
+    TEMPLATE_GRAD_SYNC,
     TEMPLATE_MODEL,
     TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
@@ -63,6 +65,9 @@ def test_template_defaults_are_the_ones_plan_assumes() -> None:
     # config.py is a jinja template; its TrainingConfig is the same in every rendering (a golden's, here).
     training = dataclass_defaults(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.py", "TrainingConfig")
     assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
+    # training.grad_sync: its choices and default, from the template itself (the goldens may lag behind it).
+    modes = ", ".join(f'"{mode}"' for mode in GRAD_SYNC_MODES)
+    assert f'grad_sync: Literal[{modes}] = "{TEMPLATE_GRAD_SYNC}"\n' in (TEMPLATE / "config.py.jinja").read_text()
     sizes = next(n for n in ast.parse(LLAMA_MODEL.read_text()).body if isinstance(n, ast.Assign)
                  and n.targets[0].id == "SIZES")  # fmt: skip
     assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
