@@ -581,6 +581,15 @@ def plan(
     ] = None,
     seq: Annotated[int | None, typer.Option(help="Sequence length. [default: 8192, or the project's]")] = None,
     gpu: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
+    grad_sync: Annotated[
+        str | None,
+        typer.Option(
+            help="Gradient accumulation: every_micro_batch (reduce-scatter each micro-batch, sharded gradients) or "
+            "last_micro_batch (the whole model's unsharded gradients on every GPU). [default: every_micro_batch, "
+            "or the project's training.grad_sync]",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Per-GPU memory of FSDP2 training (state, buffers, activations) and whether it fits."""
@@ -600,6 +609,7 @@ def plan(
             batch=batch,
             seq=seq,
             gpu=gpu,
+            grad_sync=grad_sync,
         )
     except planner.PlanError as error:
         fail(str(error))

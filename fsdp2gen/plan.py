@@ -6,6 +6,11 @@ The estimate follows what a generated project's train.py and model.py actually d
   the MixedPrecisionPolicy casts them for compute only, so the shards *are* the master weights
   (no extra copy). Shards are dim-0 chunks padded to ceil(rows / ranks), like FSDP2 allocates them.
 - Gradients are reduce-scattered in fp32 (reduce_dtype=float32), so the gradient shards are fp32.
+- With grad_accum_steps > 1 and training.grad_sync = "last_micro_batch" (set_requires_gradient_sync(False)
+  on all but the last micro-batch), FSDP2 keeps each parameter's unsharded gradient, upcast to reduce_dtype
+  (fp32), from the first micro-batch until the last one's backward: every rank holds the whole model's
+  gradients (its tensor-parallel slice) instead of its shard. "every_micro_batch" (the default) reduce-scatters
+  after each micro-batch into the sharded gradients: no extra memory, grad_accum_steps x the reduce-scatters.
 - AdamW keeps exp_avg and exp_avg_sq (fp32, shaped like the shards) and one 4-byte step per tensor.
 - Each transformer block is one FSDP unit, the root (embeddings, final norm, output) another. The root
   stays gathered from forward until the end of backward; blocks are gathered one at a time with the
@@ -34,6 +39,8 @@ FP32 = 4
 INT64 = 8
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
+# training.grad_sync of the generated config: when gradients are reduce-scattered under accumulation.
+GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 MIB, GIB = 2**20, 2**30
 # Left for the CUDA context, NCCL's own buffers and allocator fragmentation.
 USABLE_FRACTION = 0.9
@@ -113,6 +120,7 @@ TEMPLATE_SIZES = {
            "max_seq_len": 8192, "rope_theta": 500000.0},
 }  # fmt: skip
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
+TEMPLATE_GRAD_SYNC = "every_micro_batch"
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,8 @@ class PlanRequest:
     seq_len: int = 8192
     micro_batch: int | None = None  # samples per GPU per forward; None: from global_batch_size
     global_batch_size: int | None = None
-    grad_accum_steps: int = 1
+    grad_accum_steps: int | None = 1  # None: not known (--size), assumed > 1 for grad_sync
+    grad_sync: str = TEMPLATE_GRAD_SYNC
     gpu: str = "h100-80gb"
 
     @property
@@ -166,8 +175,14 @@ class PlanRequest:
         if self.micro_batch is not None:
             return self.micro_batch
         if self.global_batch_size is not None:
-            return self.global_batch_size // (self.fsdp_ranks * self.grad_accum_steps)
+            return self.global_batch_size // (self.fsdp_ranks * (self.grad_accum_steps or 1))
         return 1
+
+    @property
+    def defers_gradients(self) -> bool:
+        """Every rank holds unsharded gradients across micro-batches: last_micro_batch while accumulating."""
+        accumulating = self.grad_accum_steps is None or self.grad_accum_steps > 1
+        return self.grad_sync == "last_micro_batch" and accumulating
 
 
 def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
@@ -317,6 +332,9 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
+    # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
+    # the accumulated ones (deferred_gradients below), not more memory.
+    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
     per_gpu |= {
         # rope_cos and rope_sin: fp32 buffers, not sharded.
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
@@ -324,10 +342,21 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
         # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
-        "reduce_scatter_buffers": compute * root_unit + (compute + FP32) * block_unit,
+        "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
         "activations": activations[request.ac],
     }
+    # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
+    # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
+    # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
+    unsharded = FP32 * sum(math.prod(shape) for _, shape in shapes)
+    per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["total"] = sum(per_gpu.values())
+    if request.grad_accum_steps == 1:
+        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
+        # gradient shards appear only as backward frees its activations, so they are not part of the
+        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
+        at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
+        per_gpu["total"] = max(per_gpu["total"] - per_gpu["gradients"], at_step)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -353,14 +382,22 @@ def _levers(plan: Plan) -> list[Lever]:
             options.append((f"--ac {mode}", replace(request, ac=mode)))
     if not request.offload:
         options.append(("--offload", replace(request, offload=True)))
+    every = replace(request, grad_sync="every_micro_batch")
+    if request.defers_gradients:
+        options.append(("--grad-sync every_micro_batch", every))
     if request.batch > 1:
+        # Halving the micro-batch doubles the accumulation: with last_micro_batch that adds the unsharded
+        # gradients, so the lever is offered together with every_micro_batch (accumulation saves memory only then).
         smaller = f"--batch {request.batch // 2}"
+        accum = 2 * (request.grad_accum_steps or 1)
         if request.micro_batch is None and request.global_batch_size is not None:
             smaller += " (twice the grad_accum_steps)"
-        options.append((smaller, replace(request, micro_batch=request.batch // 2)))
+        if request.grad_sync != "every_micro_batch":
+            smaller += " --grad-sync every_micro_batch"
+        options.append((smaller, replace(every, micro_batch=request.batch // 2, grad_accum_steps=accum)))
     more = replace(request, nodes=request.nodes * 2)
     if request.micro_batch is None and request.global_batch_size is not None:
-        if request.global_batch_size % (more.fsdp_ranks * request.grad_accum_steps):
+        if request.global_batch_size % (more.fsdp_ranks * (request.grad_accum_steps or 1)):
             more = replace(more, micro_batch=request.batch)  # the global batch cannot be split further
     options.append((f"--nodes {more.nodes} ({more.world_size} GPUs)", more))
     levers = []
@@ -410,6 +447,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
         if type(value) is not int or not 1 <= value <= TRAINING_LIMITS[key]:
             raise PlanError(f"{path}: training.{key} must be an int from 1 to {TRAINING_LIMITS[key]}, got {value!r}")
         training[key] = value
+    grad_sync = sections["training"].get("grad_sync", TEMPLATE_GRAD_SYNC)
+    if grad_sync not in GRAD_SYNC_MODES:
+        raise PlanError(f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}")
+    training["grad_sync"] = grad_sync
     if model["size"] not in TEMPLATE_SIZES:
         raise PlanError(f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}")
     for key, value in TEMPLATE_SIZES[model["size"]].items():
@@ -460,6 +501,7 @@ def build_request(
     batch: int | None = None,
     seq: int | None = None,
     gpu: str = "h100-80gb",
+    grad_sync: str | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest."""
     if size is not None and config is not None:
@@ -472,8 +514,12 @@ def build_request(
         raise PlanError(f"--gpu {gpu}: unknown GPU; choose one of {', '.join(GPUS)}")
     if precision is not None and precision not in COMPUTE_BYTES:
         raise PlanError(f"--precision {precision}: choose one of {', '.join(COMPUTE_BYTES)}")
+    if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
+        raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
 
-    global_batch, accum, answers = None, 1, {}
+    # With --size the number of micro-batches is not known: None (a grad_sync of last_micro_batch then
+    # assumes accumulation, the only case where it matters).
+    global_batch, accum, answers, config_sync = None, None, {}, TEMPLATE_GRAD_SYNC
     if config is not None:
         model_keys, training, answers = _read_config(config)
         if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
@@ -483,6 +529,7 @@ def build_request(
         seq_len = seq or training["seq_len"]
         global_batch, accum = training["global_batch_size"], training["grad_accum_steps"]
         tp = tp or _project_tp(config, answers)
+        config_sync = training["grad_sync"]
     elif size is not None:
         if (family or "llama") != "llama":
             raise PlanError(f"--family {family}: only llama is planned")
@@ -513,6 +560,7 @@ def build_request(
         micro_batch=batch,
         global_batch_size=global_batch,
         grad_accum_steps=accum,
+        grad_sync=grad_sync or config_sync,
         gpu=gpu,
     )
     if request.precision not in COMPUTE_BYTES:
@@ -542,11 +590,25 @@ def _size(count: int) -> str:
 ROWS = {
     "parameters": "parameters (fp32 shards = master weights)",
     "gradients": "gradients (fp32 shards)",
+    "deferred_gradients": "unsharded gradients (whole model fp32 - shards)",
     "optimizer_state": "optimizer state (AdamW: 2 fp32 states)",
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
     "reduce_scatter_buffers": "reduce-scatter buffers (root + 1 block)",
 }
+
+
+def _sync_line(request: PlanRequest) -> str:
+    """Which training.grad_sync the figures assume, and what it costs."""
+    steps = "if accumulating" if request.grad_accum_steps is None else f"grad_accum_steps {request.grad_accum_steps}"
+    if request.grad_accum_steps == 1:
+        return f"gradient sync: {request.grad_sync} (grad_accum_steps 1: one reduce-scatter per step either way)"
+    if request.defers_gradients:
+        return (
+            f"gradient sync: last_micro_batch ({steps}): one reduce-scatter per step, but every GPU holds the "
+            "whole model's fp32 gradients until the last micro-batch"
+        )
+    return f"gradient sync: every_micro_batch ({steps}): gradients stay sharded, one reduce-scatter per micro-batch"
 
 
 def format_text(plan: Plan) -> str:
@@ -558,6 +620,7 @@ def format_text(plan: Plan) -> str:
         + (f" x TP {request.tp}" if request.tp > 1 else "")
         + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens per GPU"
         + (", state offloaded to CPU" if request.offload else ""),
+        _sync_line(request),
         "",
         f"{'per GPU':<48}{'memory':>12}",
     ]
@@ -565,6 +628,10 @@ def format_text(plan: Plan) -> str:
         value = plan.per_gpu[key]
         if request.offload and key in ("parameters", "gradients", "optimizer_state"):
             label += " [CPU]"
+        if key == "deferred_gradients" and not request.defers_gradients:
+            continue  # every_micro_batch or no accumulation: the gradients stay sharded
+        if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
+            label += " [after backward]"  # not at the forward/backward peak: see estimate()
         lines.append(f"{label:<48}{_size(value):>12}")
     for mode, label in (("none", "no AC"), ("selective", "selective AC"), ("full", "full AC")):
         used = " (used)" if mode == request.ac else ""
@@ -601,6 +668,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "ac": request.ac,
             "micro_batch": request.batch,
             "seq_len": request.seq_len,
+            "grad_accum_steps": request.grad_accum_steps,
+            "grad_sync": request.grad_sync,
         },
         "per_gpu_bytes": plan.per_gpu,
         "activations_bytes": plan.activations,

@@ -10,6 +10,12 @@ autograd saved for backward (unique storages, parameters and buffers excluded).
 With tensor parallelism (a project generated with --tp) the parameters are DTensors on the (dp, tp) mesh
 and many saved tensors are DTensors too: each counts by its local tensor, what this rank holds. The ranks
 of a tp group read the same samples.
+
+Then it runs one optimizer step of the project's own `train_step` over grad_accum_steps micro-batches, with
+the config's training.grad_sync, under `LiveTensorBytes` (every tensor storage allocated meanwhile, until it
+is freed), and writes: the bytes held between micro-batches (at the start of the last one's forward: the
+gradients, sharded or not), and the peak of forward and backward (before optimizer.step; on CPU the project
+uses foreach AdamW, whose temporaries of the size of the shards the plan leaves out: CUDA uses fused AdamW).
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,6 +45,79 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     return local(tensor).numel() * local(tensor).element_size()
+
+
+def storage_address(tensor: object) -> int | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without a real storage
+        return None
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages allocated while the mode is on and not yet freed: `now` and `peak`.
+
+    CPU has no allocator statistics (torch.cuda.max_memory_allocated's counterpart): every op's outputs are
+    counted once per storage, views and in-place results (outputs sharing an input's storage) not at all,
+    and a weakref finalizer subtracts a storage when it is freed. What C++ allocates without an op (gloo's
+    own buffers) is not seen; FSDP2's all-gather outputs and reduce-scatter inputs are ops, and are.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def _free(self, address: int) -> None:
+        self.now -= self._live.pop(address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {storage_address(t) for t in tree_leaves((args, kwargs))}
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            address = storage_address(tensor)
+            if address is None or address in inputs or address in self._live:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                self._live[address] = storage.nbytes()
+                weakref.finalize(storage, self._free, address)
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+        return out
+
+
+def measure_train_step(model, optimizer, scheduler, training, batches) -> dict[str, int]:
+    """Live bytes during one generated train_step over `batches`: between micro-batches and at the peak."""
+    from train import train_step
+
+    live = LiveTensorBytes()
+    marks: dict[str, int] = {}
+    forwards = 0
+
+    def before_forward(module: torch.nn.Module, args: tuple) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == len(batches):  # the last micro-batch: what the earlier ones left behind
+            marks["held_between_micro_batches"] = live.now
+
+    real_step = optimizer.step
+
+    def step(*args, **kwargs):
+        marks["peak_forward_backward"] = live.peak
+        return real_step(*args, **kwargs)
+
+    hook = model.register_forward_pre_hook(before_forward, prepend=True)  # before FSDP2 gathers the root
+    optimizer.step = step
+    optimizer.zero_grad(set_to_none=True)  # as every train_step leaves them
+    with live:
+        train_step(model, optimizer, scheduler, batches, training.max_norm, torch.device("cpu"),
+                   grad_sync=training.grad_sync)  # fmt: skip
+    hook.remove()
+    optimizer.step = real_step
+    return marks
 
 
 def main() -> None:
@@ -96,7 +178,13 @@ def main() -> None:
         "activations": activations,
         "micro_batch": micro_batch,
         "tp": tp,
+        "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
     }
+    tokens = torch.randint(0, config.model.vocab_size, (training.grad_accum_steps, micro_batch, training.seq_len + 1),
+                           generator=generator)  # fmt: skip
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    measured |= measure_train_step(model, optimizer, scheduler, training, batches)
+    measured["grad_accum_steps"], measured["grad_sync"] = training.grad_accum_steps, training.grad_sync
     gathered: list[dict] = [{} for _ in range(world_size)]
     dist.all_gather_object(gathered, measured)
     if rank == 0:

@@ -22,7 +22,8 @@ from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
 KNOWN_TRAINING_KEYS = (
-    "steps, seed, global_batch_size, seq_len, lr, lr_min_ratio, warmup_steps, weight_decay, grad_accum_steps, max_norm"
+    "steps, seed, global_batch_size, seq_len, lr, lr_min_ratio, warmup_steps, weight_decay, grad_accum_steps, "
+    "grad_sync, max_norm"
 )
 FRESH = "another --job.output_dir"
 CORRUPT = (

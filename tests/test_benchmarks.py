@@ -86,3 +86,20 @@ def test_checkpoint_benchmark_runs_and_reports_the_ratio() -> None:
     assert re.search(overlap, out, flags=re.M), out
     first = r"^first save of the run \(warm-up, blocked time\): dcp [\d.]+ s, dcp-async [\d.]+ s, full [\d.]+ s$"
     assert re.search(first, out, flags=re.M), out
+
+
+def test_grad_accumulation_benchmark_runs_and_tells_the_modes_apart() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/grad_accumulation.py", "--tiny", "--steps", "1", "--repeat", "1")
+    assert re.search(r"^world size 2 \(gloo, CPU, .*grad_accum_steps 4, 1 steps x 1 repetitions$", out, flags=re.M), out
+    row = r"^{} +({}) +(\d+\.\d\d) +(\d+\.\d\d) +\d+\.\d +(\d+\.\d{{3}})$"
+    held = {}
+    for name in ("every_micro_batch", "last_micro_batch", "no accumulation"):
+        match = re.search(row.format(name, "-" if name == "no accumulation" else r"\d+\.\d\d"), out, flags=re.M)
+        assert match, (name, out)
+        held[name] = match.group(1)
+    assert re.search(r"^every_micro_batch .* 1\.000$", out, flags=re.M), out  # the reference of the ratios
+    # Counted tensor by tensor, not timed: what the earlier micro-batches leave is the gradient shard with
+    # every_micro_batch, the whole model (2 shards on 2 ranks) with last_micro_batch.
+    assert 1.0 <= float(held["every_micro_batch"]) < 1.2 and 2.0 <= float(held["last_micro_batch"]) < 2.2, out
+    assert re.search(r"^last_micro_batch holds 1\.0\d x the shard more between micro-batches \(expected 1\)$",
+                     out, flags=re.M), out  # fmt: skip

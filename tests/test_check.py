@@ -89,8 +89,9 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     "FSDP003": ([("logits = model(inputs", "logits = model.forward(inputs")], "model.forward(inputs"),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),
     "FSDP005": (
-        [("model.set_requires_gradient_sync(index == len(batches) - 1)", "model.no_sync()")],
-        "model.no_sync()",
+        # The call's arguments stay: any no_sync call is the mistake.
+        [("model.set_requires_gradient_sync(", "model.no_sync(")],
+        "model.no_sync(",
     ),
     "FSDP006": ([("    model.init_weights(seed=config.training.seed)\n", "")], TO_EMPTY),
     "FSDP007": (

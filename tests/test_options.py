@@ -62,14 +62,26 @@ def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (4, ["--parallel.reshard_after_forward", "2"]),
         # HSDP: 2 replicas, each sharded over 2 ranks.
         (4, ["--parallel.dp_replicate", "2"]),
-        # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8.
+        # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
+        # after every micro-batch (the default), and held unsharded until the last one.
         (2, ["--training.grad_accum_steps", "4"]),
+        (2, ["--training.grad_accum_steps", "4", "--training.grad_sync", "last_micro_batch"]),
     ],
-    ids=["2-ranks", "4-ranks-reshard-2", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4"],
+    ids=["2-ranks", "4-ranks-reshard-2", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4", "2-ranks-accumulate-4-sync-last"],
 )
 def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
 ) -> None:
+    if "--training.grad_sync" in options:
+        # The option reaches train_step (not only the config): the default is the other mode, and every
+        # train() call site passes it. tests/test_plan.py measures that last_micro_batch holds the whole model.
+        source = (projects["fp32"] / "train.py").read_text()
+        assert (
+            'grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"'
+            in (projects["fp32"] / "config.py").read_text()
+        )
+        assert source.count("grad_sync=training.grad_sync") == 1
+        assert 'set_requires_gradient_sync(grad_sync == "every_micro_batch" or index == len(batches) - 1)' in source
     assert_run_equals_reference(projects["fp32"], reference, tmp_path, nproc, options)
 
 

@@ -16,7 +16,9 @@ import pytest
 
 from fsdp2gen.plan import (
     GPUS,
+    GRAD_SYNC_MODES,
     LLAMA_SIZES,
+    TEMPLATE_GRAD_SYNC,
     TEMPLATE_MODEL,
     TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
@@ -63,6 +65,9 @@ def test_template_defaults_are_the_ones_plan_assumes() -> None:
     # config.py is a jinja template; its TrainingConfig is the same in every rendering (a golden's, here).
     training = dataclass_defaults(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.py", "TrainingConfig")
     assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
+    # training.grad_sync: its choices and default, from the template itself (the goldens may lag behind it).
+    modes = ", ".join(f'"{mode}"' for mode in GRAD_SYNC_MODES)
+    assert f'grad_sync: Literal[{modes}] = "{TEMPLATE_GRAD_SYNC}"\n' in (TEMPLATE / "config.py.jinja").read_text()
     sizes = next(n for n in ast.parse(LLAMA_MODEL.read_text()).body if isinstance(n, ast.Assign)
                  and n.targets[0].id == "SIZES")  # fmt: skip
     assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
@@ -184,6 +189,100 @@ def test_plan_matches_a_measured_tensor_parallel_run(
     print(f"\ntp 2 x dp 2 {precision} tied={tied}: plan {per_gpu} vs measured {ranks}")
 
 
+# Blocks outweigh the root (small vocabulary), and parameters outweigh activations: the gradients that
+# accumulation keeps are a large part of the peak. Micro-batches of 1 sample of 16 tokens.
+ACCUMULATION_CONFIG = """
+[model]
+dim = 128
+n_layers = 8
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 256
+ffn_dim = 344
+max_seq_len = 64
+
+[training]
+seq_len = 16
+global_batch_size = {batch}
+grad_accum_steps = {accum}
+grad_sync = "{sync}"
+"""
+
+
+@pytest.mark.parametrize(
+    "ranks,accum,sync",
+    [(4, 1, "every_micro_batch"), (4, 2, "every_micro_batch"), (4, 2, "last_micro_batch")],
+    ids=["no-accumulation", "every-micro-batch", "last-micro-batch"],
+)
+def test_plan_matches_the_measured_peak_with_and_without_accumulation(
+    projects: dict[str, Path], tmp_path: Path, ranks: int, accum: int, sync: str
+) -> None:
+    """The generated train_step over grad_accum_steps micro-batches, measured tensor by tensor (plan_measure.py)."""
+    config = tmp_path / "config.toml"
+    config.write_text(ACCUMULATION_CONFIG.format(batch=ranks * accum, accum=accum, sync=sync))
+    measured = measure(projects["fp32"], config, ranks, tmp_path / "measured.json")["ranks"]
+    assert {(rank["grad_accum_steps"], rank["grad_sync"]) for rank in measured} == {(accum, sync)}
+    plan = plan_json("--config", str(config), "--gpus", str(ranks), "--precision", "fp32")
+    per_gpu = plan["per_gpu_bytes"]
+    assert (plan["setup"]["grad_accum_steps"], plan["setup"]["grad_sync"]) == (accum, sync)
+    # The state before the step (parameter and AdamW shards, rotary tables) plus the peak of forward/backward.
+    peak = max(r["parameters"] + r["optimizer_state"] + r["buffers"] + r["peak_forward_backward"] for r in measured)
+    assert abs(per_gpu["total"] - peak) <= 0.15 * peak, (per_gpu, peak)
+    print(f"\n{ranks} ranks, accumulation {accum}, {sync}: plan {per_gpu['total']} vs measured {peak} "
+          f"({per_gpu['total'] / peak - 1:+.1%})")  # fmt: skip
+    if accum == 1:
+        return
+    # What the earlier micro-batches leave behind: the gradients, sharded (every_micro_batch) or the whole
+    # model unsharded (last_micro_batch, ranks x the shard), plus the previous micro-batch's logits.
+    held = max(rank["held_between_micro_batches"] for rank in measured)
+    shard = max(rank["gradients"] for rank in measured)
+    assert held / shard == pytest.approx(ranks if sync == "last_micro_batch" else 1, rel=0.05)
+    planned = per_gpu["gradients"] + per_gpu["deferred_gradients"]
+    assert abs(planned - held) <= 0.15 * held, (planned, held)
+    # Modelled as the other mode, the plan would be more than 15% off: the measurement tells the modes apart.
+    other = "every_micro_batch" if sync == "last_micro_batch" else "last_micro_batch"
+    wrong = plan_json("--config", str(config), "--gpus", str(ranks), "--precision", "fp32", "--grad-sync", other)
+    assert abs(wrong["per_gpu_bytes"]["total"] - peak) > 0.15 * peak, (wrong["per_gpu_bytes"], peak)
+
+
+def test_last_micro_batch_adds_the_whole_models_unsharded_gradients() -> None:
+    args = ["--size", "8b", "--gpus", "8", "--precision", "bf16", "--ac", "full", "--batch", "1"]
+    every = plan_json(*args)
+    last = plan_json(*args, "--grad-sync", "last_micro_batch")
+    params = 8_030_261_248
+    assert every["setup"]["grad_sync"] == "every_micro_batch" and every["per_gpu_bytes"]["deferred_gradients"] == 0
+    assert last["setup"]["grad_sync"] == "last_micro_batch"
+    # fp32 (reduce_dtype) gradients of the whole model on every GPU, instead of its 1/8 shard.
+    assert last["per_gpu_bytes"]["deferred_gradients"] == 4 * params - 4 * params // 8
+    assert last["per_gpu_bytes"]["total"] - every["per_gpu_bytes"]["total"] == 4 * params - 4 * params // 8
+    text = invoke("plan", *args, "--grad-sync", "last_micro_batch").stdout
+    assert "gradient sync: last_micro_batch (if accumulating)" in text
+    assert "unsharded gradients (whole model fp32 - shards)" in text
+    assert "unsharded gradients" not in invoke("plan", *args).stdout
+    # With offload the shards live on the CPU, the unsharded gradients on the GPU.
+    offloaded = plan_json(*args, "--grad-sync", "last_micro_batch", "--offload")["per_gpu_bytes"]
+    assert offloaded["gradients"] == 0 and offloaded["deferred_gradients"] == 4 * params
+
+
+def test_accumulation_is_a_memory_lever_only_with_every_micro_batch(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[model]\nsize = "8b"\n[training]\nseq_len = 8192\nglobal_batch_size = 64\ngrad_accum_steps = 4\n'
+        'grad_sync = "last_micro_batch"\n'
+    )
+    last = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", "--ac", "selective")
+    assert last["setup"]["grad_sync"] == "last_micro_batch" and not last["fits"]
+    options = [lever["option"] for lever in last["levers"]]
+    assert "--grad-sync every_micro_batch" in options
+    # Halving the micro-batch doubles the accumulation: offered only together with every_micro_batch.
+    batch = [option for option in options if option.startswith("--batch")]
+    assert batch == ["--batch 1 (twice the grad_accum_steps) --grad-sync every_micro_batch"]
+    every = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", "--ac", "selective",
+                      "--grad-sync", "every_micro_batch")  # fmt: skip
+    assert "--batch 1 (twice the grad_accum_steps)" in [lever["option"] for lever in every["levers"]]
+    assert last["per_gpu_bytes"]["total"] > every["per_gpu_bytes"]["total"]
+
+
 def plan_json(*args: str) -> dict:
     result = invoke("plan", *args, "--json")
     assert result.exit_code == 0, result.stderr
@@ -272,6 +371,8 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "ac": "none",
         "micro_batch": 2,  # global_batch_size 32 over 16 ranks
         "seq_len": 256,
+        "grad_accum_steps": 1,
+        "grad_sync": "every_micro_batch",
     }
     assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512
     fp32 = plan_json("--config", str(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.toml"))
@@ -289,6 +390,10 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         (["--size", "8b", "--gpu", "tpu-v5"], "--gpu tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
         (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0"),
         (["--size", "8b", "--ac", "some"], "--ac some: choose one of none, selective, full"),
+        (
+            ["--size", "8b", "--grad-sync", "never"],
+            "--grad-sync never: choose one of every_micro_batch, last_micro_batch",
+        ),
         (["--size", "8b", "--config", "c.toml"], "--size and --config both given; the model comes from one of them"),
         (["--config", "no/c.toml"], "config file no/c.toml not found; pass a generated project's config.toml"),
         (

@@ -227,12 +227,16 @@ def train_step(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     max_norm: float,
     device: torch.device,
+    *,
+    grad_sync: str = "every_micro_batch",
 ) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(batches):
-        # Accumulate locally and reduce-scatter only on the last micro-batch (FSDP2 has no no_sync()).
-        model.set_requires_gradient_sync(index == len(batches) - 1)
+        # training.grad_sync: "every_micro_batch" reduce-scatters each micro-batch into the sharded gradients
+        # (1/N of the model per rank); "last_micro_batch" keeps the unsharded gradients (the whole model on
+        # every rank) until the last micro-batch, then reduces once (FSDP2 has no no_sync()).
+        model.set_requires_gradient_sync(grad_sync == "every_micro_batch" or index == len(batches) - 1)
         # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
         logits = model(inputs.to(device, non_blocking=True)).logits
         # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
@@ -591,7 +595,9 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
         )
         lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(model, optimizer, scheduler, batches, training.max_norm, device)
+        loss, grad_norm = train_step(
+            model, optimizer, scheduler, batches, training.max_norm, device, grad_sync=training.grad_sync
+        )
         elapsed = time.perf_counter() - started
         state.step = step + 1
         peak_mem_mib = peak_memory_mib(device)

@@ -48,6 +48,11 @@ class TrainingConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_accum_steps: int = 1
+    # When gradients are reduce-scattered with grad_accum_steps > 1: "every_micro_batch" keeps only sharded
+    # gradients (1/N of the model per rank) at the cost of one reduce-scatter per micro-batch;
+    # "last_micro_batch" reduces once per step but every rank holds the whole model's unsharded gradients
+    # (in reduce_dtype) from the first micro-batch until the last one's backward.
+    grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     max_norm: float = 1.0
 
     def __post_init__(self) -> None:
