@@ -311,6 +311,8 @@ class Plan:
     per_gpu: dict[str, int]
     activations: dict[str, int]  # by AC mode
     host_per_gpu: int  # with --offload: the state that lives in CPU memory
+    # checkpoint = "full": rank 0 gathers the whole model and AdamW state in its CPU memory to write them
+    full_checkpoint_host: int
     usable_bytes: int
     fits: bool
     levers: list[Lever]
@@ -364,6 +366,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         per_gpu=per_gpu,
         activations=activations,
         host_per_gpu=sum(state.values()) if request.offload else 0,
+        # fp32 weights and AdamW's two fp32 moments of every parameter (plus one step count per tensor).
+        full_checkpoint_host=3 * FP32 * parameter_count(model) + FP32 * len(shapes),
         usable_bytes=usable,
         fits=per_gpu["total"] <= usable,
         levers=[],
@@ -639,6 +643,7 @@ def format_text(plan: Plan) -> str:
     lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")
     if request.offload:
         lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
+    lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
     gpu = GPUS[request.gpu]
     verdict = "fits" if plan.fits else f"does NOT fit (short by {_size(plan.per_gpu['total'] - plan.usable_bytes)})"
     lines.append(f"{request.gpu}: {_size(plan.usable_bytes)} usable of {_size(gpu.memory_bytes)}: {verdict}")
@@ -674,6 +679,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "per_gpu_bytes": plan.per_gpu,
         "activations_bytes": plan.activations,
         "host_bytes_per_gpu": plan.host_per_gpu,
+        "full_checkpoint_rank0_host_bytes": plan.full_checkpoint_host,
         "gpu": {"name": request.gpu, "memory_bytes": GPUS[request.gpu].memory_bytes, "usable_bytes": plan.usable_bytes},
         "fits": plan.fits,
         "levers": [asdict(lever) for lever in plan.levers],
