@@ -25,7 +25,7 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "outputs"
     log_every: int = 10
-    timeout_minutes: float = 10
+    timeout_minutes: float = 10  # config.toml sets 60 for full checkpoints (rank 0 writes, the others wait)
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
