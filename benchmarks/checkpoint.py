@@ -232,7 +232,7 @@ def generate(root: Path) -> None:
     for style in STYLES:
         command = [sys.executable, "-m", "fsdp2gen", "new", str(root / style), "--yes", "--gpus", "2", "--fp32"]
         subprocess.run([*command, "--checkpoint", style], cwd=REPO, check=True, capture_output=True)
-    for name in ("config.py", "data.py", "model.py"):
+    for name in ("config.py", "data.py", "model.py", "preflight.py"):
         for style in STYLES[1:]:
             if not filecmp.cmp(root / STYLES[0] / name, root / style / name, shallow=False):
                 sys.exit(f"{name} differs between the {STYLES[0]} and {style} projects; the worker shares one copy")

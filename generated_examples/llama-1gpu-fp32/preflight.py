@@ -244,6 +244,28 @@ def read_checkpoint_info(path: Path) -> dict:
 
 
 def check_checkpoint_files(path: Path, info: dict) -> None:
+    """The files of a full checkpoint (model.safetensors) or of a DCP one (.metadata and its shards) are there
+    and whole. Told apart by their files, so that this module is the same in every checkpoint style."""
+    if (path / "model.safetensors").is_file():
+        check_full_checkpoint(path, info)
+    else:
+        check_dcp_checkpoint(path)
+
+
+def check_full_checkpoint(path: Path, info: dict) -> None:
+    """model.safetensors with a readable header; train_state.pt unless the checkpoint holds the model only."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path / "model.safetensors", framework="pt") as weights:
+            weights.keys()
+    except SafetensorError as exc:
+        raise ValueError(f"model.safetensors: {exc}") from None
+    if not info["model_only"] and not (path / "train_state.pt").is_file():
+        raise FileNotFoundError(f"no train_state.pt in {path}")
+
+
+def check_dcp_checkpoint(path: Path) -> None:
     """DCP's .metadata can be read, and every data file it names holds the bytes it points to."""
     from torch.distributed.checkpoint import FileSystemReader
 

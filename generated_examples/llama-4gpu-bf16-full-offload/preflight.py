@@ -244,6 +244,15 @@ def read_checkpoint_info(path: Path) -> dict:
 
 
 def check_checkpoint_files(path: Path, info: dict) -> None:
+    """The files of a full checkpoint (model.safetensors) or of a DCP one (.metadata and its shards) are there
+    and whole. Told apart by their files, so that this module is the same in every checkpoint style."""
+    if (path / "model.safetensors").is_file():
+        check_full_checkpoint(path, info)
+    else:
+        check_dcp_checkpoint(path)
+
+
+def check_full_checkpoint(path: Path, info: dict) -> None:
     """model.safetensors with a readable header; train_state.pt unless the checkpoint holds the model only."""
     from safetensors import SafetensorError, safe_open
 
@@ -254,6 +263,25 @@ def check_checkpoint_files(path: Path, info: dict) -> None:
         raise ValueError(f"model.safetensors: {exc}") from None
     if not info["model_only"] and not (path / "train_state.pt").is_file():
         raise FileNotFoundError(f"no train_state.pt in {path}")
+
+
+def check_dcp_checkpoint(path: Path) -> None:
+    """DCP's .metadata can be read, and every data file it names holds the bytes it points to."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no .metadata in {path}")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # unpickling garbage can raise almost anything
+        raise ValueError(f".metadata is not a DCP metadata file ({type(exc).__name__}: {exc})") from None
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in needed.items():
+        actual = (path / name).stat().st_size
+        if actual < size:
+            raise ValueError(f"{name} has {actual} bytes, .metadata expects at least {size}")
 
 
 def check_resumable(path: Path, info: dict, config: Config, run_id: str | None) -> None:
