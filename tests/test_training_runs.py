@@ -45,16 +45,18 @@ def test_two_ranks_equal_one_plain_process_in_fp32(projects: dict[str, Path], tm
 
 @pytest.mark.parametrize("precision,paths,count", [
     # The whole suite once: 4 training tests + 8 checkpoint tests (resume, restart, reshard, export, 2 x bad
-    # checkpoints, a new run beside another with keep_last 1 and 2). Mixed precision changes the training code,
-    # not the checkpoint code (the fp16 scaler state is checkpointed by the `full` project below), so there the
-    # training tests suffice: they keep CI short.
-    ("fp32", [], 12), ("bf16", ["tests/test_training.py"], 4), ("fp16", ["tests/test_training.py"], 4),
+    # checkpoints, a new run beside another with keep_last 1 and 2). Mixed precision changes the training step,
+    # not the init, the config or the checkpoint code (the fp16 scaler state is checkpointed by the `full`
+    # project below), so there the two tests of the step's numbers suffice: they keep CI short.
+    ("fp32", [], "12 passed"),
+    ("bf16", ["tests/test_training.py", "-k", "loss_decreases or ranks_match"], "2 passed, 2 deselected"),
+    ("fp16", ["tests/test_training.py", "-k", "loss_decreases or ranks_match"], "2 passed, 2 deselected"),
 ])  # fmt: skip
 def test_generated_projects_own_tests_pass(
-    projects: dict[str, Path], precision: str, paths: list[str], count: int
+    projects: dict[str, Path], precision: str, paths: list[str], count: str
 ) -> None:
     stdout = run_own_tests(projects[precision], *paths)
-    assert re.search(rf"^{count} passed in ", stdout, flags=re.M), stdout[-2000:]
+    assert re.search(rf"^{count} in ", stdout, flags=re.M), stdout[-2000:]
 
 
 def test_an_8_gpu_project_passes_its_own_training_tests_on_8_ranks(tmp_path: Path) -> None:
@@ -72,13 +74,15 @@ def test_an_8_gpu_project_passes_its_own_training_tests_on_8_ranks(tmp_path: Pat
 
 # The checkpoint tests that run each style's own save and load code. The others (preflight's refusals, a new run
 # beside another) run the same code in every style and are run in the fp32 (dcp) project above.
+# (dcp-async writes the same DCP files as dcp, so it shares dcp's load, export and corrupt-checkpoint code; a
+# killed rank restarts through the same code in every style.)
 STYLE_TESTS = {
-    "dcp-async": "bit_exact or killed_rank or export or corrupt or while_a_checkpoint or stager or pinned or publish",
-    "full": "bit_exact or killed_rank or fewer_ranks or export or corrupt",
+    "dcp-async": "bit_exact or while_a_checkpoint or stager or pinned or publish",
+    "full": "bit_exact or fewer_ranks or export or corrupt",
 }
 
 
-@pytest.mark.parametrize("style,count", [("dcp-async", 8), ("full", 5)])
+@pytest.mark.parametrize("style,count", [("dcp-async", 5), ("full", 4)])
 def test_checkpoint_style_projects_own_tests_pass(checkpoint_projects: dict[str, Path], style: str, count: int) -> None:
     # The training tests are the same code as in the fp32 project's run above; dcp-async adds the tests of
     # background saves: training goes on, one stager, a failed publish stops all.
