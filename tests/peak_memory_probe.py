@@ -13,8 +13,12 @@ if dist.get_rank() == 1:
     ballast = np.ones(200 * 2**20, dtype=np.uint8)  # touched, so resident
 own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 reported = peak_memory_mib(torch.device("cpu"))
-owns = [None] * dist.get_world_size()
-dist.all_gather_object(owns, own)
-print(f"rank {dist.get_rank()}: own {own:.1f} reported {reported:.1f} largest {max(owns):.1f}", flush=True)
+readings = [None] * dist.get_world_size()
+dist.all_gather_object(readings, (own, reported))
+if dist.get_rank() == 0:
+    # One process prints every rank's line: lines written by two processes at once can interleave.
+    largest = max(own for own, _ in readings)
+    for rank, (own, reported) in enumerate(readings):
+        print(f"rank {rank}: own {own:.1f} reported {reported:.1f} largest {largest:.1f}", flush=True)
 dist.barrier()
 dist.destroy_process_group()
