@@ -7,6 +7,7 @@ No network: every model is a local folder written by the test.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,33 @@ def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: P
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("train.py: error: parallel.shard_modules: no module of class Qwen2Layer in the model; ")
     assert "Qwen2DecoderLayer" in message
+
+
+def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
+    project: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Found while loading (after the model is built on meta), not by preflight: the ranks stop together, rank 0
+    # prints the one line, and every rank exits 2 after leaving the process group (no SIGABRT at exit).
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(models["qwen2-tied"], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TRAIN,
+         "--model.path", str(folder), "--job.output_dir", str(tmp_path / "out")],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+        f"train.py: error: {folder} lacks 1 weight(s) of Qwen2ForCausalLM, e.g. ['model.norm.weight']; its keys must "
+        "match the model's state_dict() (checkpoints that transformers converts while loading, e.g. per-expert MoE "
+        "weights, are not supported)"
+    ]
+    # torchrun's summary names the first rank to end (its root cause); it may stop the others once that one ends.
+    assert re.search(r"Root Cause .*\n.*\n.*\n.*\n.*\n\s*exitcode\s*: 2 ", result.stderr), result.stderr[-2000:]
+    assert "terminate called" not in result.stderr and "SIGABRT" not in result.stderr
 
 
 def test_training_seed_seeds_every_run_of_a_pretrained_model(

@@ -90,8 +90,15 @@ class ModelArgs:
         return 6 * matmul_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
 
 
+class PretrainedLoadError(Exception):
+    """The weights in the model folder cannot be loaded; raised on every rank together, with rank 0's message."""
+
+
 def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
-    """Fill the sharded `model` with the weights in `folder`, on every rank; only rank 0 reads files."""
+    """Fill the sharded `model` with the weights in `folder`, on every rank; only rank 0 reads files.
+
+    Raises PretrainedLoadError on every rank together if rank 0 cannot read them.
+    """
     rank = dist.get_rank()
     files, error = [], None
     if rank == 0:
@@ -124,8 +131,10 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
         missing = [sorted(group)[0] for group in names.values() if not group & loaded]
         unexpected = sorted(loaded - {name for group in names.values() for name in group})
         if missing:
+            # fully_shard renamed the model's class to FSDP<class>; the message names the one the user knows.
+            model_class = type(model).__name__.removeprefix("FSDP")
             error = (
-                f"{folder} lacks {len(missing)} weight(s) of {type(model).__name__}, e.g. {missing[:3]}"
+                f"{folder} lacks {len(missing)} weight(s) of {model_class}, e.g. {missing[:3]}"
                 + (f", and has others, e.g. {unexpected[:3]}" if unexpected else "")
                 + "; its keys must match the model's state_dict() (checkpoints that transformers converts while "
                 "loading, e.g. per-expert MoE weights, are not supported)"
@@ -261,9 +270,9 @@ def with_model_keys(state: dict[str, torch.Tensor], prefix: str, names: dict[int
 
 
 def share_from_rank0(value: Any, error: str | None) -> Any:
-    """Rank 0's `value`, on every rank; if rank 0 had an error, every rank stops with it together."""
+    """Rank 0's `value`, on every rank; if rank 0 had an error, every rank raises it together."""
     shared = [value, error]
     dist.broadcast_object_list(shared, src=0)
     if shared[1] is not None:
-        raise SystemExit(shared[1] if dist.get_rank() == 0 else 1)
+        raise PretrainedLoadError(shared[1])
     return shared[0]

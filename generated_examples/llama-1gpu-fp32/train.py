@@ -494,14 +494,21 @@ def check_output_dir_is_shared(output_dir: Path, device: torch.device) -> None:
 def main() -> None:
     config = parse_args()
     device, mesh = init_distributed(config)
-    train(config, device, mesh)
-    # train() has returned, so the model and optimizer, and the process-group references FSDP keeps in
+    exit_code = 0
+    try:
+        train(config, device, mesh)
+    except SystemExit as exc:
+        # stop(): every rank stops together, so they leave the process group together too. Another error
+        # (on one rank only) propagates: a barrier here would wait for ranks that never come.
+        exit_code = exc.code
+    # train() has ended, so the model and optimizer, and the process-group references FSDP keeps in
     # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
     # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
     gc.collect()
     # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
     dist.barrier()
     dist.destroy_process_group()
+    sys.exit(exit_code)
 
 
 def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
