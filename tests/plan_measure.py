@@ -20,7 +20,6 @@ uses foreach AdamW, whose temporaries of the size of the shards the plan leaves 
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import weakref
@@ -193,8 +192,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The worker's models are freed once it returns; collect them before tearing the group down, as the
-    # generated train.py does (gloo now and then aborts at exit when tensors outlive their group).
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    # The worker's models are freed once it returns; train.py's close_process_group collects them before
+    # tearing the group down (gloo now and then aborts at exit when tensors outlive their group).
+    from train import close_process_group
+
+    close_process_group()

@@ -6,7 +6,6 @@ skipped (parameters unchanged) and the loss scale before and after.
 Each rank writes its report to $PROBE_OUT/rank<N>.json (ranks printing to one stdout interleave).
 """
 
-import gc
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 from config import parse_args
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
-from train import build_model_meta, build_optimizer, init_distributed, train_step
+from train import build_model_meta, build_optimizer, close_process_group, init_distributed, train_step
 
 config = parse_args(sys.argv[2:])
 device, mesh = init_distributed(config)
@@ -57,6 +56,4 @@ else:
 Path(os.environ["PROBE_OUT"], f"rank{rank}.json").write_text(json.dumps(report))
 # Free the sharded model before tearing the group down, as the generated train.py does.
 model = optimizer = scheduler = None
-gc.collect()
-dist.barrier()
-dist.destroy_process_group()
+close_process_group()

@@ -522,14 +522,19 @@ def main() -> None:
         # stop(): every rank stops together, so they leave the process group together too. Another error
         # (on one rank only) propagates: a barrier here would wait for ranks that never come.
         exit_code = exc.code
-    # train() has ended, so the model and optimizer, and the process-group references FSDP keeps in
-    # them, are garbage. Collect them now (FSDP modules sit in reference cycles), while the interpreter is
-    # fully alive: freed at interpreter exit instead, gloo's threads can abort the process (SIGABRT).
+    close_process_group()
+    sys.exit(exit_code)
+
+
+def close_process_group() -> None:
+    """Leave the process group, on every rank together, once the models built in this process are garbage."""
+    # Collect the models and optimizers, and the process-group references FSDP keeps in them, now (FSDP
+    # modules sit in reference cycles), while the interpreter is fully alive: freed at interpreter exit
+    # instead, gloo's threads can abort the process (SIGABRT, "terminate called without an active exception").
     gc.collect()
     # Without this barrier a rank can tear down gloo/NCCL while a peer is still in a collective.
     dist.barrier()
     dist.destroy_process_group()
-    sys.exit(exit_code)
 
 
 def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:

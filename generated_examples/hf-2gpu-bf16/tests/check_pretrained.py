@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from config import parse_args
 from model import ModelArgs
-from train import build_model_meta, init_distributed
+from train import build_model_meta, close_process_group, init_distributed
 
 
 def memory_kib(field: str) -> int:
@@ -135,8 +135,7 @@ def main() -> None:
     mismatches += check_from_scratch(config, mesh, device)
     for line in mismatches:
         print("MISMATCH " + line, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
     sys.exit(1 if mismatches else 0)
 
 

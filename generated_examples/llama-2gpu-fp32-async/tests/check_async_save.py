@@ -36,6 +36,7 @@ from train import (
     build_model_meta,
     build_optimizer,
     checkpoint_save,
+    close_process_group,
     init_distributed,
     staging_options,
     train_step,
@@ -200,8 +201,7 @@ def main() -> None:
     config = parse_args(args)
     device, mesh = init_distributed(config)
     check(config, device, mesh)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from config import parse_args
-from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, init_distributed
+from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
 
 
 def main() -> None:
@@ -27,8 +27,7 @@ def main() -> None:
         logits = model(tokens.to(device)).float().cpu()
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, output_dir / "model_output.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from config import parse_args
 from model import Transformer
-from train import build_model_meta, init_distributed
+from train import build_model_meta, close_process_group, init_distributed
 
 
 def main() -> None:
@@ -44,8 +44,7 @@ def main() -> None:
         print("MISMATCH " + "; ".join(sorted(mismatches)), flush=True)
     else:
         print(f"rank {dist.get_rank()}: {len(gathered)} tensors equal", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
     sys.exit(1 if mismatches else 0)
 
 
