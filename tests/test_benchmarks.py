@@ -62,11 +62,12 @@ def test_build_memory_benchmark_runs_and_reports_ratios() -> None:
 def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
     # PEAK_FLOPS stands in for the device's bf16 peak, so that the MFU line is computed on CPU too.
     env = {**os.environ, "PYTHON": sys.executable, "PEAK_FLOPS": "1e11"}
-    # --float8 on CPU runs torch's reference float8 matmul: slow, but the same code path as on a GPU.
-    out = run_benchmark("bash", "benchmarks/gpu.sh", "--device", "cpu", "--tiny", "--float8", env=env)
+    # Without --float8: float8+compile on CPU (torch's reference float8 matmul, compiled) took ~50 s of this
+    # test; float8 training itself is tested in test_float8.py, and the variant's line is printed by the same code.
+    out = run_benchmark("bash", "benchmarks/gpu.sh", "--device", "cpu", "--tiny", env=env)
     header = r"^device cpu \| torch \S+ \| [\d.]+M parameters \| \d+\.\d{3} GFLOP/token at seq 32 \| batch 2 \| 2 steps"
     assert re.search(header, out, flags=re.M), out
-    for variant in ("eager", "compile", "float8\\+compile"):
+    for variant in ("eager", "compile"):
         line = (
             rf"^{variant}: [\d,]+ tokens/s/GPU \| \d+\.\d{{3}} TFLOP/s \| MFU \d+\.\d% of 0\.1 TFLOP/s \| "
             r"peak [\d,]+ MiB \| loss \d+\.\d{3} -> \d+\.\d{3} \| 2 steps, 1 timed$"
