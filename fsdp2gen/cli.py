@@ -336,7 +336,7 @@ def _report(
         typer.echo(json.dumps(report, indent=2))
         return
     verb = "Would create" if dry_run else "Created"
-    summary = ", ".join(f"{name}={value}" for name, value in answers.items())
+    summary = ", ".join(f"{name}={value if value != '' else repr('')}" for name, value in answers.items())
     typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
     for path in written:
         typer.echo(f"  {path}")

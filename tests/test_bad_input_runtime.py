@@ -109,13 +109,13 @@ CASES: dict[str, tuple[list[str], str]] = {
     # data.path.
     "data-missing": (
         ["--data.path", "{tmp}/missing.bin"],
-        "data.path {tmp}/missing.bin does not exist; point --data.path at a flat file of token ids, or set "
-        "--data.path '' for synthetic tokens",
+        "data.path {tmp}/missing.bin does not exist; point --data.path at a folder written by "
+        "scripts/prepare_data.py or a flat file of token ids, or set --data.path '' for synthetic tokens",
     ),
     "data-is-a-folder": (
         ["--data.path", "{tmp}"],
-        "data.path {tmp} is not a file; point --data.path at a flat file of token ids, or set --data.path '' for "
-        "synthetic tokens",
+        "data.path {tmp} is a folder without index.json; give a folder written by scripts/prepare_data.py (or a "
+        "flat token file)",
     ),
     "data-empty": (
         ["--data.path", "{tmp}/empty.bin"],
@@ -136,6 +136,50 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--data.path", "{tmp}/far.bin"],
         "data.path {tmp}/far.bin holds token id 500 >= model.vocab_size 128 (first at token 2500000); tokenize it "
         "with the model's tokenizer",
+    ),
+    "data-flat-file-with-validation": (
+        ["--data.path", "{tmp}/tokens.bin"],
+        "data.path {tmp}/tokens.bin is a flat token file, which has no validation split; prepare a folder with "
+        "scripts/prepare_data.py, or set --eval.every 0",
+    ),
+    # A folder written by scripts/prepare_data.py (tests/test_real_data.py runs the script itself).
+    "data-prepared-unfinished": (
+        ["--data.path", "{tmp}/unfinished"],
+        "data.path {tmp}/unfinished is not finished: scripts/prepare_data.py stopped before the end; run it again "
+        "with the same arguments to finish it",
+    ),
+    "data-prepared-for-another-vocabulary": (
+        ["--data.path", "{tmp}/big-vocabulary"],
+        "data.path {tmp}/big-vocabulary was tokenized with a vocabulary of 50257 tokens (gpt2), but "
+        "model.vocab_size is 128; prepare the data with the model's tokenizer",
+    ),
+    "data-prepared-shard-odd-bytes": (
+        ["--data.path", "{tmp}/odd-shard"],
+        "data.path {tmp}/odd-shard: shard train-00001.bin has 3 bytes, but index.json says 600 uint16 token ids "
+        "(1200 bytes); it is truncated or was replaced; prepare it again with scripts/prepare_data.py --output "
+        "{tmp}/odd-shard-new and point --data.path there",
+    ),
+    "data-prepared-shard-missing": (
+        ["--data.path", "{tmp}/missing-shard"],
+        "data.path {tmp}/missing-shard: shard val-00000.bin is missing; prepare it again with "
+        "scripts/prepare_data.py --output {tmp}/missing-shard-new and point --data.path there",
+    ),
+    "data-prepared-too-few-validation-samples": (
+        ["--data.path", "{tmp}/prepared", "--eval.batches", "3"],
+        "data.path {tmp}/prepared has 18 validation samples of training.seq_len + 1 tokens, fewer than "
+        "eval.batches x training.global_batch_size = 24; lower --eval.batches, prepare with a larger "
+        "--val-fraction, or set --eval.every 0",
+    ),
+    "eval-every-negative": (["--eval.every", "-1"], "eval.every must be 0 (off) or more, got -1"),
+    "eval-batches-0": (["--eval.batches", "0"], "eval.batches must be at least 1, got 0"),
+    "profile-memory-snapshot-on-cpu": (
+        ["--profile.memory_snapshot_step", "1"],
+        "profile.memory_snapshot_step records CUDA allocations, but this run has no CUDA device; set "
+        "--profile.memory_snapshot_step 0",
+    ),
+    "profile-after-last-step": (
+        ["--profile.start", "9", "--training.steps", "4"],
+        "profile.start 9 is after the last step (training.steps 4); choose a step of this run, or 0 for off",
     ),
     # job.output_dir.
     "output-dir-is-a-file": (
@@ -232,6 +276,20 @@ def corrupt(case: str, out: Path) -> None:
         (out / "run.json").write_text("")
 
 
+def write_prepared(folder: Path, complete: bool = True, vocab_size: int = 100, tokenizer: str = "tok.json") -> None:
+    """A folder as scripts/prepare_data.py writes it: train shards of 1000 and 600 tokens, a val shard of 600
+    (18 samples of 33 tokens)."""
+    folder.mkdir()
+    shards = {"train": [("train-00000.bin", 1000), ("train-00001.bin", 600)], "val": [("val-00000.bin", 600)]}
+    index = {"format": "fsdp2gen-tokens/1", "tokenizer": tokenizer, "vocab_size": vocab_size, "eos_id": 0,
+             "dtype": "uint16", "complete": complete, "pieces_done": 3}  # fmt: skip
+    for split, files in shards.items():
+        index[split] = [{"file": name, "tokens": tokens, "max_id": 99} for name, tokens in files]
+        for name, tokens in files:
+            (np.arange(tokens) % 100).astype(np.uint16).tofile(folder / name)
+    (folder / "index.json").write_text(json.dumps(index))
+
+
 def run_train(project: Path, output_dir: Path, *args: str) -> None:
     """`python train.py` (one process) with the tiny model: a run to resume from."""
     result = subprocess.run(
@@ -253,6 +311,14 @@ def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     far = np.zeros(3_000_000, dtype=np.uint16)
     far[2_500_000] = 500
     far.tofile(tmp / "far.bin")
+    (np.arange(1000) % 100).astype(np.uint16).tofile(tmp / "tokens.bin")
+    write_prepared(tmp / "prepared")
+    write_prepared(tmp / "unfinished", complete=False)
+    write_prepared(tmp / "big-vocabulary", vocab_size=50257, tokenizer="gpt2")
+    write_prepared(tmp / "odd-shard")
+    (tmp / "odd-shard" / "train-00001.bin").write_bytes(b"abc")
+    write_prepared(tmp / "missing-shard")
+    (tmp / "missing-shard" / "val-00000.bin").unlink()
     project = projects["fp32"]
     finished, model_only = tmp / "finished", tmp / "model-only"
     run_train(project, finished, "--training.steps", "2", "--checkpoint.interval", "1")

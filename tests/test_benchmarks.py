@@ -104,3 +104,12 @@ def test_grad_accumulation_benchmark_runs_and_tells_the_modes_apart() -> None:
     assert 1.0 <= float(held["every_micro_batch"]) < 1.2 and 2.0 <= float(held["last_micro_batch"]) < 2.2, out
     assert re.search(r"^last_micro_batch holds 1\.0\d x the shard more between micro-batches \(expected 1\)$",
                      out, flags=re.M), out  # fmt: skip
+
+
+def test_prepare_data_benchmark_reports_throughput_and_the_ratio() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/prepare_data.py", "--tiny")
+    assert re.search(r"^corpus: 2\.\d MB of Python source text, \d+ files; \d+ CPU cores$", out, flags=re.M), out
+    assert re.search(r"^prepare_data\.py: [\d.]+ s, [\d,.]+ MB/s \(process start and imports included\)$", out,
+                     flags=re.M), out  # fmt: skip
+    assert re.search(r"^encode_batch alone: [\d.]+ s, [\d,.]+ MB/s$", out, flags=re.M), out
+    assert re.search(r"^ratio prepare_data / encode_batch time: \d+\.\d\d$", out, flags=re.M), out

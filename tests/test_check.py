@@ -114,8 +114,10 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
 @pytest.mark.parametrize("code", sorted(PLANTED))
 def test_mistakes_planted_in_a_generated_train_py_are_found(code: str) -> None:
     source = (
-        REPO / "generated_examples" / "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard" / "train.py"
-    ).read_text()
+        (REPO / "generated_examples" / "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard-wandb")
+        .joinpath("train.py")
+        .read_text()
+    )
     assert found(source) == []
     replacements, at = PLANTED[code]
     planted = _plant(source, *replacements)

@@ -34,7 +34,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
         "--tp", "2", "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile", "--cpu-offload",
-        "--no-prefetch", "--tensorboard", "--no-float8",
+        "--no-prefetch", "--tensorboard", "--no-float8", "--tokenizer", "gpt2", "--wandb",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing was missing, so no defaults were announced
@@ -43,13 +43,14 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
         "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "reshard_after_forward": "4",
         "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
-        "tensorboard": True,
+        "tensorboard": True, "tokenizer": "gpt2", "wandb": True,
     }  # fmt: skip
     config = (tmp_path / "run" / "config.toml").read_text()
     for line in ("reshard_after_forward = 4", "activation_checkpoint_every = 1", "compile = true",
-                 "cpu_offload = true", "tensorboard = true"):  # fmt: skip
+                 "cpu_offload = true", "tensorboard = true", "wandb = true"):  # fmt: skip
         assert re.search(rf"^{line}\b", config, flags=re.M), line
     assert "prefetch_blocks" not in config
+    assert re.search(r'^tokenizer = "gpt2"$', config, flags=re.M)
     assert answers["_commit"] == f"v{__version__}"
     assert answers["_src_path"].startswith("https://")
 
@@ -86,7 +87,7 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
         "launcher=torchrun, tp=1, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
-        "float8=False, cpu_offload=False, prefetch=False, tensorboard=False) "
+        "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', wandb=False) "
         f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)

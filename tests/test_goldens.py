@@ -27,6 +27,8 @@ DEFAULT_OPTIONS = {
     "cpu_offload": False,
     "prefetch": False,
     "tensorboard": False,
+    "tokenizer": "",
+    "wandb": False,
 }
 # name -> answers; every name must exist in generated_examples/ and vice versa. Every option is on in one at least.
 GOLDENS = {
@@ -50,7 +52,7 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
     },
-    "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard": {
+    "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard-wandb": {
         "family": "llama",
         "gpus": 8,
         "nodes": 1,
@@ -65,6 +67,7 @@ GOLDENS = {
         "float8": True,
         "prefetch": True,
         "tensorboard": True,
+        "wandb": True,
     },
     # HSDP (replicated across the 2 nodes, sharded within each), launched by SLURM.
     "llama-2node-bf16-slurm-reshard8-fullac-compile": {
@@ -122,6 +125,7 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
     },
+    # Your own model, with a tokenizer from the hub (fetched when first used): model.vocab_size follows it.
     "custom-2gpu-fp32": {
         "family": "custom",
         "gpus": 2,
@@ -130,6 +134,7 @@ GOLDENS = {
         "checkpoint": "dcp",
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
+        "tokenizer": "gpt2",
     },
 }
 

@@ -84,22 +84,18 @@ def test_five_steps_then_export_loads_with_from_pretrained(
 
     overrides = ["--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(tmp_path)]
     if name == "qwen2-tied":
-        # Real text through the model's tokenizer: scripts/prepare_data.py writes the token file.
+        # Real text through the model's own tokenizer (data.tokenizer ""): scripts/prepare_data.py writes the
+        # shards. The text is too short for a validation split (tests/test_real_data.py has one).
         (tmp_path / "text.txt").write_text(TEXT)
-        command = [
-            sys.executable,
-            "scripts/prepare_data.py",
-            str(tmp_path / "text.txt"),
-            "--output",
-            str(tmp_path / "tokens.bin"),
-        ]
+        command = [sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
+                   str(tmp_path / "tokens"), "--val-fraction", "0"]  # fmt: skip
         prepared = subprocess.run(command, cwd=project, capture_output=True, text=True)
         assert prepared.returncode == 0, prepared.stderr
         tokenizer = AutoTokenizer.from_pretrained(models[name])
         expected = [*tokenizer(TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
-        assert np.fromfile(tmp_path / "tokens.bin", dtype=np.uint16).tolist() == expected
+        assert np.fromfile(tmp_path / "tokens" / "train-00000.bin", dtype=np.uint16).tolist() == expected
         assert tokenizer.decode(expected[:-1]) == TEXT
-        overrides += ["--data.path", str(tmp_path / "tokens.bin")]
+        overrides += ["--data.path", str(tmp_path / "tokens"), "--eval.every", "0"]
     torchrun(project, "train.py", *TRAIN, *overrides)
     losses = [record["loss"] for record in metrics(tmp_path)]
     assert len(losses) == 5 and losses[-1] < losses[0], losses

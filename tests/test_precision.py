@@ -66,3 +66,25 @@ def test_bf16_training_stays_within_2e_2_of_fp32(projects: dict[str, Path], tmp_
         assert abs(fp32 - bf16) <= 2e-2, (losses["fp32"], losses["bf16"])
     # ...and not equal: bf16 really changed the arithmetic.
     assert losses["fp32"] != losses["bf16"]
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once(projects: dict[str, Path], tmp_path: Path) -> None:
+    # The generated check reads the CPU's flags; here it is given the flags of an AVX2-only and of a Sapphire
+    # Rapids host (this machine's own flags decide whether the real run below prints the note).
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor : 0\nflags : fpu sse2 avx avx2 fma\nprocessor : 1\nflags : fpu sse2 avx avx2 fma\n")
+    amx = tmp_path / "amx"
+    amx.write_text("flags : fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    probe = (
+        "import sys; from pathlib import Path; from train import cpu_has_bf16_instructions as f; "
+        "print(f(Path(sys.argv[1])), f(Path(sys.argv[2])), f(Path(sys.argv[3])))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(avx2), str(amx), str(tmp_path / "none")],
+                            cwd=projects["bf16"], capture_output=True, text=True)  # fmt: skip
+    assert result.stdout.split() == ["False", "True", "None"], result.stderr
+    run = torchrun(projects["bf16"], "train.py", *TINY, "--training.steps", "1", "--job.device", "cpu",
+                   "--job.output_dir", str(tmp_path / "out"))  # fmt: skip
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    note = "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16"
+    assert run.stdout.count(note) == (0 if native else 1), run.stdout

@@ -8,6 +8,7 @@ is fully described by the step, which makes resuming exact.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +57,56 @@ class TokenFile:
         return self.tokens[start : start + self.seq_len + 1]
 
 
+INDEX_FILE = "index.json"  # what scripts/prepare_data.py writes next to its shards
+
+
+def read_index(folder: str | Path) -> dict:
+    """The index of a folder written by scripts/prepare_data.py (preflight.py checked it against the shards)."""
+    return json.loads((Path(folder) / INDEX_FILE).read_text())
+
+
+class TokenShards:
+    """The samples of one split ("train" or "val") of a prepared folder: many shard files, memory-mapped.
+
+    Sample i is the i-th window of seq_len + 1 tokens counted across the shards in order (a window never
+    spans two shards), so a sample index names the same tokens on any number of ranks, as with TokenFile.
+    """
+
+    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
+        index = read_index(folder)
+        self.seq_len = seq_len
+        self.shards = [
+            np.memmap(Path(folder) / shard["file"], dtype=index["dtype"], mode="r")
+            for shard in index[split]
+            if shard["tokens"] > seq_len
+        ]
+        windows = [(len(tokens) - 1) // seq_len for tokens in self.shards]
+        # starts[k]: the index of shard k's first sample.
+        self.starts = np.cumsum([0, *windows])
+        self.num_samples = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        start = (index - int(self.starts[shard])) * self.seq_len
+        return self.shards[shard][start : start + self.seq_len + 1]
+
+
+def open_tokens(path: str | Path, split: str, seq_len: int, vocab_size: int) -> TokenFile | TokenShards:
+    """data.path as samples: a prepared folder's `split`, or a flat token file (which has a training split only)."""
+    if Path(path).is_dir():
+        return TokenShards(path, split, seq_len)
+    if split != "train":
+        raise ValueError(f"{path} is a flat token file: it has no {split} split")
+    return TokenFile(path, seq_len, vocab_size)
+
+
 class ShuffledEpochs:
     """Visit the samples of `dataset` in a new seeded order every epoch, forever."""
 
-    def __init__(self, dataset: SyntheticTokens | TokenFile, seed: int) -> None:
+    def __init__(self, dataset: SyntheticTokens | TokenFile | TokenShards, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
@@ -71,7 +118,12 @@ class ShuffledEpochs:
 
 
 def micro_batches(
-    samples: ShuffledEpochs, step: int, global_batch_size: int, grad_accum_steps: int, rank: int, world_size: int
+    samples: ShuffledEpochs | TokenShards | SyntheticTokens,
+    step: int,
+    global_batch_size: int,
+    grad_accum_steps: int,
+    rank: int,
+    world_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (inputs, targets) micro-batches for optimizer step `step` (0-based)."""
     per_rank = global_batch_size // world_size

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from config import Config, parse_args
-from data import token_dtype
+from data import INDEX_FILE, TokenShards, read_index, token_dtype
 from model import RESUME_MAY_CHANGE
 
 USAGE_ERROR = 2  # the exit code of every mistake found here; the launch scripts stop on it without retrying
@@ -45,8 +45,7 @@ def preflight(config: Config, world_size: int) -> None:
     check_environment(config)
     vocab_size, max_seq_len = model_limits(config)
     check_layout(config, world_size, max_seq_len)
-    if config.data.path:
-        check_token_file(Path(config.data.path), config.training.seq_len, vocab_size)
+    check_data(config, vocab_size)
     output_dir = Path(config.job.output_dir)
     check_output_dir(output_dir)
     if resuming(config):
@@ -72,6 +71,18 @@ def check_environment(config: Config) -> None:
     """What the job asks of this machine and its Python packages."""
     if config.job.device == "cuda" and not torch.cuda.is_available():
         raise PreflightError("job.device = 'cuda' but no CUDA device is visible; use --job.device cpu")
+    profile = config.profile
+    if profile.memory_snapshot_step and (config.job.device == "cpu" or not torch.cuda.is_available()):
+        raise PreflightError(
+            "profile.memory_snapshot_step records CUDA allocations, but this run has no CUDA device; set "
+            "--profile.memory_snapshot_step 0"
+        )
+    for key in ("start", "memory_snapshot_step"):
+        if getattr(profile, key) > config.training.steps:
+            raise PreflightError(
+                f"profile.{key} {getattr(profile, key)} is after the last step (training.steps "
+                f"{config.training.steps}); choose a step of this run, or 0 for off"
+            )
 
 
 def model_limits(config: Config) -> tuple[int, int]:
@@ -123,10 +134,87 @@ def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
         )
 
 
+def check_data(config: Config, vocab_size: int) -> None:
+    """data.path (and, with eval.every, its validation split) holds enough valid samples for this run."""
+    path, training = Path(config.data.path), config.training
+    if not config.data.path:
+        return  # synthetic tokens: always valid, and validation has its own held-out synthetic samples
+    if path.is_dir():
+        check_prepared_folder(path, training.seq_len, vocab_size)
+        if config.eval.every:
+            needed = config.eval.batches * training.global_batch_size
+            found = len(TokenShards(path, "val", training.seq_len))
+            if found < needed:
+                raise PreflightError(
+                    f"data.path {path} has {found} validation samples of training.seq_len + 1 tokens, fewer than "
+                    f"eval.batches x training.global_batch_size = {needed}; lower --eval.batches, prepare with a "
+                    "larger --val-fraction, or set --eval.every 0"
+                )
+        return
+    check_token_file(path, training.seq_len, vocab_size)
+    if config.eval.every:
+        raise PreflightError(
+            f"data.path {path} is a flat token file, which has no validation split; prepare a folder with "
+            "scripts/prepare_data.py, or set --eval.every 0"
+        )
+
+
+def check_prepared_folder(path: Path, seq_len: int, vocab_size: int) -> None:
+    """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole."""
+    fix = f"prepare it again with scripts/prepare_data.py --output {path}-new and point --data.path there"
+    if not (path / INDEX_FILE).is_file():
+        raise PreflightError(
+            f"data.path {path} is a folder without {INDEX_FILE}; give a folder written by scripts/prepare_data.py "
+            "(or a flat token file)"
+        )
+    try:
+        index = read_index(path)
+        splits = {split: [(shard["file"], int(shard["tokens"]), int(shard["max_id"])) for shard in index[split]]
+                  for split in ("train", "val")}  # fmt: skip
+        dtype, vocabulary, complete = np.dtype(index["dtype"]), int(index["vocab_size"]), index["complete"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PreflightError(
+            f"data.path {path}/{INDEX_FILE} cannot be read ({type(exc).__name__}: {exc}); {fix}"
+        ) from None
+    if not complete:
+        raise PreflightError(
+            f"data.path {path} is not finished: scripts/prepare_data.py stopped before the end; run it again with "
+            "the same arguments to finish it"
+        )
+    if vocabulary > vocab_size:
+        raise PreflightError(
+            f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "
+            f"but model.vocab_size is {vocab_size}; prepare the data with the model's tokenizer"
+        )
+    for file, tokens, largest in splits["train"] + splits["val"]:
+        shard = path / file
+        if not shard.is_file():
+            raise PreflightError(f"data.path {path}: shard {file} is missing; {fix}")
+        size = shard.stat().st_size
+        if size != tokens * dtype.itemsize:
+            raise PreflightError(
+                f"data.path {path}: shard {file} has {size} bytes, but index.json says {tokens} {dtype.name} token "
+                f"ids ({tokens * dtype.itemsize} bytes); it is truncated or was replaced; {fix}"
+            )
+        if largest >= vocab_size:
+            raise PreflightError(
+                f"data.path {path}: shard {file} holds token id {largest} >= model.vocab_size {vocab_size}; "
+                "prepare the data with the model's tokenizer"
+            )
+    if len(TokenShards(path, "train", seq_len)) == 0:
+        raise PreflightError(
+            f"data.path {path} holds no training sample of training.seq_len + 1 = {seq_len + 1} tokens; give it "
+            "more text or a shorter --training.seq_len"
+        )
+
+
 def check_token_file(path: Path, seq_len: int, vocab_size: int) -> None:
     """data.path: a flat file of token ids that all fit the model's vocabulary, long enough for one sample."""
     dtype = np.dtype(token_dtype(vocab_size))
-    fix = "point --data.path at a flat file of token ids, or set --data.path '' for synthetic tokens"
+    fix = (
+        "point --data.path at a folder written by scripts/prepare_data.py or a flat file of token ids, or set "
+        "--data.path '' for synthetic tokens"
+    )
     if not path.exists():
         raise PreflightError(f"data.path {path} does not exist; {fix}")
     if not path.is_file():

@@ -76,12 +76,47 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
+    # "" = synthetic tokens; a folder written by scripts/prepare_data.py; or a flat file of token ids.
     path: str = ""
+    # tokenizer.json (path, folder or hub id) of scripts/prepare_data.py and scripts/generate.py; model.vocab_size
+    # follows its vocabulary unless set.
+    tokenizer: str = ""
     synthetic_samples: int = 4096
 
     def __post_init__(self) -> None:
         if self.synthetic_samples < 1:
             raise ValueError(f"data.synthetic_samples must be at least 1, got {self.synthetic_samples}")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100  # validation loss every N steps and after the last one; 0 = never
+    batches: int = 4  # of training.global_batch_size samples each, the same samples every time
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every must be 0 (off) or more, got {self.every}")
+        if self.batches < 1:
+            raise ValueError(f"eval.batches must be at least 1, got {self.batches}")
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler traces of `steps` steps from step `start` (1-based; 0 = off), one Chrome trace per rank
+    # in output_dir/profile/ (open in https://ui.perfetto.dev).
+    start: int = 0
+    steps: int = 2
+    # On CUDA, a memory snapshot (https://pytorch.org/memory_viz) of the allocations up to this step; 0 = off.
+    memory_snapshot_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.memory_snapshot_step < 0:
+            raise ValueError(
+                f"profile.start and profile.memory_snapshot_step must be 0 (off) or more, got "
+                f"{self.start}, {self.memory_snapshot_step}"
+            )
+        if self.steps < 1:
+            raise ValueError(f"profile.steps must be at least 1, got {self.steps}")
 
 
 @dataclass
@@ -128,6 +163,8 @@ class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -187,6 +224,13 @@ def load_config(path: str | Path, overrides: dict[str, str] | None = None) -> Co
         if section not in sections or not key:
             raise ConfigError(f"unknown option --{dotted}; options look like --training.steps 20")
         values[section][key] = value
+    tokenizer = values["data"].get("tokenizer", DataConfig.tokenizer)
+    if tokenizer and "vocab_size" in _field_types(ModelArgs) and "vocab_size" not in values["model"]:
+        # model.vocab_size follows data.tokenizer unless the config or the command line sets it. Imported
+        # here: only a run with a tokenizer pays for loading it.
+        from tokenizer import load_tokenizer
+
+        values["model"]["vocab_size"] = load_tokenizer(str(tokenizer)).vocab_size
     kwargs = {}
     for section, section_cls in sections.items():
         types = _field_types(section_cls)

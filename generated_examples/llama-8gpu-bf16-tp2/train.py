@@ -45,8 +45,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.optim.lr_scheduler import LambdaLR
 
-from config import Config, ParallelConfig, TrainingConfig, parse_args
-from data import ShuffledEpochs, SyntheticTokens, TokenFile, micro_batches
+from config import Config, ParallelConfig, ProfileConfig, TrainingConfig, parse_args
+from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
 from model import Transformer
 from preflight import (
     USAGE_ERROR,
@@ -296,6 +296,40 @@ def train_step(
     # Gloo has no AVG reduction: sum the per-rank losses, then divide.
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / dist.get_world_size(), grad_norm.item()
+
+
+def evaluate(
+    model: Transformer,
+    val_samples: TokenShards | SyntheticTokens,
+    config: Config,
+    data_rank: int,
+    data_ranks: int,
+    device: torch.device,
+) -> float:
+    """Mean validation loss over the first eval.batches x global_batch_size validation samples.
+
+    The samples are split over the ranks like a training step's, so the mean is over the same tokens on any
+    number of GPUs. Every micro-batch holds as many tokens as any other, so the mean of the micro-batch means
+    is the mean over all tokens.
+    """
+    training = config.training
+    model.eval()  # no dropout (in models that have it)
+    loss_sum = torch.zeros((), device=device)
+    micro_batch_count = 0
+    with torch.no_grad():
+        for batch in range(config.eval.batches):
+            for inputs, targets in micro_batches(
+                val_samples, batch, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
+            ):
+                logits = model(inputs.to(device, non_blocking=True))
+                with loss_parallel():
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+                loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
+                micro_batch_count += 1
+    model.train()
+    # The ranks of a tp group hold the same losses: that scales the sum and the count alike.
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / (micro_batch_count * dist.get_world_size())
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -554,6 +588,92 @@ def peak_memory_mib(device: torch.device) -> float:
     return largest.item()
 
 
+Samples = SyntheticTokens | TokenFile | TokenShards
+
+
+def open_datasets(config: Config) -> tuple[Samples, Samples | None]:
+    """The training samples, and the validation samples (None when eval.every = 0); rank 0 says which."""
+    data, training, vocab_size = config.data, config.training, config.model.vocab_size
+    val_samples = None
+    if data.path:
+        train_samples = open_tokens(data.path, "train", training.seq_len, vocab_size)
+        if config.eval.every:
+            val_samples = open_tokens(data.path, "val", training.seq_len, vocab_size)
+        described = data.path
+    else:
+        train_samples = SyntheticTokens(vocab_size, training.seq_len, data.synthetic_samples, training.seed)
+        if config.eval.every:
+            # Held out: sequences of the same kind from another seed.
+            val_samples = SyntheticTokens(
+                vocab_size, training.seq_len, config.eval.batches * training.global_batch_size, training.seed + 1
+            )
+        described = "SYNTHETIC tokens (data.path is empty), a learnable pattern, not text"
+    if dist.get_rank() == 0:
+        held_out = f", {len(val_samples):,} validation samples" if val_samples is not None else ", no validation"
+        print(f"data: {described}: {len(train_samples):,} training samples{held_out}", flush=True)
+        if not data.path:
+            print("data: to train on text, prepare it with scripts/prepare_data.py and pass --data.path", flush=True)
+    return train_samples, val_samples
+
+
+def cpu_has_bf16_instructions(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether the CPU computes bf16 natively (x86 avx512_bf16 or AMX, Arm bf16); None where unknown (not Linux)."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def warn_if_bf16_is_emulated(device: torch.device) -> None:
+    """Without bf16 instructions torch emulates bf16 on the CPU, about 10x slower than fp32: say so, once."""
+    if device.type == "cpu" and dist.get_rank() == 0 and cpu_has_bf16_instructions() is False:
+        print(
+            "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16, about 10x slower than "
+            "fp32; fine for a smoke test, train on GPUs",
+            flush=True,
+        )
+
+
+class Profiler:
+    """[profile]: a torch.profiler trace of steps start .. start + steps - 1 (one Chrome trace per rank in
+    output_dir/profile/), and on CUDA a snapshot of the allocations up to memory_snapshot_step."""
+
+    def __init__(self, profile: ProfileConfig, output_dir: Path, device: torch.device) -> None:
+        self.profile, self.device, self.rank = profile, device, dist.get_rank()
+        self.folder = output_dir / "profile"
+        self.folder.mkdir(exist_ok=True)
+        self.running: torch.profiler.profile | None = None
+        self.last_step = profile.start + profile.steps - 1
+        if profile.memory_snapshot_step and device.type == "cuda":
+            # Records every allocation from here on, with its stack: the snapshot shows what held memory when.
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def step_starting(self, step: int) -> None:
+        if step == self.profile.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.running = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.running.start()
+
+    def step_done(self, step: int) -> None:
+        if self.running is not None and step == self.last_step:
+            self.close()
+        if step == self.profile.memory_snapshot_step and self.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory-step-{step}-rank-{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def close(self) -> None:
+        """Stop a running trace and write it (also when training ends before its last step)."""
+        if self.running is None:
+            return
+        self.running.stop()
+        first = self.profile.start
+        self.running.export_chrome_trace(str(self.folder / f"steps-{first}-{self.last_step}-rank-{self.rank}.json"))
+        self.running = None
+
+
 def start_checked_run(config: Config, output_dir: Path) -> str:
     """Run preflight.py's checks on rank 0 (the launch scripts ran them before torchrun; `torchrun train.py`
     alone did not) and make job.output_dir this run's. Every rank gets the run id, or stops with rank 0's error."""
@@ -635,6 +755,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     if rank == 0:
         # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    warn_if_bf16_is_emulated(device)
     optimizer, scheduler = build_optimizer(model, training, device)
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
 
@@ -644,13 +765,8 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         if resumed_from and rank == 0:
             print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
-    if config.data.path:
-        dataset = TokenFile(config.data.path, training.seq_len, config.model.vocab_size)
-    else:
-        dataset = SyntheticTokens(
-            config.model.vocab_size, training.seq_len, config.data.synthetic_samples, training.seed
-        )
-    samples = ShuffledEpochs(dataset, training.seed)
+    train_samples, val_samples = open_datasets(config)
+    samples = ShuffledEpochs(train_samples, training.seed)
     tokens_per_step = training.global_batch_size * training.seq_len
     # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
     peak_flops = peak_flops_per_device(device)
@@ -659,10 +775,16 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     if rank == 0:
         # Appended to: a resumed run goes on in the same file (its rows carry the run id).
         metrics_file = open(output_dir / "metrics.jsonl", "a")
+    # Zero cost when [profile] is off: no profiler exists.
+    profiling = config.profile.start or config.profile.memory_snapshot_step
+    profiler = Profiler(config.profile, output_dir, device) if profiling else None
 
     model.train()
+    first_step, loop_started = state.step, time.perf_counter()
     for step in range(state.step, training.steps):
         started = time.perf_counter()
+        if profiler is not None:
+            profiler.step_starting(step + 1)
         batches = micro_batches(
             samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
         )
@@ -672,7 +794,12 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         )
         elapsed = time.perf_counter() - started
         state.step = step + 1
+        if profiler is not None:
+            profiler.step_done(state.step)
         peak_mem_mib = peak_memory_mib(device)
+        validation = None
+        if val_samples is not None and (state.step % config.eval.every == 0 or state.step == training.steps):
+            validation = evaluate(model, val_samples, config, data_rank, data_ranks, device)
         if metrics_file is not None:
             record = {
                 "run_id": run_id,
@@ -687,13 +814,26 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
                 "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
                 "peak_mem_mib": peak_mem_mib,
             }
+            if validation is not None:
+                # Perplexity is exp(mean loss); capped so that a diverged run still writes valid JSON.
+                record |= {"val_loss": validation, "val_perplexity": math.exp(min(validation, 80.0))}
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if state.step % config.job.log_every == 0 or state.step == training.steps:
+                # Time left at the average step time of this launch so far (the first steps include warm-up).
+                per_step = (time.perf_counter() - loop_started) / (state.step - first_step)
+                remaining = timedelta(seconds=round(per_step * (training.steps - state.step)))
                 print(
-                    f"step {state.step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
-                    f"| {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/GPU) "
-                    f"| peak {record['peak_mem_mib']:,.0f} MiB",
+                    f"step {state.step:>6}/{training.steps} | loss {loss:.4f} | lr {lr:.2e} "
+                    f"| grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s "
+                    f"({record['tokens_per_s_per_gpu']:,.0f}/GPU) | peak {peak_mem_mib:,.0f} MiB | ETA {remaining}",
+                    flush=True,
+                )
+            if validation is not None:
+                perplexity = record["val_perplexity"]
+                print(
+                    f"step {state.step:>6}/{training.steps} | val loss {validation:.4f} "
+                    f"| val perplexity {perplexity:.2f}",
                     flush=True,
                 )
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
@@ -702,6 +842,8 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             if rank == 0:
                 print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
 
+    if profiler is not None:
+        profiler.close()
     if metrics_file is not None:
         metrics_file.close()
 

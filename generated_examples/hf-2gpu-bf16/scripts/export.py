@@ -10,6 +10,8 @@ The folder loads like the model it was trained from:
 It holds model.safetensors (the trained fp32 weights, written one tensor at a time so that only one is ever
 in memory; tied weights once, as transformers saves them) and the other files of the original model
 folder: config.json, generation_config.json, the tokenizer.
+
+open_checkpoint, which reads the weights of any checkpoint style one tensor at a time, is scripts/generate.py's too.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 PREFIX = "train.model."
 
 
+class CheckpointError(Exception):
+    """A step-N folder that cannot be read: not a complete checkpoint, or weight files that cannot be opened."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A step-N folder whose weights are not those of the model in its checkpoint.json."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face model folder.")
     parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
@@ -55,34 +65,61 @@ def main() -> None:
         # Never replace what is there: an earlier export may be the only copy of a model.
         parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
     try:
-        model_args = ModelArgs(**json.loads((checkpoint / "checkpoint.json").read_text())["config"]["model"])
-    except (OSError, ValueError, KeyError) as error:
-        parser.exit(2, f"{checkpoint} is not a complete checkpoint ({error})\n")
-    # Names and shapes of the weights: the model built on the meta device, which allocates nothing. Of the
-    # names of a tied tensor the first is kept (the input embedding), as in transformers' own files.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_args.hf_config)
-    state = model.state_dict()
-    order = {name: index for index, name in enumerate(state)}
-    keep = {min(group, key=order.get) for group in tensor_names(model).values()}
-    expected = {name: tuple(tensor.shape) for name, tensor in state.items() if name in keep}
-
-    found, read = checkpoint_tensors(checkpoint)
-    missing = sorted(expected.keys() - found.keys())
-    reshaped = sorted(name for name in expected.keys() & found.keys() if tuple(found[name][1]) != expected[name])
-    if missing or reshaped:
-        sys.exit(f"{checkpoint} does not match {model_args.path}: missing {missing}, different shapes {reshaped}")
+        config, weights, read = open_checkpoint(checkpoint)
+    except CheckpointMismatch as error:
+        sys.exit(str(error))
+    except CheckpointError as error:
+        parser.exit(2, f"{error}\n")
+    model_args = ModelArgs(**config["model"])
 
     args.output.mkdir(parents=True, exist_ok=True)
     partial = args.output / "model.safetensors.tmp"
-    write_safetensors(partial, {name: found[name] for name in expected}, read)
+    write_safetensors(partial, weights, read)
     partial.replace(args.output / "model.safetensors")
     # config.json, generation_config.json and the tokenizer, as the model came (no other weights).
     for source in model_args.folder.iterdir():
         if source.is_file() and any(source.match(pattern) for pattern in HUB_FILES):
             if not source.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copyfile(source, args.output / source.name)
-    print(f"exported {checkpoint} -> {args.output} ({len(expected)} tensors; the other files of {model_args.path})")
+    print(f"exported {checkpoint} -> {args.output} ({len(weights)} tensors; the other files of {model_args.path})")
+
+
+def open_checkpoint(checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable[[str], torch.Tensor]]:
+    """The config of the run that wrote a step-N folder (its checkpoint.json), {name: (dtype, shape)} of the
+    model's weights in it, and a function reading one weight as a whole CPU tensor, so that only one need be in
+    memory at a time. Any checkpoint style. Of the names of a tied tensor only the first is listed (the input
+    embedding), as in transformers' own files.
+
+    Raises CheckpointError, or CheckpointMismatch when the weights are not those of the model it names.
+    """
+    try:
+        config = json.loads((checkpoint / "checkpoint.json").read_text())["config"]
+        model_args = ModelArgs(**config["model"])
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint ({error})") from None
+    # Names and shapes of the weights: the model built on the meta device, which allocates nothing.
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_args.hf_config)
+    except (OSError, ValueError) as error:  # the model folder (or the hub's copy) is gone or damaged
+        raise CheckpointError(
+            f"{checkpoint}: the config of its model {model_args.path} cannot be read ({error})"
+        ) from None
+    state = model.state_dict()
+    order = {name: index for index, name in enumerate(state)}
+    keep = {min(group, key=order.get) for group in tensor_names(model).values()}
+    expected = {name: tuple(tensor.shape) for name, tensor in state.items() if name in keep}
+    try:
+        found, read = checkpoint_tensors(checkpoint)
+    except Exception as error:  # a missing or damaged file: each library raises its own kinds
+        raise CheckpointError(f"{checkpoint}: its weights cannot be read ({type(error).__name__}: {error})") from None
+    missing = sorted(expected.keys() - found.keys())
+    reshaped = sorted(name for name in expected.keys() & found.keys() if tuple(found[name][1]) != expected[name])
+    if missing or reshaped:
+        raise CheckpointMismatch(
+            f"{checkpoint} does not match {model_args.path}: missing {missing}, different shapes {reshaped}"
+        )
+    return config, {name: found[name] for name in expected}, read
 
 
 def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:

@@ -27,6 +27,7 @@ class JobConfig:
     log_every: int = 10
     timeout_minutes: float = 10  # config.toml sets 60 for full checkpoints (rank 0 writes, the others wait)
     tensorboard: bool = True
+    wandb: bool = True  # log to Weights & Biases as set in [wandb] (rank 0)
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -77,12 +78,56 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
+    # "" = synthetic tokens; a folder written by scripts/prepare_data.py; or a flat file of token ids.
     path: str = ""
+    # tokenizer.json (path, folder or hub id) of scripts/prepare_data.py and scripts/generate.py; model.vocab_size
+    # follows its vocabulary unless set.
+    tokenizer: str = ""
     synthetic_samples: int = 4096
 
     def __post_init__(self) -> None:
         if self.synthetic_samples < 1:
             raise ValueError(f"data.synthetic_samples must be at least 1, got {self.synthetic_samples}")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100  # validation loss every N steps and after the last one; 0 = never
+    batches: int = 4  # of training.global_batch_size samples each, the same samples every time
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every must be 0 (off) or more, got {self.every}")
+        if self.batches < 1:
+            raise ValueError(f"eval.batches must be at least 1, got {self.batches}")
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler traces of `steps` steps from step `start` (1-based; 0 = off), one Chrome trace per rank
+    # in output_dir/profile/ (open in https://ui.perfetto.dev).
+    start: int = 0
+    steps: int = 2
+    # On CUDA, a memory snapshot (https://pytorch.org/memory_viz) of the allocations up to this step; 0 = off.
+    memory_snapshot_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.memory_snapshot_step < 0:
+            raise ValueError(
+                f"profile.start and profile.memory_snapshot_step must be 0 (off) or more, got "
+                f"{self.start}, {self.memory_snapshot_step}"
+            )
+        if self.steps < 1:
+            raise ValueError(f"profile.steps must be at least 1, got {self.steps}")
+
+
+@dataclass
+class WandbConfig:
+    project: str = "llama-8gpu-bf16-float8-compile-selectiveac-prefetch-tensorboard-wandb"
+    name: str = ""  # "" = job.output_dir's folder name
+    tags: list[str] = field(default_factory=list)
+    # "offline" writes the run under output_dir/wandb (upload later with `wandb sync`); "disabled" logs nothing.
+    mode: Literal["online", "offline", "disabled"] = "online"
 
 
 @dataclass
@@ -135,8 +180,11 @@ class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 class ConfigError(ValueError):
@@ -163,6 +211,12 @@ def _convert(value: object, expected: typing.Any, key: str) -> object:
         if value not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
+    if expected == list[str]:
+        # On the command line a comma-separated list: --parallel.shard_modules Block,Embedding
+        items = [item for item in value.split(",") if item] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        return items
     if isinstance(value, str) and expected is not str:
         if expected is bool:
             if value.lower() not in ("true", "false"):
@@ -194,6 +248,13 @@ def load_config(path: str | Path, overrides: dict[str, str] | None = None) -> Co
         if section not in sections or not key:
             raise ConfigError(f"unknown option --{dotted}; options look like --training.steps 20")
         values[section][key] = value
+    tokenizer = values["data"].get("tokenizer", DataConfig.tokenizer)
+    if tokenizer and "vocab_size" in _field_types(ModelArgs) and "vocab_size" not in values["model"]:
+        # model.vocab_size follows data.tokenizer unless the config or the command line sets it. Imported
+        # here: only a run with a tokenizer pays for loading it.
+        from tokenizer import load_tokenizer
+
+        values["model"]["vocab_size"] = load_tokenizer(str(tokenizer)).vocab_size
     kwargs = {}
     for section, section_cls in sections.items():
         types = _field_types(section_cls)

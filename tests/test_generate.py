@@ -1,0 +1,204 @@
+"""scripts/generate.py: a tiny model trained until it memorises one sentence continues it from a checkpoint of
+each style (dcp, full), greedily and by seeded sampling; bad input stops with one line; for family hf the
+checkpoint and its exported folder continue a prompt alike.
+
+No network: the tokenizers and the hf model are made here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, generate, torchrun
+
+SENTENCE = "the quick brown fox jumps over the lazy dog."
+PROMPT = "the quick brown"
+# A memorised document continues to its end, where the end-of-text token stops generation.
+CONTINUATION = " fox jumps over the lazy dog."
+
+# Runs scripts of a project, one after the other, in one process: torch (and transformers) are imported once, which
+# takes seconds on 2 cores. Prints [exit code, stdout, stderr] of each run, as JSON.
+DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = argv
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_scripts(project: Path, *runs: list[str]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each run, a script of `project` and its arguments."""
+    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], cwd=project, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [tuple(run) for run in json.loads(result.stdout.splitlines()[-1])]
+
+
+def run_generate(project: Path, *runs: list[str]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `scripts/generate.py ARGS` for each ARGS of `runs`."""
+    return run_scripts(project, *(["scripts/generate.py", *args] for args in runs))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
+    """(tokenizer.json, token file, vocabulary size): the sentence as 200 documents, each ended by <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # All 256 bytes: any prompt encodes. The merges then make each word of the sentence one token.
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator([SENTENCE] * 10, trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    document = [*tokenizer.encode(SENTENCE).ids, tokenizer.token_to_id("<|endoftext|>")]
+    np.array(document * 200, dtype=np.uint16).tofile(root / "tokens.bin")
+    return root / "tokenizer.json", root / "tokens.bin", tokenizer.get_vocab_size()
+
+
+def train(style: str, corpus: tuple[Path, Path, int], root: Path, *options: str) -> tuple[Path, Path]:
+    """(project, its output folder) after 30 steps on the corpus: the loss is near its floor by then."""
+    _, tokens, vocab_size = corpus
+    project = generate(root / "run", "--gpus", "2", "--fp32", "--checkpoint", style)
+    torchrun(project, "train.py", *TINY, "--job.device", "cpu", "--model.vocab_size", str(vocab_size),
+             "--training.steps", "30", "--eval.every", "0", "--data.path", str(tokens),
+             "--job.output_dir", str(root / "out"), *options)  # fmt: skip
+    return project, root / "out"
+
+
+@pytest.fixture(scope="module")
+def dcp(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return train("dcp", corpus, tmp_path_factory.mktemp("generate-dcp"))
+
+
+@pytest.fixture(scope="module")
+def full(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    # data.tokenizer is recorded in the checkpoint: generate.py needs no --tokenizer.
+    return train("full", corpus, tmp_path_factory.mktemp("generate-full"), "--data.tokenizer", str(corpus[0]))
+
+
+@pytest.mark.parametrize("style", ["dcp", "full"])
+def test_greedy_continues_the_memorised_sentence_to_its_end(
+    style: str, corpus: tuple[Path, Path, int], request: pytest.FixtureRequest
+) -> None:
+    project, output = request.getfixturevalue(style)
+    # The full run has data.tokenizer; the dcp run trained on a token file only.
+    text = [*(["--tokenizer", str(corpus[0])] if style == "dcp" else []), "--prompt", PROMPT]
+    full_length, three_tokens = run_generate(
+        project,
+        # The newest checkpoint (step-30) of --checkpoints; at most 50 tokens, but the end-of-text token comes first.
+        ["--checkpoints", str(output / "checkpoints"), *text],
+        [str(output / "checkpoints" / "step-30"), *text, "--max-new-tokens", "3"],
+    )
+    assert full_length == (0, CONTINUATION + "\n", "")
+    assert three_tokens == (0, " fox jumps over\n", "")
+
+
+def test_sampling_is_reproducible_with_a_seed(dcp: tuple[Path, Path], corpus: tuple[Path, Path, int]) -> None:
+    project, output = dcp
+    common = ["--checkpoints", str(output / "checkpoints"), "--tokenizer", str(corpus[0]), "--prompt", PROMPT,
+              "--max-new-tokens", "20"]  # fmt: skip
+    hot = ["--temperature", "3", "--top-k", "20"]
+    first, again, other_seed, top_1 = run_generate(
+        project,
+        [*common, *hot, "--seed", "7"],
+        [*common, *hot, "--seed", "7"],
+        [*common, *hot, "--seed", "8"],
+        # Only the most likely token left to draw: greedy, whatever the temperature.
+        [*common, "--temperature", "3", "--top-k", "1"],
+    )
+    assert first[0] == 0 and first == again
+    # So hot that the memorised sentence is left: the seed decides the text.
+    assert first[1] != CONTINUATION + "\n" and other_seed[0] == 0 and other_seed != first
+    assert top_1 == (0, CONTINUATION + "\n", "")
+
+
+def test_bad_input_stops_with_one_line(dcp: tuple[Path, Path], corpus: tuple[Path, Path, int], tmp_path: Path) -> None:
+    project, output = dcp
+    checkpoint = output / "checkpoints" / "step-30"
+    garbled = tmp_path / "garbled" / "step-1"
+    garbled.mkdir(parents=True)
+    (garbled / "checkpoint.json").write_text("{")
+    weightless = tmp_path / "weightless" / "step-30"
+    weightless.mkdir(parents=True)
+    (weightless / "checkpoint.json").write_text((checkpoint / "checkpoint.json").read_text())
+    text = [str(checkpoint), "--tokenizer", str(corpus[0]), "--prompt"]
+    cases = {
+        "no complete checkpoint (step-N folder) in nowhere; give one or --checkpoints":
+            ["--checkpoints", "nowhere", "--prompt", PROMPT],
+        f"{garbled} is not a complete checkpoint (Expecting property name enclosed in double quotes: line 1 "
+        "column 2 (char 1))": [str(garbled), "--prompt-ids", "1"],
+        f"{weightless}: its weights cannot be read (": [str(weightless), "--prompt-ids", "1"],
+        # The run trained on a token file, without data.tokenizer.
+        "no tokenizer: the run has no data.tokenizer; pass --tokenizer (a tokenizer.json, its folder or a hub id), "
+        "or --prompt-ids 1,2,3 to continue token ids": [str(checkpoint), "--prompt", PROMPT],
+        f"data.tokenizer {tmp_path / 'missing.json'}: {tmp_path / 'missing.json'} does not exist; give a "
+        "tokenizer.json, its folder, or a hub id": [str(checkpoint), "--tokenizer", str(tmp_path / "missing.json"),
+                                                    "--prompt", PROMPT],
+        "--prompt is empty; give some text to continue": [*text, ""],
+        "--max-new-tokens must be at least 1, got 0": [*text, PROMPT, "--max-new-tokens", "0"],
+        "--temperature must be 0 (greedy) or more, got -0.5": [*text, PROMPT, "--temperature", "-0.5"],
+        "--top-k must be 0 (all tokens) or more, got -1": [*text, PROMPT, "--top-k", "-1"],
+        "--prompt-ids must be token ids separated by commas (1,2,3), got '1,,x'": [str(checkpoint),
+                                                                                   "--prompt-ids", "1,,x"],
+        f"the prompt has token id 9999, beyond the model's vocabulary ({corpus[2]} ids); is --tokenizer the one "
+        "the model was trained with?": [str(checkpoint), "--prompt-ids", "3,9999"],
+    }  # fmt: skip
+    results = run_generate(project, *cases.values())
+    for message, (code, stdout, stderr) in zip(cases, results, strict=True):
+        assert (code, stdout) == (2, ""), (message, stderr)
+        assert stderr.count("\n") == 1 and stderr.startswith("generate.py: error: " + message), (message, stderr)
+        if not message.endswith("("):
+            assert stderr == f"generate.py: error: {message}\n"
+
+
+def test_hf_checkpoint_and_its_export_continue_alike(tmp_path: Path) -> None:
+    # A tiny Llama-architecture model with its own tokenizer, trained one step: generate.py finds the tokenizer
+    # through the run's model.path, or in the exported folder, and the two models are the same weights.
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    model = tmp_path / "llama-tiny"
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=64, vocab_size=280)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([SENTENCE] * 10, vocab_size=280, min_frequency=1, special_tokens=["<|endoftext|>"])
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(model)
+
+    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model), "--gpus", "2", "--fp32")
+    torchrun(project, "train.py", "--job.device", "cpu", "--training.steps", "1", "--training.seq_len", "16",
+             "--training.global_batch_size", "4", "--eval.every", "0",
+             "--job.output_dir", str(tmp_path / "out"))  # fmt: skip
+    checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-1", tmp_path / "exported"
+    prompt = ["--prompt", PROMPT, "--max-new-tokens", "8"]
+    export, from_checkpoint, from_export, sampled = run_scripts(
+        project,
+        ["scripts/export.py", str(checkpoint), "--output", str(exported)],
+        ["scripts/generate.py", str(checkpoint), *prompt],
+        ["scripts/generate.py", "--exported", str(exported), *prompt],
+        ["scripts/generate.py", "--exported", str(exported), *prompt, "--temperature", "1", "--top-k", "10"],
+    )
+    assert export[0] == 0, export
+    # stderr has transformers' progress bars.
+    assert from_checkpoint[0] == 0 and from_checkpoint[1].strip(), from_checkpoint
+    assert from_export[:2] == from_checkpoint[:2]
+    assert sampled[0] == 0, sampled

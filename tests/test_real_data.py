@@ -1,0 +1,292 @@
+"""Training on real text, end to end, offline: a corpus written here, a BPE tokenizer trained here with
+`tokenizers`, scripts/prepare_data.py into shards, then 2 gloo ranks with a validation loss, W&B in offline
+mode, a profiler trace, and resume across shard boundaries. For the built-in llama family and for hf.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import generate, metrics, torchrun
+
+WORDS = "the a cat dog bird sat ran flew on under over mat log tree house quickly slowly red blue big small".split()
+# A tiny llama: a step takes well under a second on 2 CPU ranks.
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.ffn_dim", "172", "--model.max_seq_len", "64"]  # fmt: skip
+TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
+         "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.batches", "2"]  # fmt: skip
+
+
+def sentences(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))) + "." for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two text files and a JSON-lines file (about 100 KB, 13 pieces of ~8 KiB), and a tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "text").mkdir()
+    (root / "text" / "a.txt").write_text("\n".join(sentences(1200, 0)) + "\n")
+    (root / "text" / "b.md").write_text("\n".join(sentences(600, 1)) + "\n")
+    with open(root / "docs.jsonl", "w") as docs:
+        for number in range(200):
+            docs.write(json.dumps({"id": number, "text": " ".join(sentences(3, 100 + number))}) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(p) for p in sorted((root / "text").iterdir())], trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    return {"root": root, "tokenizer": root / "tokenizer.json"}
+
+
+def prepare(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/prepare_data.py", *args], cwd=project, capture_output=True,
+                          text=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A llama project with the tokenizer and W&B, and the corpus prepared in shards of 4000 tokens."""
+    project = generate(tmp_path_factory.mktemp("llama") / "run", "--gpus", "2", "--fp32", "--tokenizer",
+                       str(corpus["tokenizer"]), "--wandb")  # fmt: skip
+    data = project.parent / "data"
+    result = prepare(project, str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+                     str(data), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return {"project": project, "data": data}
+
+
+def test_the_tokenizer_sets_the_vocabulary_and_the_shards_hold_the_text(corpus: dict, llama: dict) -> None:
+    from tokenizers import Tokenizer
+
+    config = (llama["project"] / "config.toml").read_text()
+    assert f'tokenizer = "{corpus["tokenizer"]}"' in config
+    index = json.loads((llama["data"] / "index.json").read_text())
+    tokenizer = Tokenizer.from_file(str(corpus["tokenizer"]))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert (index["vocab_size"], index["eos_id"], index["dtype"], index["complete"]) == (300, eos, "uint16", True)
+    assert len(index["train"]) >= 5 and len(index["val"]) >= 2, index
+    shards = {split: [np.fromfile(llama["data"] / s["file"], dtype=np.uint16) for s in index[split]]
+              for split in ("train", "val")}  # fmt: skip
+    for split in shards:
+        assert [len(tokens) for tokens in shards[split]] == [s["tokens"] for s in index[split]]
+        assert [int(tokens.max()) for tokens in shards[split]] == [s["max_id"] for s in index[split]]
+    # One end-of-text token per document: 2 text files + 200 JSON lines.
+    assert sum(int((tokens == eos).sum()) for split in shards for tokens in shards[split]) == 202
+    train_text = tokenizer.decode(np.concatenate(shards["train"]).tolist(), skip_special_tokens=False)
+    assert train_text.startswith(sentences(1, 0)[0])  # the first piece of a.txt
+    # About a fifth of the text is held out for validation, in whole pieces.
+    val_tokens, train_tokens = sum(map(len, shards["val"])), sum(map(len, shards["train"]))
+    assert 0.1 < val_tokens / (val_tokens + train_tokens) < 0.3
+
+
+def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus: dict, llama: dict, tmp_path: Path) -> None:
+    # What an interruption leaves: index.json as published when the 3rd train shard ended (its pieces_end),
+    # the shards it lists, and a half-written next shard.
+    complete = json.loads((llama["data"] / "index.json").read_text())
+    pieces_done = complete["train"][2]["pieces_end"]
+    interrupted = tmp_path / "data"
+    shutil.copytree(llama["data"], interrupted)
+    kept = {split: [s for s in complete[split] if s["pieces_end"] <= pieces_done] for split in ("train", "val")}
+    for shard in complete["train"] + complete["val"]:
+        if shard not in kept["train"] + kept["val"]:
+            (interrupted / shard["file"]).unlink()
+    (interrupted / "train-00003.bin.tmp").write_bytes(b"\x01\x02\x03")
+    (interrupted / "index.json").write_text(json.dumps({**complete, **kept, "pieces_done": pieces_done,
+                                                        "complete": False}))  # fmt: skip
+    result = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+                     str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads((interrupted / "index.json").read_text()) == complete
+    for shard in complete["train"] + complete["val"]:
+        assert (interrupted / shard["file"]).read_bytes() == (llama["data"] / shard["file"]).read_bytes()
+    assert sorted(p.name for p in interrupted.iterdir()) == sorted(p.name for p in llama["data"].iterdir())
+    # Run again on a finished folder: nothing changes.
+    again = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+                    str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
+    assert again.returncode == 0 and "already prepared" in again.stdout
+
+
+def wandb_history(output_dir: Path) -> list[tuple[str, list[dict]]]:
+    """(run id, logged rows) of each offline W&B run under output_dir/wandb, oldest first.
+
+    A .wandb file is W&B's record log (LevelDB's log format: 32 KiB blocks of records with a 7-byte header)
+    of protobuf Records; wandb itself no longer ships a Python reader.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    runs = []
+    for path in sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data, position, pending, rows, run_id = path.read_bytes(), 7, b"", [], None
+        assert data[:4] == b":W&B"
+        while position + 7 <= len(data):
+            left = 32768 - position % 32768
+            _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+            if left < 7 or kind == 0:
+                position += left  # block padding
+                continue
+            pending += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind in (1, 4):  # a full record, or the last part of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                pending = b""
+                if record.WhichOneof("record_type") == "run":
+                    run_id = record.run.run_id
+                elif record.WhichOneof("record_type") == "history":
+                    items = record.history.item
+                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+        runs.append((run_id, rows))
+    return runs
+
+
+def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, tmp_path: Path) -> None:
+    project, out = llama["project"], tmp_path / "out"
+    common = [*TINY, *TRAIN, "--data.path", str(llama["data"]), "--wandb.mode", "offline", "--eval.every", "4"]
+    first = torchrun(project, "train.py", *common, "--job.output_dir", str(out), "--training.steps", "8",
+                     "--checkpoint.interval", "4", "--profile.start", "2", "--profile.steps", "2")  # fmt: skip
+    assert "data: " + str(llama["data"]) in first.stdout
+    records = metrics(out)
+    validation = [r["val_loss"] for r in records if "val_loss" in r]
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
+    assert validation[1] < validation[0] - 0.3, validation  # the model learns the text, not just the batches
+    assert all(abs(r["val_perplexity"] - np.exp(r["val_loss"])) < 1e-6 * r["val_perplexity"] for r in records
+               if "val_loss" in r)  # fmt: skip
+
+    # A profiler trace per rank of steps 2-3, naming the model's ops and FSDP's collectives.
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"steps-2-3-rank-{rank}.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"aten::embedding", "aten::mm", "FSDP::all_gather (layers.0)"} <= names
+
+    # W&B (offline): the run id is the run's, and it logged exactly what metrics.jsonl holds.
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    [(wandb_run_id, rows)] = wandb_history(out)
+    assert wandb_run_id == run_id
+    assert [(row["_step"], row["loss"], row.get("val_loss")) for row in rows] == [
+        (r["step"], r["loss"], r.get("val_loss")) for r in records
+    ]
+
+    # Resume from the step-4 checkpoint (as after a crash during step 5) repeats steps 5-8 bit for bit, though
+    # every batch crosses shard boundaries, and logs into the same W&B run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-8")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (resumed / "metrics.jsonl").write_text("".join(lines[:4]))
+    second = torchrun(project, "train.py", *common, "--job.output_dir", str(resumed), "--training.steps", "8",
+                      "--checkpoint.interval", "4")  # fmt: skip
+    assert f"resumed from {resumed}/checkpoints/step-4 at step 4" in second.stdout
+    again = metrics(resumed)
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in again] == [
+        (r["step"], r["loss"], r.get("val_loss")) for r in records
+    ]
+    runs = wandb_history(resumed)
+    assert [run for run, _ in runs] == [run_id, run_id]
+    assert [row["_step"] for row in runs[1][1]] == [5, 6, 7, 8]
+
+    # One process trains the same model on the same samples and evaluates the same validation samples: the same
+    # validation losses (up to summation order).
+    single = tmp_path / "single"
+    torchrun(project, "train.py", *common, "--job.output_dir", str(single), "--training.steps", "8", "--job.wandb",
+             "false", nproc=1)  # fmt: skip
+    one_rank = [r["val_loss"] for r in metrics(single) if "val_loss" in r]
+    assert np.allclose(one_rank, validation, rtol=0, atol=1e-5), (one_rank, validation)
+
+
+def test_hf_trains_on_text_prepared_with_its_own_tokenizer(tmp_path: Path) -> None:
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    text = "\n".join(sentences(2000, 7)) + "\n"
+    model_dir = tmp_path / "model"
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(text)
+    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model_dir), "--gpus", "2", "--fp32")
+    data = tmp_path / "data"
+    result = prepare(project, str(tmp_path / "corpus.txt"), "--output", str(data), "--val-fraction", "0.2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((data / "index.json").read_text())["tokenizer"] == str(model_dir)
+    common = [*TRAIN, "--data.path", str(data), "--eval.every", "4", "--training.steps", "8"]
+    torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "two"))
+    validation = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
+    assert len(validation) == 2 and validation[1] < validation[0] - 0.3, validation
+    torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "one"), nproc=1)
+    one_rank = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
+    assert np.allclose(one_rank, validation, rtol=0, atol=1e-5), (one_rank, validation)
+
+
+BAD_PREPARE = {
+    "missing-input": (
+        ["{root}/nope.txt"],
+        "input {root}/nope.txt does not exist; give text, JSONL or Parquet files, or folders of them",
+    ),  # fmt: skip
+    "empty-corpus": (["{root}/empty.txt"], "the inputs hold no text ({root}/empty.txt); give files with text"),
+    "json-line-without-text": (
+        ["{root}/bad.jsonl"],
+        '{root}/bad.jsonl:2 has no text field "text" (a string); name the field with --text-field',
+    ),
+    "unknown-file-kind": (
+        ["{root}/model.bin"],
+        "input {root}/model.bin: unknown kind of file; give .txt, .md, .jsonl, .json or .parquet files",
+    ),  # fmt: skip
+    "tokenizer-larger-than-model": (
+        ["{root}/text", "--config", "{root}/small-vocab.toml"],
+        "the tokenizer {tokenizer} has 300 tokens but model.vocab_size is 128: its ids would not fit the embedding; "
+        "use the model's tokenizer or a larger model.vocab_size",
+    ),
+    "tokenizer-missing": (
+        ["{root}/text", "--tokenizer", "{root}/nope.json"],
+        "data.tokenizer {root}/nope.json: {root}/nope.json does not exist; give a tokenizer.json, its folder, or a "
+        "hub id",
+    ),
+    "output-holds-other-files": (
+        ["{root}/text", "--output", "{root}/text"],
+        "{root}/text exists and is not an empty folder; give a new --output folder",
+    ),  # fmt: skip
+    "too-little-text-for-validation": (
+        ["{root}/text/b.md", "--val-fraction", "0.01"],
+        "no text went to the validation split (the corpus has fewer than 100 pieces of ~8 KiB); raise "
+        "--val-fraction, or pass --val-fraction 0 and set --eval.every 0 when training",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PREPARE)
+def test_prepare_data_refuses_bad_input_in_one_line(case: str, corpus: dict, llama: dict, tmp_path: Path) -> None:
+    root = corpus["root"]
+    (root / "empty.txt").write_text("")
+    (root / "bad.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    (root / "model.bin").write_bytes(b"\x00")
+    config = (llama["project"] / "config.toml").read_text()
+    (root / "small-vocab.toml").write_text(config.replace("[model]\n", "[model]\nvocab_size = 128\n"))
+    args, expected = BAD_PREPARE[case]
+    args = [arg.format(root=root) for arg in args]
+    if "--output" not in args:
+        args += ["--output", str(tmp_path / "data")]
+    result = prepare(llama["project"], *args)
+    message = expected.format(root=root, tokenizer=corpus["tokenizer"])
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, f"prepare_data.py: error: {message}")
+    assert not (tmp_path / "data").exists()  # nothing half-written
