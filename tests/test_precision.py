@@ -88,3 +88,9 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once(projects: dict[str
     native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     note = "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16"
     assert run.stdout.count(note) == (0 if native else 1), run.stdout
+    # Synthetic tokens are said so, with the way to train on text.
+    assert (
+        "data: SYNTHETIC tokens (data.path is empty), a learnable pattern, not text: 4,096 training samples"
+        in run.stdout
+    )
+    assert "data: to train on text, prepare it with scripts/prepare_data.py and pass --data.path" in run.stdout

@@ -122,6 +122,30 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus: dict, lla
     assert again.returncode == 0 and "already prepared" in again.stdout
 
 
+def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: dict, llama: dict, tmp_path: Path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.loads(line) for line in (corpus["root"] / "docs.jsonl").read_text().splitlines()]
+    pq.write_table(pa.table({"id": [r["id"] for r in records], "body": [r["text"] for r in records]}),
+                   tmp_path / "docs.parquet")  # fmt: skip
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(tmp_path / "docs-dataset")
+    shards = {}
+    for name, args in {
+        "jsonl": [str(corpus["root"] / "docs.jsonl")],
+        "parquet": [str(tmp_path / "docs.parquet"), "--text-field", "body"],
+        "datasets": [str(tmp_path / "docs-dataset")],
+    }.items():
+        result = prepare(llama["project"], *args, "--output", str(tmp_path / name), "--val-fraction", "0.2")
+        assert result.returncode == 0, result.stderr
+        shards[name] = [
+            (tmp_path / name / f).read_bytes() for f in sorted(p.name for p in (tmp_path / name).glob("*.bin"))
+        ]
+    assert shards["parquet"] == shards["jsonl"] and shards["datasets"] == shards["jsonl"]
+    assert len(shards["jsonl"]) == 2  # a train and a val shard
+
+
 def wandb_history(output_dir: Path) -> list[tuple[str, list[dict]]]:
     """(run id, logged rows) of each offline W&B run under output_dir/wandb, oldest first.
 
@@ -161,6 +185,9 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
     first = torchrun(project, "train.py", *common, "--job.output_dir", str(out), "--training.steps", "8",
                      "--checkpoint.interval", "4", "--profile.start", "2", "--profile.steps", "2")  # fmt: skip
     assert "data: " + str(llama["data"]) in first.stdout
+    # model.vocab_size followed data.tokenizer (300 tokens): the config.toml of the project sets none.
+    saved = json.loads((out / "checkpoints" / "step-8" / "checkpoint.json").read_text())
+    assert saved["config"]["model"]["vocab_size"] == 300
     records = metrics(out)
     validation = [r["val_loss"] for r in records if "val_loss" in r]
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
