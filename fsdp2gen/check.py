@@ -227,6 +227,7 @@ class _Module:
         self.strings = [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
         self.scopes = [_Scope(tree, self)] + [_Scope(n, self) for n in nodes if isinstance(n, definitions)]
         self.findings: list[Finding] = []
+        self.checking: Rule  # the rule whose check runs: its code and fix go with what it reports
         # FSDP001's memo of what each helper function does (see _effects), and the helpers by name.
         self.effects: dict[tuple[int, int], list] = {}
         self.functions: dict[str, _Scope] | None = None
@@ -267,8 +268,10 @@ class _Module:
         path = path.replace("()", "")
         return any(_inside(path, root) for root in self.sharded)
 
-    def report(self, node: ast.AST, code: str, message: str) -> None:
-        self.findings.append(Finding(self.path, node.lineno, node.col_offset + 1, code, message, RULES[code].fix))
+    def report(self, node: ast.AST, message: str) -> None:
+        """A finding of the rule being checked (check_source runs one rule at a time)."""
+        code, fix = self.checking.code, self.checking.fix
+        self.findings.append(Finding(self.path, node.lineno, node.col_offset + 1, code, message, fix))
 
 
 def _optimizer_owners(module: _Module, scope: _Scope, call: ast.Call) -> set[str]:
@@ -516,7 +519,6 @@ def _rule_optimizer_before_shard(module: _Module) -> None:
             sharded = f" (in {shard.via})" if shard.via else ""
             module.report(
                 event.call,
-                "FSDP001",
                 f"optimizer built{built} from {owner}.parameters() before fully_shard{sharded} on line "
                 f"{shard.call.lineno}: it holds the replaced unsharded parameters and silently updates nothing",
             )
@@ -540,7 +542,6 @@ def _rule_root_before_blocks(module: _Module) -> None:
                 child_call, child = children[0]
                 module.report(
                     call,
-                    "FSDP002",
                     f"fully_shard({ast.unparse(target)}) runs before fully_shard({ast.unparse(child)}) on line "
                     f"{child_call.lineno}: the root must be sharded last, after its blocks",
                 )
@@ -563,7 +564,6 @@ def _rule_forward(module: _Module) -> None:
             if module.is_sharded(scope.path(receiver)):
                 module.report(
                     call,
-                    "FSDP003",
                     f"{ast.unparse(receiver)}.forward(...) on a sharded module bypasses FSDP2's hooks, "
                     "so its parameters are never all-gathered",
                 )
@@ -623,7 +623,6 @@ def _rule_save_sharded(module: _Module) -> None:
             if source:
                 module.report(
                     call,
-                    "FSDP004",
                     f"torch.save of {source}: on a sharded model each rank writes only its own DTensor shards",
                 )
 
@@ -640,7 +639,6 @@ def _rule_no_sync(module: _Module) -> None:
                 if module.is_sharded(scope.path(call.func.value)):
                     module.report(
                         call,
-                        "FSDP005",
                         f"{ast.unparse(call.func.value)}.no_sync() on a module sharded with fully_shard: "
                         "FSDP2 has no no_sync()",
                     )
@@ -754,7 +752,6 @@ def _rule_meta_init(module: _Module) -> None:
                     continue
                 module.report(
                     where,
-                    "FSDP006",
                     f"{name.id} is built on the meta device but nothing calls to_empty(): "
                     "its parameters have no storage",
                 )
@@ -769,7 +766,6 @@ def _rule_meta_init(module: _Module) -> None:
                 continue  # returned to a caller elsewhere, or to callers here that initialise it
             module.report(
                 call,
-                "FSDP006",
                 f"{ast.unparse(call.func.value)}.to_empty() leaves every parameter and buffer uninitialised "
                 "(garbage memory) and nothing initialises them afterwards",
             )
@@ -792,7 +788,6 @@ def _rule_device_before_process_group(module: _Module) -> None:
     for _, pin in global_pins:
         module.report(
             pin,
-            "FSDP007",
             f"{ast.unparse(pin)} uses the global rank: on every node after the first it names a GPU "
             "that does not exist",
         )
@@ -819,7 +814,6 @@ def _rule_device_before_process_group(module: _Module) -> None:
             if on_cuda:
                 module.report(
                     call,
-                    "FSDP007",
                     "init_process_group on CUDA without torch.cuda.set_device(LOCAL_RANK) first: "
                     "ranks can share GPU 0 and NCCL can hang",
                 )
@@ -854,7 +848,7 @@ def _rule_torch_load(module: _Module) -> None:
     for scope in module.scopes:
         for call in scope.calls:
             if module.call_qualname(call) == "torch.load" and not _is_true(_argument(call, 99, "weights_only")):
-                module.report(call, "FSDP008", "torch.load without weights_only=True can run arbitrary pickled code")
+                module.report(call, "torch.load without weights_only=True can run arbitrary pickled code")
 
 
 def _parameters(function: ast.AST) -> list[str]:
@@ -926,7 +920,6 @@ def _rule_reduce_dtype(module: _Module) -> None:
                 via = f" ({dtype})" if dtype != shown else ""
                 module.report(
                     call,
-                    "FSDP009",
                     f"warning: reduce_dtype={shown}{via} sums every rank's gradients in {dtype}: "
                     "lossy gradient reduction",
                 )
@@ -936,7 +929,6 @@ def _rule_reduce_dtype(module: _Module) -> None:
                 via = f" ({dtype})" if dtype != shown else ""
                 module.report(
                     call,
-                    "FSDP009",
                     f"warning: no reduce_dtype, so gradients are reduced in param_dtype={shown}{via}: "
                     "lossy gradient reduction",
                 )
@@ -1062,14 +1054,12 @@ def _rule_destroy_without_barrier(module: _Module) -> None:
                 )
                 module.report(
                     call,
-                    "FSDP010",
                     f"the barrier before destroy_process_group() (line {barrier.lineno}) runs only when {shown}: "
                     "the ranks that skip it never meet the ones waiting there, which hang",
                 )
             else:
                 module.report(
                     call,
-                    "FSDP010",
                     "destroy_process_group() without a barrier before it: a rank can tear the group down "
                     "while a peer is still in a collective",
                 )
@@ -1108,7 +1098,6 @@ def _rule_float8_after_shard(module: _Module) -> None:
             if earlier:
                 module.report(
                     call,
-                    "FSDP011",
                     f"{_call_name(call)}({ast.unparse(target)}) after fully_shard on line {earlier[0].lineno}: the "
                     "Float8Linear modules it swaps in keep FSDP's sharded weights, which FSDP no longer gathers "
                     "for them (a crash mixing Tensor and DTensor)",
@@ -1149,6 +1138,7 @@ def check_source(source: str, path: str = "<string>") -> list[Finding]:
     try:
         module = _Module(tree, path)
         for registered in RULES.values():
+            module.checking = registered
             registered.check(module)
     except RecursionError:
         raise CheckInputError(too_deep % "recursion") from None

@@ -1,8 +1,9 @@
 """The `fsdp2gen` command line.
 
-The answer options of `new` and `update` (choices, defaults, help) are generated
-from the template's copier.yml (see questions.py and answer_options), so a new
-question needs no change here. Errors are one line on stderr with exit code 2.
+The answer options of `new` and `update`, and those `plan` shares with them (flags,
+choices, defaults, help), are generated from the template's copier.yml (see
+questions.py, _option and answer_options), so a new question needs no change here.
+Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typer.core import TyperGroup
 from fsdp2gen import __version__
 from fsdp2gen.questions import Question, load_answers_file, project_name_from_folder, questions, validate
 from fsdp2gen.render import DestinationError, check_destination, render_project
+from fsdp2gen.sizes import sizes
 
 EXIT_BAD_INPUT = 2
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -90,8 +92,6 @@ PROMPTED = ["family", "gpus", "nodes", "precision", "checkpoint", "launcher"]
 # Questions for one family (copier's `when:`): they take their default, or are prompted for when a terminal
 # is there and the default is not a valid answer (hf_model).
 FAMILY_QUESTIONS = [name for name in QUESTIONS if QUESTIONS[name].when]
-Family = _choices_enum(QUESTIONS["family"])
-Precision = _choices_enum(QUESTIONS["precision"])
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -122,43 +122,64 @@ def root(
 OFF_FLAGS = {"pretrained": "--from-scratch"}
 
 
-def _option(question: Question) -> inspect.Parameter:
-    """The question as a typer option: its type (choices as an Enum), help and default from copier.yml.
-    Its value is None when not given, so that the answers file, recorded answers or default decide."""
+def _option(question: Question, shown_default: Any = None) -> inspect.Parameter:
+    """The question as a typer option: its type (choices as an Enum), help and default from copier.yml
+    (`shown_default`: what the help gives as the default instead). Its value is None when not given, so
+    that the answers file, recorded answers or default decide."""
     value_type: Any = (
         _choices_enum(question) if question.choices else {"int": int, "bool": bool}.get(question.type, str)
     )
     flag = question.flag
     if question.type == "bool":
         flag += "/" + OFF_FLAGS.get(question.name, "--no-" + question.flag.removeprefix("--"))
-    shown = f" [default: {question.default}]" if question.default != "" else ""
-    option = typer.Option(flag, help=question.help + shown, show_default=False)
+    shown = question.default if shown_default is None else shown_default
+    help_text = question.help + (f" [default: {shown}]" if shown != "" else "")
+    option = typer.Option(flag, help=help_text, show_default=False)
     return inspect.Parameter(question.name, KEYWORD_ONLY, default=None, annotation=Annotated[value_type | None, option])
 
 
-# One option per question but project_name (`new` derives it from DEST), in the order `new` asks them:
-# the prompted ones first, then the rest in copier.yml's order.
+def _shortcut(value: str) -> inspect.Parameter:
+    """--VALUE for one of precision's choices: the same as --precision VALUE."""
+    option = typer.Option(f"--{value}", help=f"Same as {QUESTIONS['precision'].flag} {value}.")
+    return inspect.Parameter(value, KEYWORD_ONLY, default=False, annotation=Annotated[bool, option])
+
+
+# One option per question but project_name (`update` keeps the recorded one), in the order `new` asks them:
+# the prompted ones first, then the rest in copier.yml's order. `new` adds --bf16, --fp16 and --fp32 (one per
+# precision choice) after --precision, and --project-name (its default is DEST's folder name).
 ANSWER_OPTIONS = [
     _option(QUESTIONS[name])
     for name in PROMPTED + [name for name in QUESTIONS if name not in PROMPTED]
     if name != "project_name"
 ]
+# --bf16, --fp16, --fp32: in alphabetical order, in the help and in the message that refuses two of them.
+PRECISION_SHORTCUTS = sorted(QUESTIONS["precision"].choice_values)
+_AFTER_PRECISION = [option.name for option in ANSWER_OPTIONS].index("precision") + 1
+NEW_OPTIONS = [
+    *ANSWER_OPTIONS[:_AFTER_PRECISION],
+    *[_shortcut(value) for value in PRECISION_SHORTCUTS],
+    *ANSWER_OPTIONS[_AFTER_PRECISION:],
+    _option(QUESTIONS["project_name"], shown_default="DEST's folder name"),
+]
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 
-def answer_options(after: dict[str, tuple[str, ...]] | None = None) -> Callable[[Command], Command]:
-    """Give the command an option per question (ANSWER_OPTIONS), passed to its `**` parameter (None if not given).
+def answer_options(
+    options: list[inspect.Parameter], after: dict[str, tuple[str, ...]] | None = None
+) -> Callable[[Command], Command]:
+    """Give the command `options` (generated from the questions), passed to its `**` parameter (None if not
+    given).
 
     typer reads a command's parameters from its signature, so the decorated command's signature is rewritten:
-    its arguments, the question options, then its own (keyword-only) options; those named in `after` are
-    listed right after that question's option instead.
+    its arguments, the options, then its own (keyword-only) options; those named in `after` are listed right
+    after that option instead.
     """
 
     def decorate(command: Command) -> Command:
         declared = inspect.signature(command, eval_str=True).parameters.values()
         own = {p.name: p for p in declared if p.kind is KEYWORD_ONLY}
         listed = [p for p in declared if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-        for option in ANSWER_OPTIONS:
+        for option in options:
             listed += [option] + [own.pop(name) for name in (after or {}).get(option.name, ())]
         command.__signature__ = inspect.Signature(listed + list(own.values()))  # type: ignore[attr-defined]
         return command
@@ -206,17 +227,13 @@ def _complete_answers(answers: dict[str, Any], *, prompting: bool) -> list[str]:
 
 
 @app.command()
-@answer_options(after={"precision": ("bf16", "fp16", "fp32")})
+@answer_options(NEW_OPTIONS)
 def new(
     dest: Annotated[
         str,  # not Path: Path("") is ".", and an empty DEST must be refused, not read as the current folder
         typer.Argument(metavar="DEST", help="Folder to create; its name becomes the project name.", show_default=False),
     ],
     *,
-    bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
-    fp16: Annotated[bool, typer.Option("--fp16", help="Same as --precision fp16.")] = False,
-    fp32: Annotated[bool, typer.Option("--fp32", help="Same as --precision fp32.")] = False,
-    project_name: Annotated[str | None, typer.Option(help="Project name [default: DEST's folder name]")] = None,
     answers_file: Annotated[
         Path | None,
         typer.Option(help="YAML file of answers (the keys of .copier-answers.yml); flags may not contradict it."),
@@ -238,8 +255,8 @@ def new(
     **flags: Any,
 ) -> None:
     """Generate an FSDP2 training project in DEST."""
-    _apply_precision_shortcut(flags, [name for name, flag in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if flag])
-    answers = _given_answers({**flags, "project_name": project_name})
+    _apply_precision_shortcut(flags)
+    answers = _given_answers(flags)
     dest_path, answers, defaults_used = _collect_answers(
         dest, answers, answers_file=answers_file, yes=yes, force=force, interactive=interactive, as_json=as_json
     )
@@ -247,9 +264,10 @@ def new(
     _report(dest_path, answers, written, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
 
 
-def _apply_precision_shortcut(flags: dict[str, Any], shortcuts: list[str]) -> None:
-    """Set the precision answer from --bf16/--fp16/--fp32 (in place, keeping its place among the answers),
-    refusing two shortcuts, or a shortcut that contradicts --precision."""
+def _apply_precision_shortcut(flags: dict[str, Any]) -> None:
+    """Take --bf16/--fp16/--fp32 out of the flags and set the precision answer from them (in place, keeping
+    its place among the answers), refusing two shortcuts, or a shortcut that contradicts --precision."""
+    shortcuts = [value for value in PRECISION_SHORTCUTS if flags.pop(value)]
     precision = flags["precision"]
     if len(shortcuts) > 1 or (shortcuts and precision and precision.value != shortcuts[0]):
         used = [f"--{s}" for s in shortcuts] + ([f"--precision {precision.value}"] if precision else [])
@@ -424,7 +442,7 @@ class Conflict(enum.StrEnum):
 
 
 @app.command()
-@answer_options()
+@answer_options(ANSWER_OPTIONS)
 def update(
     path: Annotated[str, typer.Argument(help="The generated project (a clean git checkout).")] = ".",
     *,
@@ -555,31 +573,40 @@ def _checkable_files(paths: list[Path]) -> list[Path]:
     return files
 
 
+# The options `plan` shares with `new` (a project's answers): the question's flag, type and help; a generated
+# project's own answer is the default under --config.
+PLAN_ANSWERS = ["family", "gpus", "nodes", "precision", "tp"]
+PLAN_OPTIONS = [
+    _option(QUESTIONS[name], shown_default=f"{QUESTIONS[name].default}, or the project's") for name in PLAN_ANSWERS
+]
+
+
+def _size_names() -> str:
+    """`plan --size`'s names (model.size's, then larger published shapes): 'a, b or c'."""
+    *names, last = sizes()
+    return f"{', '.join(names)} or {last}"
+
+
 @app.command()
+@answer_options(PLAN_OPTIONS, after={"family": ("size", "config"), "precision": ("offload", "ac")})
 def plan(
-    family: Annotated[Family | None, typer.Option(help="Model family. [default: llama]", show_default=False)] = None,
+    *,
     size: Annotated[
-        str | None, typer.Option(help="Llama 3 size preset: 1b, 3b, 8b, 70b or 405b.", show_default=False)
+        str | None,
+        typer.Option(help=f"{_size_names()}: model.size's presets, then larger Llama 3 shapes.", show_default=False),
     ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
     ] = None,
-    gpus: Annotated[int | None, typer.Option(help="GPUs per node. [default: 8, or the project's]")] = None,
-    nodes: Annotated[int | None, typer.Option(help="Number of nodes. [default: 1, or the project's]")] = None,
-    precision: Annotated[
-        Precision | None, typer.Option(help="Compute precision. [default: bf16, or the project's]")
-    ] = None,
     offload: Annotated[bool, typer.Option("--offload", help="Keep parameters, gradients, optimizer on CPU.")] = False,
     ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: none, selective or full.")] = "none",
-    tp: Annotated[
-        int | None,
-        typer.Option("--tp", help="Tensor-parallel degree (FSDP over the rest). [default: 1, or the project's]"),
-    ] = None,
     batch: Annotated[
         int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
     ] = None,
-    seq: Annotated[int | None, typer.Option(help="Sequence length. [default: 8192, or the project's]")] = None,
+    seq: Annotated[
+        int | None, typer.Option(help="Sequence length. [default: the size's max_seq_len, or the project's]")
+    ] = None,
     gpu: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
     grad_sync: Annotated[
         str | None,
@@ -591,26 +618,16 @@ def plan(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    **answers: Any,
 ) -> None:
     """Per-GPU memory of FSDP2 training (state, buffers, activations) and whether it fits."""
     from fsdp2gen import plan as planner
 
     try:
         request = planner.build_request(
-            family=family.value if family else None,
-            size=size,
-            config=config,
-            gpus=gpus,
-            nodes=nodes,
-            precision=precision.value if precision else None,
-            offload=offload,
-            ac=ac,
-            tp=tp,
-            batch=batch,
-            seq=seq,
-            gpu=gpu,
-            grad_sync=grad_sync,
-        )
+            size=size, config=config, offload=offload, ac=ac, batch=batch, seq=seq, gpu=gpu, grad_sync=grad_sync,
+            **_given_answers(answers),
+        )  # fmt: skip
     except planner.PlanError as error:
         fail(str(error))
     result = planner.estimate(request)

@@ -34,6 +34,8 @@ from typing import Any
 import yaml
 
 from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
+from fsdp2gen.questions import questions
+from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
 
 FP32 = 4
 INT64 = 8
@@ -66,59 +68,15 @@ MODEL_LIMITS = {
 TRAINING_LIMITS = {"global_batch_size": 2**24, "seq_len": 2**24, "grad_accum_steps": 2**16}
 
 
-@dataclass(frozen=True)
-class LlamaShape:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int = 128256
-    max_seq_len: int = 8192
-    tie_embeddings: bool = False  # the output layer reuses the embedding matrix: one vocab x dim matrix fewer
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-# Llama 3 (8b, 70b), 3.1 (405b) and 3.2 (1b, 3b) shapes, untied: 1b and 3b carry one more vocab x dim matrix
-# than Meta's checkpoints, which tie the output layer to the embedding (a project's model.tie_embeddings).
-LLAMA_SIZES = {
-    "1b": LlamaShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
-    "3b": LlamaShape(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
-    "8b": LlamaShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
-    "70b": LlamaShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
-    "405b": LlamaShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
-}
-
-# ModelArgs and TrainingConfig defaults of the template (tests/test_plan.py keeps them in sync):
-# keys a config.toml leaves out take these values, exactly as the project's config.py does; a 0 takes the
-# value of model.size (TEMPLATE_SIZES, the template's SIZES).
-TEMPLATE_MODEL = {
-    "size": "debug",
-    "dim": 0,
-    "n_layers": 0,
-    "n_heads": 0,
-    "n_kv_heads": 0,
-    "vocab_size": 0,
-    "ffn_dim": 0,
-    "max_seq_len": 0,
-    "rope_theta": 0.0,
-    "norm_eps": 1e-5,
-    "init_std": 0.02,
-    "tie_embeddings": False,
-}
-TEMPLATE_SIZES = {
-    "debug": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512, "ffn_dim": 688,
-              "max_seq_len": 512, "rope_theta": 10000.0},
-    "125m": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000, "ffn_dim": 2048,
-             "max_seq_len": 2048, "rope_theta": 10000.0},
-    "1b": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 8192,
-           "max_seq_len": 8192, "rope_theta": 500000.0},
-    "8b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256, "ffn_dim": 14336,
-           "max_seq_len": 8192, "rope_theta": 500000.0},
-}  # fmt: skip
+# The llama sizes `--size` takes (model.size's names, then larger published shapes) and the ModelArgs defaults
+# a config.toml's [model] leaves out: read from the template's model.py (see sizes.py). A 0 takes the value of
+# model.size (TEMPLATE_SIZES, the template's SIZES), exactly as the project's model.py does.
+SIZES = sizes()
+TEMPLATE_MODEL = template_model_defaults()
+TEMPLATE_SIZES = template_sizes()
+# The Llama 3 shapes among them (its 128256-token vocabulary), untied: 1b and 3b carry one more vocab x dim
+# matrix than Meta's checkpoints, which tie the output layer to the embedding (a project's model.tie_embeddings).
+LLAMA_SIZES = {name: shape for name, shape in SIZES.items() if shape.vocab_size == LLAMA3_VOCAB}
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
 TEMPLATE_GRAD_SYNC = "every_micro_batch"
 
@@ -323,8 +281,6 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     compute = COMPUTE_BYTES[request.precision]
     shapes = parameter_shapes(model, request.tp)
     sharded = sum(shard_numel(shape, ranks) for _, shape in shapes)
-    block_unit = sum(math.prod(shape) for name, shape in shapes if name.startswith("layers.0."))
-    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
     state = {
         "parameters": FP32 * sharded,
         "gradients": FP32 * sharded,
@@ -334,19 +290,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
-    # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
-    # the accumulated ones (deferred_gradients below), not more memory.
-    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
-    per_gpu |= {
-        # rope_cos and rope_sin: fp32 buffers, not sharded.
-        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
-        # The root stays gathered through forward and backward; a block and the prefetched next one.
-        "all_gather_buffers": compute * (root_unit + 2 * block_unit),
-        # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
-        # are copied into an fp32 reduce-scatter input.
-        "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
-        "activations": activations[request.ac],
-    }
+    per_gpu |= _buffers(request, shapes, compute) | {"activations": activations[request.ac]}
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
@@ -375,6 +319,25 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     if with_levers and not plan.fits:
         plan.levers = _levers(plan)
     return plan
+
+
+def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
+    """The model's buffers and FSDP2's all-gather and reduce-scatter buffers, per GPU."""
+    model = request.model
+    block_unit = sum(math.prod(shape) for name, shape in shapes if name.startswith("layers.0."))
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
+    # the accumulated ones (deferred_gradients), not more memory.
+    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
+    return {
+        # rope_cos and rope_sin: fp32 buffers, not sharded.
+        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        # The root stays gathered through forward and backward; a block and the prefetched next one.
+        "all_gather_buffers": compute * (root_unit + 2 * block_unit),
+        # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
+        # are copied into an fp32 reduce-scatter input.
+        "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
+    }
 
 
 def _levers(plan: Plan) -> list[Lever]:
@@ -435,16 +398,7 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     for name, table in sections.items():
         if not isinstance(table, dict):
             raise PlanError(f"{path}: [{name}] must be a table, got {table!r}")
-    model = dict(TEMPLATE_MODEL)
-    for key, value in sections["model"].items():
-        expected = type(TEMPLATE_MODEL[key]) if key in TEMPLATE_MODEL else None
-        if expected is None:
-            raise PlanError(f"{path}: unknown key model.{key}; known: {', '.join(TEMPLATE_MODEL)}")
-        if type(value) is not expected and not (expected is float and type(value) is int):
-            raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}")
-        if expected is float and not (math.isfinite(value) and value >= 0):
-            raise PlanError(f"{path}: model.{key} must be a finite number >= 0, got {value!r}")
-        model[key] = value
+    model = _model_keys(path, sections["model"])
     training = dict(TEMPLATE_TRAINING)
     for key in TEMPLATE_TRAINING:
         value = sections["training"].get(key, training[key])
@@ -455,6 +409,22 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     if grad_sync not in GRAD_SYNC_MODES:
         raise PlanError(f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}")
     training["grad_sync"] = grad_sync
+    # GPUs, nodes and precision the project was generated for (flags override them).
+    return model, training, _read_answers(path.parent / ".copier-answers.yml")
+
+
+def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
+    """config.toml's [model] over ModelArgs' defaults, its zeros taken from model.size, as model.py does."""
+    model = dict(TEMPLATE_MODEL)
+    for key, value in table.items():
+        expected = type(TEMPLATE_MODEL[key]) if key in TEMPLATE_MODEL else None
+        if expected is None:
+            raise PlanError(f"{path}: unknown key model.{key}; known: {', '.join(TEMPLATE_MODEL)}")
+        if type(value) is not expected and not (expected is float and type(value) is int):
+            raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}")
+        if expected is float and not (math.isfinite(value) and value >= 0):
+            raise PlanError(f"{path}: model.{key} must be a finite number >= 0, got {value!r}")
+        model[key] = value
     if model["size"] not in TEMPLATE_SIZES:
         raise PlanError(f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}")
     for key, value in TEMPLATE_SIZES[model["size"]].items():
@@ -462,22 +432,25 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     for key, limit in MODEL_LIMITS.items():
         if not 1 <= model[key] <= limit:
             raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}")
-    # GPUs, nodes and precision the project was generated for (flags override them).
-    answers: dict[str, Any] = {}
-    answers_file = path.parent / ".copier-answers.yml"
-    if answers_file.is_file():
-        try:
-            loaded = load_yaml(read_text(answers_file, "answers file", "fix or delete it"))
-        except FileInputError as error:
-            raise PlanError(str(error)) from None
-        except yaml.YAMLError as error:
-            raise PlanError(f"{answers_file}: invalid YAML ({yaml_problem(error)}); fix or delete it") from None
-        answers = loaded if isinstance(loaded, dict) else {}
-        for key in ("gpus", "nodes"):
-            limit = LIMITS[f"--{key}"]
-            if key in answers and (type(answers[key]) is not int or not 1 <= answers[key] <= limit):
-                raise PlanError(f"{answers_file}: {key} must be an int from 1 to {limit}, got {answers[key]!r}")
-    return model, training, answers
+    return model
+
+
+def _read_answers(answers_file: Path) -> dict[str, Any]:
+    """The project's .copier-answers.yml beside its config.toml ({} when there is none)."""
+    if not answers_file.is_file():
+        return {}
+    try:
+        loaded = load_yaml(read_text(answers_file, "answers file", "fix or delete it"))
+    except FileInputError as error:
+        raise PlanError(str(error)) from None
+    except yaml.YAMLError as error:
+        raise PlanError(f"{answers_file}: invalid YAML ({yaml_problem(error)}); fix or delete it") from None
+    answers = loaded if isinstance(loaded, dict) else {}
+    for key in ("gpus", "nodes"):
+        limit = LIMITS[f"--{key}"]
+        if key in answers and (type(answers[key]) is not int or not 1 <= answers[key] <= limit):
+            raise PlanError(f"{answers_file}: {key} must be an int from 1 to {limit}, got {answers[key]!r}")
+    return answers
 
 
 def _project_tp(path: Path, answers: dict[str, Any]) -> int:
@@ -507,7 +480,8 @@ def build_request(
     gpu: str = "h100-80gb",
     grad_sync: str | None = None,
 ) -> PlanRequest:
-    """Check the command-line options (raising PlanError) and turn them into a PlanRequest."""
+    """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
+    setup of --config's project or of --size, with the options given overriding them."""
     if size is not None and config is not None:
         raise PlanError("--size and --config both given; the model comes from one of them")
     for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
@@ -520,53 +494,70 @@ def build_request(
         raise PlanError(f"--precision {precision}: choose one of {', '.join(COMPUTE_BYTES)}")
     if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
-
-    # With --size the number of micro-batches is not known: None (a grad_sync of last_micro_batch then
-    # assumes accumulation, the only case where it matters).
-    global_batch, accum, answers, config_sync = None, None, {}, TEMPLATE_GRAD_SYNC
     if config is not None:
-        model_keys, training, answers = _read_config(config)
-        if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
-            raise PlanError(f"family {answers.get('family', family)}: only llama is planned")
-        model = LlamaShape(**{key: model_keys[key] for key in LlamaShape.__dataclass_fields__})
-        label = str(config)
-        seq_len = seq or training["seq_len"]
-        global_batch, accum = training["global_batch_size"], training["grad_accum_steps"]
-        tp = tp or _project_tp(config, answers)
-        config_sync = training["grad_sync"]
+        request = _project_request(config, family, tp, seq)
     elif size is not None:
-        if (family or "llama") != "llama":
-            raise PlanError(f"--family {family}: only llama is planned")
-        if size.lower() not in LLAMA_SIZES:
-            raise PlanError(f"--size {size}: unknown size; choose one of {', '.join(LLAMA_SIZES)}")
-        seq_len = seq or 8192
-        model = replace(LLAMA_SIZES[size.lower()], max_seq_len=max(8192, seq_len))
-        label = f"llama {size.lower()}"
+        request = _size_request(size, family, seq)
     else:
-        raise PlanError(f"give --size ({', '.join(LLAMA_SIZES)}) or --config PATH/config.toml")
+        raise PlanError(f"give --size ({', '.join(SIZES)}) or --config PATH/config.toml")
+    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "micro_batch": batch}
+    given |= {"grad_sync": grad_sync, "offload": offload, "ac": ac, "gpu": gpu}
+    request = replace(request, **{name: value for name, value in given.items() if value is not None})
+    _check_request(request, config)
+    return request
 
-    tp = tp or 1
-    # The same checks as model.py's ModelArgs and train.py.
+
+def _default(name: str, answers: dict[str, Any]) -> Any:
+    """The answer the project was generated with, else the template's default (copier.yml)."""
+    return answers.get(name, questions()[name].default)
+
+
+def _project_request(config: Path, family: str | None, tp: int | None, seq: int | None) -> PlanRequest:
+    """The model, batch and setup of a generated project's config.toml and recorded answers."""
+    model_keys, training, answers = _read_config(config)
+    if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
+        raise PlanError(f"family {answers.get('family', family)}: only llama is planned")
+    return PlanRequest(
+        model=shape_of(model_keys),
+        label=str(config),
+        gpus=_default("gpus", answers),
+        nodes=_default("nodes", answers),
+        precision=str(_default("precision", answers)),
+        tp=tp or _project_tp(config, answers),
+        seq_len=seq or training["seq_len"],
+        global_batch_size=training["global_batch_size"],
+        grad_accum_steps=training["grad_accum_steps"],
+        grad_sync=training["grad_sync"],
+    )
+
+
+def _size_request(size: str, family: str | None, seq: int | None) -> PlanRequest:
+    """A size's model at its context length (or --seq's) with the template's default setup. The number of
+    micro-batches is not known: None (a grad_sync of last_micro_batch then assumes accumulation, the only case
+    where it matters)."""
+    if (family or "llama") != "llama":
+        raise PlanError(f"--family {family}: only llama is planned")
+    if size.lower() not in SIZES:
+        raise PlanError(f"--size {size}: unknown size; choose one of {', '.join(SIZES)}")
+    model = SIZES[size.lower()]
+    seq_len = seq or model.max_seq_len
+    return PlanRequest(
+        model=replace(model, max_seq_len=max(model.max_seq_len, seq_len)),
+        label=f"llama {size.lower()}",
+        **{name: questions()[name].default for name in ("gpus", "nodes", "precision", "tp")},
+        seq_len=seq_len,
+        grad_accum_steps=None,
+        grad_sync=TEMPLATE_GRAD_SYNC,
+    )
+
+
+def _check_request(request: PlanRequest, config: Path | None) -> None:
+    """The checks of model.py's ModelArgs and train.py, on the model and setup to plan."""
+    model, tp, seq_len = request.model, request.tp, request.seq_len
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
-        raise PlanError(f"{label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
+        raise PlanError(f"{request.label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
     if seq_len > model.max_seq_len:
         raise PlanError(f"seq_len {seq_len} exceeds model.max_seq_len {model.max_seq_len}")
-    request = PlanRequest(
-        model=model,
-        label=label,
-        gpus=gpus or int(answers.get("gpus", 8)),
-        nodes=nodes or int(answers.get("nodes", 1)),
-        precision=precision or str(answers.get("precision", "bf16")),
-        offload=offload,
-        ac=ac,
-        tp=tp,
-        seq_len=seq_len,
-        micro_batch=batch,
-        global_batch_size=global_batch,
-        grad_accum_steps=accum,
-        grad_sync=grad_sync or config_sync,
-        gpu=gpu,
-    )
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
     if request.world_size % tp:
@@ -576,12 +567,12 @@ def build_request(
     if seq_len % tp:
         # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
         raise PlanError(f"--tp {tp} must divide the sequence length ({seq_len}); change --seq or --tp")
-    if batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
+    global_batch, accum = request.global_batch_size, request.grad_accum_steps
+    if request.micro_batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
         raise PlanError(
             f"training.global_batch_size ({global_batch}) is not divisible by {request.fsdp_ranks} data-parallel "
             f"ranks x grad_accum_steps ({accum}); change the config or pass --batch"
         )
-    return request
 
 
 def _size(count: int) -> str:

@@ -791,7 +791,11 @@ CASES = [
         ("plan", "--size", "8b", "--gpus", "nan"),
         f"Invalid value for '--gpus': 'nan': {NOT_INT}",
     ),
-    Case("plan-size-unknown", ("plan", "--size", "1t"), "--size 1t: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
+    Case(
+        "plan-size-unknown",
+        ("plan", "--size", "1t"),
+        "--size 1t: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b",
+    ),
     Case(
         "plan-config-missing",
         ("plan", "--config", "nope.toml"),

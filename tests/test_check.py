@@ -86,7 +86,11 @@ BARRIER = "    dist.barrier()\n    dist.destroy_process_group()"
 FLOAT8_CALL = "        convert_blocks_to_float8(model.layers, device)\n"
 # Each mistake, planted in the generated train.py as (old, new) edits, is reported once, on the line holding `at`.
 PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
-    "FSDP003": ([("logits = model(inputs", "logits = model.forward(inputs")], "model.forward(inputs"),
+    # train_step's call (evaluate's, indented deeper, stays right).
+    "FSDP003": (
+        [("\n        logits = model(inputs", "\n        logits = model.forward(inputs")],
+        "model.forward(inputs",
+    ),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),
     "FSDP005": (
         # The call's arguments stay: any no_sync call is the mistake.

@@ -29,6 +29,8 @@ DEFAULT_OPTIONS = {
     "tensorboard": False,
     "tokenizer": "",
     "wandb": False,
+    "task": "pretrain",
+    "lora": False,
 }
 # name -> answers; every name must exist in generated_examples/ and vice versa. Every option is on in one at least.
 GOLDENS = {
@@ -124,6 +126,20 @@ GOLDENS = {
         "checkpoint": "dcp",
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
+    },
+    # Supervised fine-tuning of a Hugging Face model on chat data, with LoRA adapters.
+    "hf-2gpu-fp32-sft-lora": {
+        "family": "hf",
+        "hf_model": "models/tiny-llama",
+        "pretrained": True,
+        "gpus": 2,
+        "nodes": 1,
+        "precision": "fp32",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "task": "sft",
+        "lora": True,
     },
     # Your own model, with a tokenizer from the hub (fetched when first used): model.vocab_size follows it.
     "custom-2gpu-fp32": {

@@ -116,7 +116,7 @@ def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_pat
     assert first.returncode == 0, (first.stdout, first.stderr, logs)
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3]
     job_id = first.stdout.split()[-1]
-    assert "step      3 | loss" in logs[f"run-{job_id}.out"]
+    assert "step      3/3 | loss" in logs[f"run-{job_id}.out"]
     # The rendezvous port comes from the job id (two jobs on one head node do not collide), and the CPUs given to
     # sbatch reach torchrun's task.
     port = 20000 + int(job_id) % 20000

@@ -383,8 +383,8 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--size", "9b"], "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b"),
-        ([], "give --size (1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
+        (["--size", "9b"], "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b"),
+        ([], "give --size (debug, 125m, 1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
         (["--size", "8b", "--tp", "8", "--seq", "8196"],
          "--tp 8 must divide the sequence length (8196); change --seq or --tp"),
@@ -413,7 +413,7 @@ def test_bad_input_under_json_is_a_json_error() -> None:
     result = invoke("plan", "--size", "9b", "--json")
     assert result.exit_code == 2
     assert json.loads(result.stdout) == {
-        "error": "--size 9b: unknown size; choose one of 1b, 3b, 8b, 70b, 405b",
+        "error": "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b",
         "code": 2,
     }
 

@@ -25,7 +25,7 @@ def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], 
     losses = [r["loss"] for r in records]
     # The same 8 samples every step: the loss must fall steadily.
     assert losses[-1] < 0.8 * losses[0] and losses == sorted(losses, reverse=True), losses
-    assert len(re.findall(r"^step +\d+ \| loss ", result.stdout, flags=re.M)) == 5
+    assert len(re.findall(r"^step +\d+/5 \| loss .* \| ETA \d+:\d\d:\d\d$", result.stdout, flags=re.M)) == 5
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-5"]
 
 

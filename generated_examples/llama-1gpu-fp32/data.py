@@ -58,6 +58,7 @@ class TokenFile:
 
 
 INDEX_FILE = "index.json"  # what scripts/prepare_data.py writes next to its shards
+IGNORE = -100  # the target of a token the loss skips (F.cross_entropy's default ignore_index)
 
 
 def read_index(folder: str | Path) -> dict:
@@ -75,11 +76,11 @@ class TokenShards:
     def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
         index = read_index(folder)
         self.seq_len = seq_len
-        self.shards = [
-            np.memmap(Path(folder) / shard["file"], dtype=index["dtype"], mode="r")
-            for shard in index[split]
-            if shard["tokens"] > seq_len
-        ]
+        shards = [shard for shard in index[split] if shard["tokens"] > seq_len]
+        self.shards = [np.memmap(Path(folder) / shard["file"], dtype=index["dtype"], mode="r") for shard in shards]
+        # Chat data (scripts/prepare_chat.py): a mask per token, 1 where the token is a target of the loss.
+        self.masks = [np.memmap(Path(folder) / shard["mask_file"], dtype=np.uint8, mode="r") for shard in shards
+                      if "mask_file" in shard]  # fmt: skip
         windows = [(len(tokens) - 1) // seq_len for tokens in self.shards]
         # starts[k]: the index of shard k's first sample.
         self.starts = np.cumsum([0, *windows])
@@ -91,7 +92,10 @@ class TokenShards:
     def __getitem__(self, index: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         start = (index - int(self.starts[shard])) * self.seq_len
-        return self.shards[shard][start : start + self.seq_len + 1]
+        window = slice(start, start + self.seq_len + 1)
+        if self.masks:
+            return np.stack([self.shards[shard][window], self.masks[shard][window]])  # (tokens, target mask)
+        return self.shards[shard][window]
 
 
 def open_tokens(path: str | Path, split: str, seq_len: int, vocab_size: int) -> TokenFile | TokenShards:
@@ -132,6 +136,12 @@ def micro_batches(
     batches = []
     for m in range(grad_accum_steps):
         rows = np.stack([samples[first + m * micro + i] for i in range(micro)]).astype(np.int64)
+        if rows.ndim == 3:
+            # Chat samples: a target whose mask is 0 (a prompt token) becomes IGNORE, which the loss skips.
+            tokens, mask = rows[:, 0], rows[:, 1]
+            targets = np.where(mask[:, 1:] == 1, tokens[:, 1:], IGNORE)
+            batches.append((torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)))
+            continue
         tokens = torch.from_numpy(rows)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     return batches

@@ -181,6 +181,11 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int) -> None:
             f"data.path {path} is not finished: scripts/prepare_data.py stopped before the end; run it again with "
             "the same arguments to finish it"
         )
+    if index.get("masks"):
+        raise PreflightError(
+            f"data.path {path} holds chat data with a loss mask (scripts/prepare_chat.py), which a --task sft "
+            "project trains on; prepare plain text with scripts/prepare_data.py"
+        )
     if vocabulary > vocab_size:
         raise PreflightError(
             f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "

@@ -185,9 +185,10 @@ def build_optimizer(
     """
     # The fused kernel needs the shards on the GPU; offloaded shards are stepped in CPU memory.
     on_gpu = device.type == "cuda" and next(model.parameters()).device.type == "cuda"
+    trainable = list(model.parameters())
     # Norm weights (the only 1-D parameters) are not decayed.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=training.lr,
@@ -254,8 +255,9 @@ def evaluate(
     """Mean validation loss over the first eval.batches x global_batch_size validation samples.
 
     The samples are split over the ranks like a training step's, so the mean is over the same tokens on any
-    number of GPUs. Every micro-batch holds as many tokens as any other, so the mean of the micro-batch means
-    is the mean over all tokens.
+    number of GPUs.
+    Every micro-batch holds as many tokens as any other, so the mean of the micro-batch means is the mean over
+    all tokens.
     """
     training = config.training
     model.eval()  # no dropout (in models that have it)

@@ -310,15 +310,16 @@ class ShardWriter:
 
     A shard is written as NAME.tmp and renamed when finished; index.json records it, and how many pieces the
     finished shards hold, at the same moment. A run stopped at any point therefore leaves only finished shards
-    in the index, and the next run rewrites whatever came after them.
+    in the index, and the next run rewrites whatever came after them. With index["masks"] (chat data) each
+    shard has a .mask file beside it: one byte per token, 1 where the token is a target of the loss.
     """
 
     def __init__(self, output: Path, index: dict) -> None:
         self.output, self.index = output, index
         self.dtype = np.dtype(index["dtype"])
         self.limit = index["settings"]["shard_tokens"]
-        self.open: dict[str, tuple] = {}  # split -> (file, path, tokens, largest id)
-        for leftover in output.glob("*.bin.tmp"):
+        self.open: dict[str, OpenShard] = {}
+        for leftover in [*output.glob("*.bin.tmp"), *output.glob("*.mask.tmp")]:
             leftover.unlink()  # an unfinished shard of the interrupted run: its pieces are tokenized again
 
     def write(self, batch: list[tuple[int, str, bool, bool]], tokenizer: Tokenizer) -> None:
@@ -327,28 +328,25 @@ class ShardWriter:
         encoded = tokenizer.encode_batch([text for _, text, _, _ in batch])
         for (number, _, ends_document, validation), ids in zip(batch, encoded, strict=True):
             self.append("val" if validation else "train", ids + eos if ends_document else ids)
-            if self.open.get("train", (None, None, 0))[2] >= self.limit:
-                # Both splits end their shards after the same piece, so that index.json's pieces_done is a
-                # point to resume from; shards therefore end where they would without an interruption.
-                self.close_all(pieces_done=number + 1)
+            self.close_if_full(pieces_done=number + 1)
 
-    def append(self, split: str, ids: list[int]) -> None:
+    def append(self, split: str, ids: list[int], mask: list[int] | None = None) -> None:
         if not ids:
             return
         if split not in self.open:
-            path = self.output / f"{split}-{len(self.index[split]):05d}.bin.tmp"
-            self.open[split] = (open(path, "wb"), path, 0, 0)
-        file, path, tokens, largest = self.open[split]
-        array = np.asarray(ids, dtype=np.int64)
-        file.write(array.astype(self.dtype).tobytes())
-        self.open[split] = (file, path, tokens + len(array), max(largest, int(array.max())))
+            stem = self.output / f"{split}-{len(self.index[split]):05d}"
+            self.open[split] = OpenShard(stem, masked=bool(self.index.get("masks")))
+        self.open[split].append(np.asarray(ids, dtype=np.int64).astype(self.dtype), mask)
+
+    def close_if_full(self, pieces_done: int) -> None:
+        if "train" in self.open and self.open["train"].tokens >= self.limit:
+            # Both splits end their shards after the same piece, so that index.json's pieces_done is a point to
+            # resume from; shards therefore end where they would without an interruption.
+            self.close_all(pieces_done)
 
     def close_all(self, pieces_done: int) -> None:
-        for split, (file, path, tokens, largest) in sorted(self.open.items()):
-            file.close()
-            path.rename(path.with_suffix(""))
-            shard = {"file": path.with_suffix("").name, "tokens": tokens, "max_id": largest, "pieces_end": pieces_done}
-            self.index[split].append(shard)
+        for split, shard in sorted(self.open.items()):
+            self.index[split].append(shard.close(pieces_done))
         self.open = {}
         self.index["pieces_done"] = pieces_done
         self.save_index()
@@ -361,6 +359,32 @@ class ShardWriter:
         staging = self.output / (INDEX_FILE + ".partial")
         staging.write_text(json.dumps(self.index, indent=1) + "\n")
         staging.replace(self.output / INDEX_FILE)
+
+
+class OpenShard:
+    """A shard being written: NAME.bin.tmp (and NAME.mask.tmp), renamed to NAME.bin (NAME.mask) by close()."""
+
+    def __init__(self, stem: Path, masked: bool) -> None:
+        self.stem, self.tokens, self.largest = stem, 0, 0
+        self.file = open(stem.with_name(stem.name + ".bin.tmp"), "wb")
+        self.mask_file = open(stem.with_name(stem.name + ".mask.tmp"), "wb") if masked else None
+
+    def append(self, ids: np.ndarray, mask: list[int] | None) -> None:
+        self.file.write(ids.tobytes())
+        if self.mask_file is not None:
+            self.mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
+        self.tokens += len(ids)
+        self.largest = max(self.largest, int(ids.max()))
+
+    def close(self, pieces_done: int) -> dict:
+        shard = {"file": self.stem.name + ".bin", "tokens": self.tokens, "max_id": self.largest}
+        for file, suffix in ((self.file, ".bin"), (self.mask_file, ".mask")):
+            if file is not None:
+                file.close()
+                Path(file.name).rename(self.stem.with_name(self.stem.name + suffix))
+        if self.mask_file is not None:
+            shard["mask_file"] = self.stem.name + ".mask"
+        return {**shard, "pieces_end": pieces_done}
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from huggingface_hub import snapshot_download
+from peft import LoraConfig as PeftLoraConfig
+from peft import inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -109,6 +112,9 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
     # The other ranks learn the file names from rank 0 (on another node they may not see the folder).
     files = share_from_rank0(files, error)
     names = tensor_names(model)
+    # The files name an adapted layer's weight q_proj.weight; in the model it is q_proj.base_layer.weight.
+    adapted = {name.replace(".base_layer.", "."): name for group in model_names(model) for name in group
+               if ".base_layer." in name}  # fmt: skip
     loaded: set[str] = set()
     # strict=False: each file holds part of the weights; completeness is checked once all are loaded.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -121,6 +127,7 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
                 error = f"cannot read {folder / file}: {type(exc).__name__}: {exc}"
         share_from_rank0(None, error)
         loaded |= state.keys()
+        state = {adapted.get(key, key): tensor for key, tensor in state.items()}
         # A collective: rank 0 sends the tensors one at a time; each rank copies out its own shard.
         set_model_state_dict(model, state, options=options)
         del state
@@ -149,6 +156,33 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
     run_hf_init(model)
     for tensor in tensors:
         del tensor._is_hf_initialized
+
+
+class LoraTargetError(ValueError):
+    """lora.target_modules names no module of the model."""
+
+
+def add_lora_adapters(model: PreTrainedModel, rank: int, alpha: float, dropout: float, targets: list[str]) -> None:
+    """LoRA adapters (peft) on the linear layers named in `targets`, added in place before sharding (on the meta
+    device, like the model). peft freezes every other weight: only the adapters train and have optimizer state."""
+    settings = PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
+    try:
+        inject_adapter_in_model(settings, model)
+    except ValueError:  # peft's own (NoMatchingPeftModuleError is one) names the problem, not the choices
+        linears = sorted({name.rsplit(".", 1)[-1] for name, layer in model.named_modules() if type(layer) is nn.Linear})
+        raise LoraTargetError(
+            f"lora.target_modules {targets} match no layer of the model; its linear layers are {linears}"
+        ) from None
+
+
+def init_lora_adapters(model: PreTrainedModel, seed: int) -> None:
+    """peft's initialisation of the sharded adapters: A Kaiming-uniform, B zero, so training starts from exactly the
+    pretrained model. A is drawn as whole tensors from one generator, the same for any number of ranks."""
+    torch.manual_seed(seed)
+    with WholeTensorRandomFills():
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.reset_lora_parameters("default", init_lora_weights=True)
 
 
 def init_from_scratch(model: PreTrainedModel, seed: int) -> None:
@@ -253,12 +287,25 @@ def safetensors_files(folder: Path) -> list[str]:
     raise ValueError("no model.safetensors or model.safetensors.index.json (other weight formats are not read)")
 
 
+def model_names(model: nn.Module) -> list[set[str]]:
+    """The names of each tensor of the model, as state-dict functions take them: without the prefixes of
+    torch.compile and activation-checkpoint wrappers around blocks. Tied weights are one tensor, several names."""
+    names: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        names.setdefault(id(tensor), set()).add(name)
+    return list(names.values())
+
+
 def tensor_names(model: nn.Module) -> dict[int, set[str]]:
     """The names of each tensor the checkpoint must provide; tied weights are one tensor with several names."""
     names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        # Without the prefixes of torch.compile and activation-checkpoint wrappers around blocks.
         name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        if ".lora_" in name:
+            continue  # an adapter: not in the pretrained files (init_lora_adapters fills it)
+        # peft moved an adapted layer's own weight one level down, to base_layer.
+        name = name.replace(".base_layer.", ".")
         names.setdefault(id(tensor), set()).add(name)
     return names
 

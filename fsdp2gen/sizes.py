@@ -1,0 +1,82 @@
+"""The llama family's model shapes `fsdp2gen plan` knows: the template's own, read from its model.py, and the
+larger published Llama 3 shapes the template does not offer.
+
+model.py's `SIZES` (the `model.size` presets) and `ModelArgs` defaults are read with ast from the file the wheel
+ships (model.py imports torch, which the generator must not), so they are written down in one place only.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fsdp2gen import questions
+
+# The llama family's model.py in the template (a file-name conditional: only family llama renders it).
+LLAMA_MODEL = Path("project") / '{% if family == "llama" %}model.py{% endif %}'
+LLAMA3_VOCAB = 128256
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = LLAMA3_VOCAB
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False  # the output layer reuses the embedding matrix: one vocab x dim matrix fewer
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# Llama 3 (70b), 3.1 (405b) and 3.2 (3b) shapes that model.size does not offer, untied: 3b carries one more
+# vocab x dim matrix than Meta's checkpoint, which ties the output layer to the embedding.
+PUBLISHED = {
+    "3b": LlamaShape(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
+    "70b": LlamaShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    "405b": LlamaShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+}
+
+
+@cache
+def _template_model() -> ast.Module:
+    return ast.parse((questions.template_dir() / LLAMA_MODEL).read_text(encoding="utf-8"))
+
+
+def template_sizes() -> dict[str, dict[str, Any]]:
+    """model.py's SIZES: {model.size: {ModelArgs field: value}}, in the template's order."""
+    for node in _template_model().body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["SIZES"]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"no SIZES in the template's {LLAMA_MODEL}")
+
+
+def template_model_defaults() -> dict[str, Any]:
+    """model.py's ModelArgs defaults, in field order: what a config.toml's [model] leaves out."""
+    for node in _template_model().body:
+        if isinstance(node, ast.ClassDef) and node.name == "ModelArgs":
+            return {
+                field.target.id: ast.literal_eval(field.value)
+                for field in node.body
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and field.value is not None
+            }
+    raise LookupError(f"no ModelArgs in the template's {LLAMA_MODEL}")
+
+
+def shape_of(keys: dict[str, Any]) -> LlamaShape:
+    """The shape of ModelArgs-like `keys` (rope_theta, norm_eps and the like do not change the memory)."""
+    return LlamaShape(**{field.name: keys[field.name] for field in fields(LlamaShape) if field.name in keys})
+
+
+@cache
+def sizes() -> dict[str, LlamaShape]:
+    """Every size `plan --size` takes, narrowest first: model.size's names, then the published shapes."""
+    found = {name: shape_of(keys) for name, keys in template_sizes().items()} | PUBLISHED
+    return dict(sorted(found.items(), key=lambda item: (item[1].dim, item[1].n_layers)))

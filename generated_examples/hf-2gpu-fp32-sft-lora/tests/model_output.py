@@ -1,0 +1,34 @@
+"""Run under torchrun by test_training.py: load the newest checkpoint into the sharded model with
+train.py's own blocks and save its output on a fixed input, for comparison with the exported model."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import parse_args
+from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
+
+
+def main() -> None:
+    config = parse_args(sys.argv[1:])
+    device, mesh = init_distributed(config)
+    model = build_model_meta(config, mesh, device)
+    optimizer, scheduler = build_optimizer(model, config.training, device)
+    state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="test")
+    output_dir = Path(config.job.output_dir)
+    assert checkpoint_load(state, output_dir / "checkpoints") is not None, "no checkpoint to load"
+    # The same input on every rank: each rank computes the whole output with the all-gathered weights.
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(config.model.vocab_size, (2, config.training.seq_len), generator=generator)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens.to(device)).logits.float().cpu()
+    if dist.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, output_dir / "model_output.pt")
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Run under torchrun inside a generated `--lora` project (PYTHONPATH = the project) by test_lora.py.
+
+Loads the newest checkpoint with train.py's own blocks, then rank 0 writes $PROBE_OUT (JSON): whether every frozen
+weight equals the pretrained file's bit for bit, the norm of each adapter, and per rank the optimizer state's size
+next to the adapters' and the frozen weights' local sizes.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from config import parse_args
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
+
+config = parse_args(sys.argv[1:])
+device, mesh = init_distributed(config)
+model = build_model_meta(config, mesh, device)
+optimizer, scheduler = build_optimizer(model, config.training, device)
+state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="probe")
+assert checkpoint_load(state, Path(config.job.output_dir) / "checkpoints") is not None
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
+
+
+optimizer_state = sum(local_numel(v) for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
+adapters = sum(local_numel(p) for p in model.parameters() if p.requires_grad)
+frozen = sum(local_numel(p) for p in model.parameters() if not p.requires_grad)
+sizes = [None] * dist.get_world_size()
+dist.all_gather_object(sizes, {"optimizer_state": optimizer_state, "adapters": adapters, "frozen": frozen})
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if dist.get_rank() == 0:
+    pretrained = load_file(config.model.folder / "model.safetensors")
+    base = {name.replace(".base_layer.", "."): tensor for name, tensor in full.items() if ".lora_" not in name}
+    report = {
+        "frozen_equal": sorted(name for name in pretrained if torch.equal(pretrained[name], base[name])),
+        "frozen_names": sorted(pretrained),
+        "adapter_norms": {name: tensor.norm().item() for name, tensor in full.items() if ".lora_" in name},
+        "sizes": sizes,
+    }
+    Path(os.environ["PROBE_OUT"]).write_text(json.dumps(report))
+close_process_group()

@@ -1,0 +1,138 @@
+"""LoRA (`--lora`, family hf): peft adapters added to the model built on the meta device, sharded with
+fully_shard, trained on 2 gloo ranks; a tiny Llama made here with transformers, no network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, generate, metrics, torchrun
+
+TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "0",
+         "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0",
+         "--lora.rank", "4", "--lora.alpha", "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run saved at steps 2 and 4."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("lora")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat " * 50], vocab_size=280, min_frequency=1,
+                            special_tokens=["<|endoftext|>"])  # fmt: skip
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(root / "model")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    project = generate(root / "run", "--family", "hf", "--hf-model", str(root / "model"), "--lora", "--gpus", "2",
+                       "--fp32")  # fmt: skip
+    out = root / "out"
+    result = torchrun(project, "train.py", *TRAIN, "--training.steps", "4", "--checkpoint.interval", "2",
+                      "--job.output_dir", str(out))  # fmt: skip
+    # rank 4: (64 + 64) x 4 per attention projection (k, v: 64 + 32), (64 + 128) x 4 per MLP one, x 2 blocks.
+    assert "model: 123,200 parameters, 8,192 of them trainable (LoRA adapters)" in result.stdout
+    return {"root": root, "project": project, "model": root / "model", "out": out}
+
+
+def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, tmp_path: Path) -> None:
+    env = {"PROBE_OUT": str(tmp_path / "probe.json")}
+    torchrun(lora["project"], str(REPO / "tests" / "lora_probe.py"), *TRAIN, "--job.output_dir", str(lora["out"]),
+             env=env)  # fmt: skip
+    report = json.loads((tmp_path / "probe.json").read_text())
+    # Every pretrained weight is still the file's, bit for bit.
+    assert report["frozen_equal"] == report["frozen_names"] and len(report["frozen_names"]) == 21
+    # 7 target layers x 2 blocks x (A, B); B starts at zero, so a nonzero B has been trained.
+    norms = report["adapter_norms"]
+    assert len(norms) == 28 and all(norms[name] > 0 for name in norms if "lora_B" in name), norms
+    # AdamW's two moments per adapter value, on each rank for its shards; nothing for the frozen weights.
+    for sizes in report["sizes"]:
+        assert sizes["optimizer_state"] == 2 * sizes["adapters"], report["sizes"]
+        assert sizes["adapters"] * 3 < sizes["frozen"]
+    assert sum(s["adapters"] for s in report["sizes"]) == 8_192
+    # The checkpoint holds the adapters and their optimizer state only.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(lora["out"] / "checkpoints" / "step-4").read_metadata().state_dict_metadata
+    model_keys = [key for key in keys if key.startswith("train.model.")]
+    assert len(model_keys) == 28 and all(".lora_" in key for key in model_keys)
+    assert all(".lora_" in key for key in keys if key.startswith("train.optimizer.state."))
+
+
+def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: Path) -> None:
+    two = [r["loss"] for r in metrics(lora["out"])]
+    torchrun(lora["project"], "train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(tmp_path / "one"),
+             nproc=1)  # fmt: skip
+    one = [r["loss"] for r in metrics(tmp_path / "one")]
+    assert len(two) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, two, strict=True)), (one, two)
+    # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora["out"], resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-4")
+    (resumed / "metrics.jsonl").write_text("".join((resumed / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    torchrun(lora["project"], "train.py", *TRAIN, "--training.steps", "4", "--checkpoint.interval", "2",
+             "--job.output_dir", str(resumed))  # fmt: skip
+    assert [r["loss"] for r in metrics(resumed)] == two
+
+
+def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(lora: dict, tmp_path: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    shutil.copytree(lora["out"], out)
+    torchrun(lora["project"], "tests/model_output.py", *TRAIN, "--job.output_dir", str(out))
+    expected = torch.load(out / "model_output.pt")
+    for kind, args in {"merged": [], "adapter": ["--adapter"]}.items():
+        command = [sys.executable, "scripts/export.py", str(out / "checkpoints" / "step-4"), "--output",
+                   str(tmp_path / kind), *args]  # fmt: skip
+        result = subprocess.run(command, cwd=lora["project"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(lora["model"], dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    with torch.no_grad():
+        for model in (merged, adapted):
+            logits = model.eval()(expected["tokens"]).logits
+            assert (logits - expected["logits"]).abs().max().item() <= 1e-5
+
+
+def test_lora_target_modules_that_match_nothing_stop_with_one_line(lora: dict, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", *TRAIN, "--lora.target_modules", "attn_proj", "--job.output_dir", str(tmp_path)],
+        cwd=lora["project"], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "train.py: error: lora.target_modules ['attn_proj'] match no layer of the model; its linear layers are "
+        "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--lora"], "LoRA adapts a pretrained Hugging Face model; use --family hf --hf-model MODEL"),
+        (["--family", "hf", "--hf-model", "org/model", "--lora", "--from-scratch"], "LoRA adapts pretrained weights"),
+        (["--family", "hf", "--hf-model", "org/model", "--lora", "--checkpoint", "full"],
+         "LoRA checkpoints hold the adapters only, in the sharded styles"),
+    ],
+)  # fmt: skip
+def test_lora_refuses_what_it_cannot_adapt(flags: list[str], message: str, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "fsdp2gen", "new", str(tmp_path / "run"), "--yes", *flags],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert message in result.stderr

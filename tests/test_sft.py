@@ -1,0 +1,191 @@
+"""Supervised fine-tuning (`--task sft`, family hf) on chat data: a tiny Llama made here with transformers and a
+tokenizer with a chat template, conversations prepared with scripts/prepare_chat.py, trained on 2 gloo ranks.
+No network.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import generate, metrics, torchrun
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORDS = "alpha beta gamma delta red green blue one two three four five six seven".split()
+TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "0",
+         "--training.lr", "1e-3", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama with a byte-level BPE tokenizer that has a chat template, a generated sft project, and 300
+    conversations of uneven lengths prepared into shards."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("sft")
+    rng = random.Random(0)
+    records = []
+    for number in range(300):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+        response = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20)))
+        if number % 2:
+            records.append({"prompt": prompt, "response": response})
+        else:
+            records.append({"messages": [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": prompt},
+                                         {"role": "assistant", "content": response}]})  # fmt: skip
+    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    bpe = ByteLevelBPETokenizer()
+    special = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    bpe.train_from_iterator([" ".join(WORDS) * 20], vocab_size=300, min_frequency=1, special_tokens=special)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tokenizer.chat_template = TEMPLATE
+    model_dir = root / "model"
+    tokenizer.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    project = generate(root / "run", "--family", "hf", "--hf-model", str(model_dir), "--task", "sft", "--gpus", "2",
+                       "--fp32")  # fmt: skip
+    result = prepare(project, str(root / "chats.jsonl"), "--output", str(root / "data"), "--val-fraction", "0.1")
+    assert result.returncode == 0, result.stderr
+    return {"root": root, "project": project, "model": model_dir, "data": root / "data", "records": records}
+
+
+def prepare(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/prepare_chat.py", *args], cwd=project, capture_output=True,
+                          text=True)  # fmt: skip
+
+
+def shards(data: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    index = json.loads((data / "index.json").read_text())
+    tokens = np.concatenate([np.fromfile(data / s["file"], dtype=np.uint16) for s in index[split]])
+    mask = np.concatenate([np.fromfile(data / s["mask_file"], dtype=np.uint8) for s in index[split]])
+    return tokens.astype(np.int64), mask
+
+
+def test_only_the_assistants_tokens_are_targets(chat: dict) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat["model"])
+    tokens, mask = shards(chat["data"], "train")
+    assert len(tokens) == len(mask)
+    # The masked runs, decoded, are each response followed by the template's end-of-turn token, in order.
+    runs = np.split(np.arange(len(mask)), np.flatnonzero(np.diff(mask)) + 1)
+    targets = [tokenizer.decode(tokens[run]) for run in runs if mask[run[0]]]
+    responses = [r.get("response") or r["messages"][-1]["content"] for n, r in enumerate(chat["records"])
+                 if (n + 1) % 10]  # every 10th conversation is in the validation split  # fmt: skip
+    assert targets == [response + "<|end|>" for response in responses]
+
+
+def test_masked_loss_on_2_ranks_with_accumulation_equals_plain_pytorch(chat: dict, tmp_path: Path) -> None:
+    # Step 1's loss and gradient norm against a one-process computation over the same 8 samples: the mean
+    # cross-entropy over all assistant tokens of the step, not a mean of per-rank or per-micro-batch means
+    # (the samples hold different numbers of targets, so those would differ).
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    torchrun(chat["project"], "train.py", *TRAIN, "--data.path", str(chat["data"]), "--training.steps", "1",
+             "--training.grad_accum_steps", "2", "--job.output_dir", str(out))  # fmt: skip
+    [record] = metrics(out)
+
+    seq_len, batch, seed = 32, 8, 0
+    tokens, mask = shards(chat["data"], "train")
+    windows = (len(tokens) - 1) // seq_len  # one shard: windows of seq_len + 1 tokens, every seq_len
+    order = np.random.default_rng([seed, 0]).permutation(windows)[:batch]  # data.py's epoch-0 order
+    rows = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in order])
+    row_masks = np.stack([mask[i * seq_len : i * seq_len + seq_len + 1] for i in order])
+    per_rank = row_masks[:, 1:].reshape(2, -1).sum(axis=1)
+    assert per_rank[0] != per_rank[1], per_rank  # unequal targets on the two ranks
+    targets = np.where(row_masks[:, 1:] == 1, rows[:, 1:], -100)
+    model = AutoModelForCausalLM.from_pretrained(chat["model"], dtype=torch.float32)
+    logits = model(torch.from_numpy(rows[:, :-1])).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(targets).flatten(), ignore_index=-100)
+    loss.backward()
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert abs(record["loss"] - loss.item()) <= 1e-5, (record["loss"], loss.item())
+    assert abs(record["grad_norm"] - grad_norm.item()) <= 1e-5 * max(1.0, grad_norm.item())
+
+
+def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
+    # The generated loss, on logits that require grad: the gradient at every prompt position is exactly zero,
+    # so no label of a prompt token can change the update; at every assistant position it is not.
+    probe = (
+        "import torch, torch.nn.functional as F; from data import IGNORE;"
+        "torch.manual_seed(0); logits = torch.randn(2, 6, 10, requires_grad=True);"
+        "targets = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE, 1], [IGNORE, 2, 2, IGNORE, IGNORE, IGNORE]]);"
+        "F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction='sum').backward();"
+        "print((logits.grad.abs().sum(-1) > 0).int().tolist())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=chat["project"], capture_output=True, text=True)
+    assert json.loads(result.stdout) == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], result.stderr
+    # ...and train.py's train_step computes the loss exactly that way.
+    source = (chat["project"] / "train.py").read_text()
+    assert 'ignore_index=IGNORE, reduction="sum"' in source
+
+
+def test_sft_trains_and_the_validation_loss_falls(chat: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [*TRAIN, "--data.path", str(chat["data"]), "--training.steps", "12", "--eval.every", "6",
+            "--eval.batches", "1", "--training.lr", "3e-3", "--job.output_dir", str(out)]  # fmt: skip
+    torchrun(chat["project"], "train.py", *args)
+    validation = [r["val_loss"] for r in metrics(out) if "val_loss" in r]
+    assert len(validation) == 2 and validation[1] < validation[0], validation
+
+
+BAD_CHATS = {
+    "no-fields": ('{"text": "hello"}\n', "{path}:1 has neither a messages list nor prompt and response strings"),
+    "no-assistant": ('{"messages": [{"role": "user", "content": "hi"}]}\n', "{path}:1 has no assistant turn"),
+    "bad-role": ('{"messages": [{"role": "robot", "content": "hi"}]}\n', "{path}:1: a message needs a role"),
+    "not-json": ("hello\n", "{path}:1 is not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHATS)
+def test_bad_chat_lines_are_one_line_and_exit_2(case: str, chat: dict, tmp_path: Path) -> None:
+    line, expected = BAD_CHATS[case]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(line)
+    result = prepare(chat["project"], str(path), "--output", str(tmp_path / "data"))
+    assert result.returncode == 2
+    [message] = [line for line in result.stderr.splitlines() if line.startswith("prepare_chat.py: error: ")]
+    assert message.startswith("prepare_chat.py: error: " + expected.format(path=path)), message
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_tokenizer_without_chat_template_is_refused(chat: dict, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    plain = tmp_path / "plain"
+    tokenizer = AutoTokenizer.from_pretrained(chat["model"])
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    result = prepare(chat["project"], str(chat["root"] / "chats.jsonl"), "--output", str(tmp_path / "data"),
+                     "--tokenizer", str(plain))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"prepare_chat.py: error: the tokenizer of {plain} has no chat template (tokenizer_config.json's "
+        "chat_template); use an instruct model's tokenizer with --tokenizer, or add a template"
+    )
+
+
+def test_sft_needs_the_hf_family(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "fsdp2gen", "new", str(tmp_path / "run"), "--yes", "--task", "sft"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert "--task sft renders conversations with a tokenizer's chat template, which the hf family has" in result.stderr
