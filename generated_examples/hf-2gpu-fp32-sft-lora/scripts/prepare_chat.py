@@ -30,7 +30,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 sys.path.insert(0, str(SCRIPTS))
 # prepare_data.py (beside this script) writes the shards of both scripts.
-from prepare_data import USAGE_ERROR, DataError, ShardWriter, count, describe, start_index  # noqa: E402
+from prepare_data import USAGE_ERROR, DataError, ShardWriter, check_output, count, describe, start_index  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer  # noqa: E402
@@ -68,6 +68,7 @@ def prepare(args: argparse.Namespace) -> None:
             f"the tokenizer of {spec} has no chat template (tokenizer_config.json's chat_template); use an "
             "instruct model's tokenizer with --tokenizer, or add a template"
         )
+    check_output(args.output)
     for path in args.inputs:
         if not path.is_file():
             raise DataError(f"input {path} is not a file; give JSONL files of conversations")

@@ -78,7 +78,8 @@ def prepare(args: argparse.Namespace) -> None:
             f"{config.model.vocab_size}: its ids would not fit the embedding; use the model's tokenizer or a "
             "larger model.vocab_size"
         )
-    files = input_files(args.inputs)
+    check_output(args.output)
+    files = input_files(args.inputs, args.output)
     settings = {
         "inputs": [describe(path) for path in files],
         "tokenizer": str(spec),
@@ -139,16 +140,17 @@ def tokenize(args: argparse.Namespace, files: list[Path], tokenizer: Tokenizer, 
     )
 
 
-def input_files(inputs: list[Path]) -> list[Path]:
-    """Every input as a list of files or datasets folders, in a fixed order (the order of the shards)."""
+def input_files(inputs: list[Path], output: Path) -> list[Path]:
+    """Every input as a list of files or datasets folders, in a fixed order (the order of the shards); never
+    the files of `output` (index.json is JSON), should it be inside an input folder."""
     files: list[Path] = []
     for path in inputs:
         if not path.exists():
             raise DataError(f"input {path} does not exist; give text, JSONL or Parquet files, or folders of them")
         if path.is_dir() and not is_datasets_folder(path):
-            found = sorted(
-                p for p in path.rglob("*") if p.is_file() and p.suffix in (*TEXT_SUFFIXES, *JSON_SUFFIXES, ".parquet")
-            )
+            suffixes = (*TEXT_SUFFIXES, *JSON_SUFFIXES, ".parquet")
+            inside = [p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes]
+            found = sorted(p for p in inside if not p.resolve().is_relative_to(output.resolve()))
             if not found:
                 raise DataError(f"folder {path} holds no .txt, .md, .jsonl, .json or .parquet files")
             files += found
@@ -271,6 +273,13 @@ def datasets_texts(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             yield text or "", 0
 
 
+def check_output(output: Path) -> None:
+    """`output` is new, empty, or holds an earlier run's shards (start_index then checks they are of these inputs)."""
+    if output.exists() and not (output / INDEX_FILE).is_file():
+        if not output.is_dir() or any(output.iterdir()):
+            raise DataError(f"{output} exists and is not an empty folder; give a new --output folder")
+
+
 def start_index(output: Path, settings: dict, tokenizer: Tokenizer) -> dict:
     """output's index: a new one, or that of an interrupted (or finished) run with the same settings."""
     index_file = output / INDEX_FILE
@@ -282,9 +291,7 @@ def start_index(output: Path, settings: dict, tokenizer: Tokenizer) -> dict:
                 "--output folder"
             )
         return index
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise DataError(f"{output} exists and is not an empty folder; give a new --output folder")
-    output.mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)  # check_output() refused an existing folder that is not empty
     return {
         "format": FORMAT,
         "settings": settings,
