@@ -227,6 +227,17 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
     assert [run for run, _ in runs] == [run_id, run_id]
     assert [row["_step"] for row in runs[1][1]] == [5, 6, 7, 8]
 
+    # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses.
+    resharded = tmp_path / "resharded"
+    shutil.copytree(resumed, resharded)
+    shutil.rmtree(resharded / "checkpoints" / "step-8")
+    (resharded / "metrics.jsonl").write_text("".join(lines[:4]))
+    torchrun(project, "train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8",
+             "--checkpoint.interval", "4", "--job.wandb", "false", nproc=1)  # fmt: skip
+    one = [(r["step"], r["loss"]) for r in metrics(resharded)][4:]
+    assert [step for step, _ in one] == [5, 6, 7, 8]
+    assert all(abs(loss - r["loss"]) <= 1e-5 for (_, loss), r in zip(one, records[4:], strict=True)), one
+
     # One process trains the same model on the same samples and evaluates the same validation samples: the same
     # validation losses (up to summation order).
     single = tmp_path / "single"

@@ -245,7 +245,7 @@ def train_step(
     # per-rank means would weigh one rank's few targets as much as another's many).
     targets_in_step = torch.tensor(sum(int((targets != IGNORE).sum()) for _, targets in batches), device=device)
     dist.all_reduce(targets_in_step, op=dist.ReduceOp.SUM)
-    # FSDP averages gradients over the ranks; the world size turns that average into the sum of their parts.
+    # FSDP averages the gradients over the ranks: multiplying by the world size makes that average their sum.
     scale = dist.get_world_size() / targets_in_step.clamp(min=1)
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(batches):
@@ -255,8 +255,8 @@ def train_step(
         model.set_requires_gradient_sync(grad_sync == "every_micro_batch" or index == len(batches) - 1)
         # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
         logits = model(inputs.to(device, non_blocking=True)).logits
-        # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
-        # makes the accumulated gradient equal to the gradient of one big batch.
+        # Cross-entropy in fp32 whatever the compute dtype, summed over this micro-batch's targets and scaled
+        # so that the accumulated gradient is that of the mean over all the step's targets.
         token_losses = F.cross_entropy(
             logits.flatten(0, 1).float(), targets.to(device).flatten(), ignore_index=IGNORE, reduction="sum"
         )
