@@ -51,6 +51,27 @@ TINY = [
 ]  # fmt: skip
 
 
+def save_tiny_llama(
+    folder: Path, text: str, special_tokens: tuple[str, ...] = ("<|endoftext|>",), chat_template: str | None = None
+) -> Path:
+    """A pretrained-model folder as save_pretrained writes it: a 2-layer Llama (hidden 64, vocabulary 320) with
+    random weights (seed 0), and a byte-level BPE tokenizer of 300 tokens trained on `text`, eos <|endoftext|>."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text], vocab_size=300, min_frequency=1, special_tokens=list(special_tokens))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
 def metrics(output_dir: Path) -> list[dict]:
     """The records of `output_dir/metrics.jsonl`, one per step."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

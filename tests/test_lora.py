@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate, metrics, torchrun
+from tests.conftest import REPO, generate, metrics, save_tiny_llama, torchrun
 
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "0",
          "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0",
@@ -23,19 +23,8 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--tra
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run saved at steps 2 and 4."""
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("lora")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["the cat sat on the mat " * 50], vocab_size=280, min_frequency=1,
-                            special_tokens=["<|endoftext|>"])  # fmt: skip
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(root / "model")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    save_tiny_llama(root / "model", "the cat sat on the mat " * 50)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(root / "model"), "--lora", "--gpus", "2",
                        "--fp32")  # fmt: skip
     out = root / "out"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import generate, metrics, torchrun
+from tests.conftest import generate, metrics, save_tiny_llama, torchrun
 
 WORDS = "the a cat dog bird sat ran flew on under over mat log tree house quickly slowly red blue big small".split()
 # A tiny llama: a step takes well under a second on 2 CPU ranks.
@@ -248,19 +248,8 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
 
 
 def test_hf_trains_on_text_prepared_with_its_own_tokenizer(tmp_path: Path) -> None:
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
     text = "\n".join(sentences(2000, 7)) + "\n"
-    model_dir = tmp_path / "model"
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([text], vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(model_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    model_dir = save_tiny_llama(tmp_path / "model", text)
     (tmp_path / "corpus.txt").write_text(text)
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model_dir), "--gpus", "2", "--fp32")
     data = tmp_path / "data"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import generate, metrics, torchrun
+from tests.conftest import generate, metrics, save_tiny_llama, torchrun
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -29,10 +29,6 @@ TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--tra
 def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Llama with a byte-level BPE tokenizer that has a chat template, a generated sft project, and 300
     conversations of uneven lengths prepared into shards."""
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("sft")
     rng = random.Random(0)
     records = []
@@ -46,17 +42,8 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                          {"role": "user", "content": prompt},
                                          {"role": "assistant", "content": response}]})  # fmt: skip
     (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    bpe = ByteLevelBPETokenizer()
-    special = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    bpe.train_from_iterator([" ".join(WORDS) * 20], vocab_size=300, min_frequency=1, special_tokens=special)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
-    tokenizer.chat_template = TEMPLATE
-    model_dir = root / "model"
-    tokenizer.save_pretrained(model_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    special = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    model_dir = save_tiny_llama(root / "model", " ".join(WORDS) * 20, special_tokens=special, chat_template=TEMPLATE)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(model_dir), "--task", "sft", "--gpus", "2",
                        "--fp32")  # fmt: skip
     result = prepare(project, str(root / "chats.jsonl"), "--output", str(root / "data"), "--val-fraction", "0.1")

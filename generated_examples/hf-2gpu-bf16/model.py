@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -253,21 +253,17 @@ def safetensors_files(folder: Path) -> list[str]:
     raise ValueError("no model.safetensors or model.safetensors.index.json (other weight formats are not read)")
 
 
-def model_names(model: nn.Module) -> list[set[str]]:
-    """The names of each tensor of the model, as state-dict functions take them: without the prefixes of
+def state_names(model: nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
+    """Each tensor of the model with each of its names as state-dict functions take them: without the prefixes of
     torch.compile and activation-checkpoint wrappers around blocks. Tied weights are one tensor, several names."""
-    names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-        names.setdefault(id(tensor), set()).add(name)
-    return list(names.values())
+        yield tensor, name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def tensor_names(model: nn.Module) -> dict[int, set[str]]:
     """The names of each tensor the checkpoint must provide; tied weights are one tensor with several names."""
     names: dict[int, set[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    for tensor, name in state_names(model):
         names.setdefault(id(tensor), set()).add(name)
     return names
 

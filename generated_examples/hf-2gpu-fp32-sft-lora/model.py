@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -113,8 +113,7 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
     files = share_from_rank0(files, error)
     names = tensor_names(model)
     # The files name an adapted layer's weight q_proj.weight; in the model it is q_proj.base_layer.weight.
-    adapted = {name.replace(".base_layer.", "."): name for group in model_names(model) for name in group
-               if ".base_layer." in name}  # fmt: skip
+    adapted = {name.replace(".base_layer.", "."): name for _, name in state_names(model) if ".base_layer." in name}
     loaded: set[str] = set()
     # strict=False: each file holds part of the weights; completeness is checked once all are loaded.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -287,21 +286,17 @@ def safetensors_files(folder: Path) -> list[str]:
     raise ValueError("no model.safetensors or model.safetensors.index.json (other weight formats are not read)")
 
 
-def model_names(model: nn.Module) -> list[set[str]]:
-    """The names of each tensor of the model, as state-dict functions take them: without the prefixes of
+def state_names(model: nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
+    """Each tensor of the model with each of its names as state-dict functions take them: without the prefixes of
     torch.compile and activation-checkpoint wrappers around blocks. Tied weights are one tensor, several names."""
-    names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-        names.setdefault(id(tensor), set()).add(name)
-    return list(names.values())
+        yield tensor, name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def tensor_names(model: nn.Module) -> dict[int, set[str]]:
     """The names of each tensor the checkpoint must provide; tied weights are one tensor with several names."""
     names: dict[int, set[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    for tensor, name in state_names(model):
         if ".lora_" in name:
             continue  # an adapter: not in the pretrained files (init_lora_adapters fills it)
         # peft moved an adapted layer's own weight one level down, to base_layer.

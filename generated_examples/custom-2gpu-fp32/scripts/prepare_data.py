@@ -38,6 +38,7 @@ USAGE_ERROR = 2
 FORMAT = "fsdp2gen-tokens/1"
 TEXT_SUFFIXES = (".txt", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
+SUFFIXES = (*TEXT_SUFFIXES, *JSON_SUFFIXES, ".parquet")
 PIECE_BYTES = 8 << 10  # text is cut into pieces of about this size, at line ends: the unit of the val split
 BATCH_BYTES = 8 << 20  # pieces tokenized together: large enough to keep every core busy, small enough for memory
 
@@ -150,13 +151,12 @@ def input_files(inputs: list[Path], output: Path) -> list[Path]:
         if not path.exists():
             raise DataError(f"input {path} does not exist; give text, JSONL or Parquet files, or folders of them")
         if path.is_dir() and not is_datasets_folder(path):
-            suffixes = (*TEXT_SUFFIXES, *JSON_SUFFIXES, ".parquet")
-            inside = [p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes]
+            inside = [p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES]
             found = sorted(p for p in inside if not p.resolve().is_relative_to(output.resolve()))
             if not found:
                 raise DataError(f"folder {path} holds no .txt, .md, .jsonl, .json or .parquet files")
             files += found
-        elif path.is_dir() or path.suffix in (*TEXT_SUFFIXES, *JSON_SUFFIXES, ".parquet"):
+        elif path.is_dir() or path.suffix in SUFFIXES:
             files.append(path)
         else:
             raise DataError(f"input {path}: unknown kind of file; give .txt, .md, .jsonl, .json or .parquet files")
