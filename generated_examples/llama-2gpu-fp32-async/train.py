@@ -20,6 +20,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from datetime import timedelta
@@ -670,11 +671,18 @@ def check_output_dir_is_shared(output_dir: Path, device: torch.device) -> None:
 
 
 def main() -> None:
-    config = parse_args()
+    run_on_every_rank(train)
+
+
+def run_on_every_rank(
+    work: Callable[[Config, torch.device, DeviceMesh], int | None], args: list[str] | None = None
+) -> NoReturn:
+    """Parse the config, join the process group, run work(config, device, mesh) and exit with the code it
+    returns (None: 0), every rank leaving the process group together: also when stop() ends the work."""
+    config = parse_args(args)
     device, mesh = init_distributed(config)
-    exit_code = 0
     try:
-        train(config, device, mesh)
+        exit_code = work(config, device, mesh)
     except SystemExit as exc:
         # stop(): every rank stops together, so they leave the process group together too. Another error
         # (on one rank only) propagates: a barrier here would wait for ranks that never come.

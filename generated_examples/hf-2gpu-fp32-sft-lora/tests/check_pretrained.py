@@ -25,9 +25,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from config import parse_args
 from model import ModelArgs
-from train import build_model_meta, close_process_group, init_distributed
+from train import build_model_meta, run_on_every_rank
 
 
 def memory_kib(field: str) -> int:
@@ -125,18 +124,19 @@ def main() -> None:
     folders = []
     while args and not args[0].startswith("--"):
         folders.append(args.pop(0))
-    config = parse_args(args)
-    device, mesh = init_distributed(config)
-    Path(config.job.output_dir).mkdir(parents=True, exist_ok=True)
-    mismatches = []
-    for folder in [] if from_scratch_only else folders or [config.model.path]:
-        config.model = ModelArgs(path=folder, pretrained=True)
-        mismatches += check_pretrained(config, mesh, device)
-    mismatches += check_from_scratch(config, mesh, device)
-    for line in mismatches:
-        print("MISMATCH " + line, flush=True)
-    close_process_group()
-    sys.exit(1 if mismatches else 0)
+
+    def check(config, device, mesh) -> int:
+        Path(config.job.output_dir).mkdir(parents=True, exist_ok=True)
+        mismatches = []
+        for folder in [] if from_scratch_only else folders or [config.model.path]:
+            config.model = ModelArgs(path=folder, pretrained=True)
+            mismatches += check_pretrained(config, mesh, device)
+        mismatches += check_from_scratch(config, mesh, device)
+        for line in mismatches:
+            print("MISMATCH " + line, flush=True)
+        return 1 if mismatches else 0
+
+    run_on_every_rank(check, args)
 
 
 if __name__ == "__main__":

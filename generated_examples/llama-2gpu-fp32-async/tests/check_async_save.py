@@ -29,15 +29,13 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
 import train as train_module
-from config import parse_args
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
 from train import (
     TrainState,
     build_model_meta,
     build_optimizer,
     checkpoint_save,
-    close_process_group,
-    init_distributed,
+    run_on_every_rank,
     staging_options,
     train_step,
 )
@@ -198,10 +196,9 @@ def main() -> None:
     # The check's name may come anywhere among the overrides (runs.launch puts its own first).
     args = [arg for arg in sys.argv[1:] if arg not in CHECKS]
     check = CHECKS[next((arg for arg in sys.argv[1:] if arg in CHECKS), "timing")]
-    config = parse_args(args)
-    device, mesh = init_distributed(config)
-    check(config, device, mesh)
-    close_process_group()
+    # As train.py's main: publish-fails ends in stop(), and every rank must still leave the process group
+    # (exiting with a live gloo group can abort the process instead of exiting with stop()'s code).
+    run_on_every_rank(check, args)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from config import parse_args
 from model import Transformer
-from train import build_model_meta, close_process_group, init_distributed
+from train import build_model_meta, run_on_every_rank
 
 
-def main() -> None:
-    config = parse_args(sys.argv[1:])
-    device, mesh = init_distributed(config)
+def check_init(config, device, mesh) -> int:
     sharded = build_model_meta(config, mesh, device)
     gathered = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -44,8 +41,11 @@ def main() -> None:
         print("MISMATCH " + "; ".join(sorted(mismatches)), flush=True)
     else:
         print(f"rank {dist.get_rank()}: {len(gathered)} tensors equal", flush=True)
-    close_process_group()
-    sys.exit(1 if mismatches else 0)
+    return 1 if mismatches else 0
+
+
+def main() -> None:
+    run_on_every_rank(check_init, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -7,13 +7,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import parse_args
-from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
+from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, run_on_every_rank
 
 
-def main() -> None:
-    config = parse_args(sys.argv[1:])
-    device, mesh = init_distributed(config)
+def save_model_output(config, device, mesh) -> None:
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, config.training, device)
     state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="test")
@@ -27,7 +24,10 @@ def main() -> None:
         logits = model(tokens.to(device)).float().cpu()
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, output_dir / "model_output.pt")
-    close_process_group()
+
+
+def main() -> None:
+    run_on_every_rank(save_model_output, sys.argv[1:])
 
 
 if __name__ == "__main__":
