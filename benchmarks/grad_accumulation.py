@@ -73,7 +73,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
     sys.path.insert(0, str(REPO))
     from config import parse_args
     from data import ShuffledEpochs, SyntheticTokens, micro_batches
-    from train import build_model_meta, build_optimizer, init_distributed, train_step
+    from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
     from tests.plan_measure import local_bytes, measure_train_step
 
@@ -83,6 +83,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, base, device)
+    state = TrainState(model, optimizer, scheduler, base.global_batch_size, device, "benchmark")
     shard = sum(local_bytes(p) for p in model.parameters())  # fp32: the gradient shard has the same size
 
     samples = ShuffledEpochs(
@@ -92,6 +93,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
         name: dataclasses.replace(base, grad_accum_steps=accum if sync else 1, grad_sync=sync or "every_micro_batch")
         for name, sync in SETTINGS.items()
     }
+    configs = {name: dataclasses.replace(config, training=t) for name, t in training.items()}
     batches = {
         name: [
             micro_batches(samples, step, base.global_batch_size, t.grad_accum_steps, rank, world_size)
@@ -101,8 +103,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
     }
 
     def run(name: str, step: int) -> None:
-        train_step(model, optimizer, scheduler, batches[name][step], base.max_norm, device,
-                   grad_sync=training[name].grad_sync)  # fmt: skip
+        train_step(state, batches[name][step], configs[name])
 
     memory: dict[str, dict[str, float]] = {}
     for name in SETTINGS if measuring else ():
@@ -112,7 +113,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         run(name, 0)
         rss = rss_bytes("VmHWM") - before
-        marks = measure_train_step(model, optimizer, scheduler, training[name], batches[name][0])
+        marks = measure_train_step(state, configs[name], batches[name][0])
         figures = torch.tensor(
             [marks.get("held_between_micro_batches", 0), marks["peak_forward_backward"], rss], dtype=torch.float64
         )

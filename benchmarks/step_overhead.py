@@ -50,7 +50,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
     from config import parse_args
     from data import ShuffledEpochs, SyntheticTokens, micro_batches
     from model import Transformer
-    from train import build_model_meta, build_optimizer, init_distributed, train_step
+    from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *overrides])
     training = config.training
@@ -59,6 +59,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
 
     generated = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(generated, training, device)
+    state = TrainState(generated, optimizer, scheduler, training.global_batch_size, device, "benchmark")
 
     # The reference: what one writes by hand from the FSDP2 tutorial, with the same model and hyperparameters.
     with torch.device("meta"):
@@ -97,7 +98,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
         for step in range(steps)
     ]
     loops: dict[str, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], object]] = {
-        "generated train_step": lambda b: train_step(generated, optimizer, scheduler, b, training.max_norm, device),
+        "generated train_step": lambda b: train_step(state, b, config),
         "hand-written loop": lambda b: [reference_step(inputs, targets) for inputs, targets in b],
     }
 

@@ -531,13 +531,28 @@ def _rule_optimizer_before_shard(module: _Module) -> None:
 )
 def _rule_root_before_blocks(module: _Module) -> None:
     for scope in module.scopes:
+        # The variables of loops over a plain list (`for block in blocks: fully_shard(block)`, blocks a parameter,
+        # say): the list's relation to the root is unknown, but sharding its items after a whole model is the
+        # root-first mistake. (A loop over model.layers is related to its model by path, as any other target.)
+        loop_variables = {
+            name.id
+            for loop in scope.nodes
+            if isinstance(loop, ast.For) and isinstance(loop.iter, ast.Name)
+            for name in ast.walk(loop.target)
+            if isinstance(name, ast.Name)
+        }
         shards = []
         for call in scope.calls:
             target = _argument(call, 0, "module") if module.is_fully_shard(call) else None
             if target is not None and scope.path(target):
                 shards.append((call, target, scope.path(target).replace("()", "")))
         for index, (call, target, root) in enumerate(shards):
-            children = [(c, t) for c, t, p in shards[index + 1 :] if p != root and _inside(p, root)]
+            whole = isinstance(target, ast.Name) and target.id not in loop_variables
+            children = [
+                (c, t)
+                for c, t, p in shards[index + 1 :]
+                if p != root and (_inside(p, root) or (whole and isinstance(t, ast.Name) and t.id in loop_variables))
+            ]
             if children:
                 child_call, child = children[0]
                 module.report(

@@ -6,7 +6,7 @@ import resource
 import numpy as np
 import torch
 import torch.distributed as dist
-from train import peak_memory_mib
+from metrics import peak_memory_mib
 
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:

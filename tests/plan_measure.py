@@ -88,10 +88,11 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def measure_train_step(model, optimizer, scheduler, training, batches) -> dict[str, int]:
+def measure_train_step(state, config, batches) -> dict[str, int]:
     """Live bytes during one generated train_step over `batches`: between micro-batches and at the peak."""
     from train import train_step
 
+    model, optimizer = state.model, state.optimizer
     live = LiveTensorBytes()
     marks: dict[str, int] = {}
     forwards = 0
@@ -112,8 +113,7 @@ def measure_train_step(model, optimizer, scheduler, training, batches) -> dict[s
     optimizer.step = step
     optimizer.zero_grad(set_to_none=True)  # as every train_step leaves them
     with live:
-        train_step(model, optimizer, scheduler, batches, training.max_norm, torch.device("cpu"),
-                   grad_sync=training.grad_sync)  # fmt: skip
+        train_step(state, batches, config)
     hook.remove()
     optimizer.step = real_step
     return marks
@@ -123,7 +123,7 @@ def main() -> None:
     project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     sys.path.insert(0, str(project))
     from config import parse_args
-    from train import build_model_meta, build_optimizer, init_distributed, train_step
+    from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
@@ -131,6 +131,7 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, training, device)
+    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, "measure")
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
     micro_batch = training.global_batch_size // (world_size // tp * training.grad_accum_steps)
     generator = torch.Generator().manual_seed(rank // tp)  # one tp group, one micro-batch
@@ -157,7 +158,7 @@ def main() -> None:
     # The project's own forward, loss (with tp: loss_parallel over vocabulary-split logits) and backward.
     # Everything saved stays alive until backward starts, so the sum of what was saved is the peak.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        train_step(model, optimizer, scheduler, [(inputs, targets)], training.max_norm, device)
+        train_step(state, [(inputs, targets)], config)
     activations = sum(saved.values())
 
     params = list(model.parameters())
@@ -182,7 +183,7 @@ def main() -> None:
     tokens = torch.randint(0, config.model.vocab_size, (training.grad_accum_steps, micro_batch, training.seq_len + 1),
                            generator=generator)  # fmt: skip
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-    measured |= measure_train_step(model, optimizer, scheduler, training, batches)
+    measured |= measure_train_step(state, config, batches)
     measured["grad_accum_steps"], measured["grad_sync"] = training.grad_accum_steps, training.grad_sync
     gathered: list[dict] = [{} for _ in range(world_size)]
     dist.all_gather_object(gathered, measured)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from config import parse_args
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
-from train import build_model_meta, build_optimizer, close_process_group, init_distributed, train_step
+from train import TrainState, build_model_meta, build_optimizer, close_process_group, init_distributed, train_step
 
 config = parse_args(sys.argv[2:])
 device, mesh = init_distributed(config)
@@ -50,7 +50,8 @@ else:
     scaler = InfOnRankOne(device.type)
     before = [p.to_local().clone() for p in model.parameters()]
     scale_before = scaler.get_scale()
-    train_step(model, optimizer, scheduler, scaler, batches, config.training.max_norm, device)
+    state = TrainState(model, optimizer, scheduler, scaler, config.training.global_batch_size, device, "probe")
+    train_step(state, batches, config)
     unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True))
     report.update(params_unchanged=unchanged, scale_before=scale_before, scale_after=scaler.get_scale())
 Path(os.environ["PROBE_OUT"], f"rank{rank}.json").write_text(json.dumps(report))

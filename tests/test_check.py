@@ -83,12 +83,13 @@ def _line_of(source: str, text: str) -> int:
 TO_EMPTY = "    model.to_empty(device=device)\n"
 DEVICE_ID = 'device_id=device if device.type == "cuda" else None'
 BARRIER = "    dist.barrier()\n    dist.destroy_process_group()"
-FLOAT8_CALL = "        convert_blocks_to_float8(model.layers, device)\n"
+FLOAT8_CALL = "        convert_blocks_to_float8([block for _, block in blocks], device)\n"
+ROOT_SHARD = "    fully_shard(model, **root_options)\n"
 # Each mistake, planted in the generated train.py as (old, new) edits, is reported once, on the line holding `at`.
 PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     # train_step's call (evaluate's, indented deeper, stays right).
     "FSDP003": (
-        [("\n        logits = model(inputs", "\n        logits = model.forward(inputs")],
+        [("\n        logits = output_logits(model(inputs", "\n        logits = output_logits(model.forward(inputs")],
         "model.forward(inputs",
     ),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),
@@ -97,7 +98,7 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
         [("model.set_requires_gradient_sync(", "model.no_sync(")],
         "model.no_sync(",
     ),
-    "FSDP006": ([("    model.init_weights(seed=config.training.seed)\n", "")], TO_EMPTY),
+    "FSDP006": ([("    initialize(model, config, device)\n", "")], TO_EMPTY),
     "FSDP007": (
         [("        torch.cuda.set_device(device)\n", ""), (DEVICE_ID, "timeout=None")],
         "dist.init_process_group(",
@@ -109,8 +110,9 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     ),
     "FSDP010": ([(BARRIER, "    dist.destroy_process_group()")], "dist.destroy_process_group()"),
     "FSDP011": (
-        [(FLOAT8_CALL, "        pass\n"), (TO_EMPTY, FLOAT8_CALL[4:] + TO_EMPTY)],
-        "convert_blocks_to_float8(model.layers",
+        # Moved into shard_model, after the root's fully_shard.
+        [(FLOAT8_CALL, "        pass\n"), (ROOT_SHARD, ROOT_SHARD + "    convert_blocks_to_float8(blocks, device)\n")],
+        "convert_blocks_to_float8(blocks",
     ),
 }
 
@@ -132,7 +134,7 @@ def test_optimizer_before_sharding_and_root_first_in_a_generated_train_py() -> N
     source = (REPO / "generated_examples" / "llama-1gpu-fp32" / "train.py").read_text()
     # An optimizer above the sharding, and the root sharded before its blocks.
     early = "    early = torch.optim.AdamW(model.parameters())\n    fully_shard(model)\n"
-    planted = _plant(source, ("    for block in model.layers:\n", early + "    for block in model.layers:\n"))
+    planted = _plant(source, ("    for block in blocks:\n        fully_shard(", early + "    for block in blocks:\n        fully_shard("))
     line = _line_of(planted, early)
     assert found(planted) == [(line, "FSDP001"), (line + 1, "FSDP002")]
 

@@ -23,11 +23,12 @@ def test_train_py_has_the_six_marked_blocks_in_order(projects: dict[str, Path]) 
         markers = re.findall(r"^# fsdp2gen: block (\w+)\ndef (\w+)\(", source, flags=re.M)
         assert markers == [(name, name) for name in BLOCKS]
         assert source.count("# fsdp2gen: block") == 6
-        # main() calls init_distributed and then train(), which calls the other blocks in this order.
+        # main() runs train() through run_on_every_rank, which calls init_distributed first; train() calls the
+        # other blocks in this order.
         functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
         called = [
             n.func.id
-            for name in ("main", "train")
+            for name in ("run_on_every_rank", "train")
             for n in ast.walk(functions[name])
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         ]
@@ -56,11 +57,13 @@ def test_seed_rules_hold_in_train_py(projects: dict[str, Path]) -> None:
             "self.scheduler.state_dict", "self.scaler.state_dict"}), calls  # fmt: skip
         assert "model.set_requires_gradient_sync" in calls
         assert re.search(r"dist\.barrier\(\)\n    dist\.destroy_process_group\(\)", source)
-        # meta build -> blocks -> root -> to_empty -> init, in that order.
-        steps = [r'torch\.device\("meta"\)', r"fully_shard\(\s*block", r"fully_shard\(\s*model", r"model\.to_empty\(",
-                 r"model\.init_weights\("]  # fmt: skip
+        # meta build -> shard -> materialize in build_model_meta; blocks -> root in shard_model; to_empty -> fill
+        # in materialize (model.py's initialize: init_weights for llama), in that order.
+        steps = [r'torch\.device\("meta"\)', r"shard_model\(model", r"materialize\(model", r"fully_shard\(block",
+                 r"fully_shard\(model", r"model\.to_empty\(", r"initialize\(model"]  # fmt: skip
         positions = [re.search(step, source).start() for step in steps]
         assert positions == sorted(positions)
+        assert "model.init_weights(seed=config.training.seed, buffer_device=device)" in (project / "model.py").read_text()
         # set_device comes before init_process_group.
         assert source.index("torch.cuda.set_device") < source.index("dist.init_process_group")
 

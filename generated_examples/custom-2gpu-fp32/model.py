@@ -8,6 +8,9 @@
 - the class names of its repeated blocks are listed in config.toml's `parallel.shard_modules`: each such
   module becomes one FSDP unit, the rest of the model (embeddings, final norm, output) the root's.
 
+train.py reaches the model only through the four functions at the end of this file (every model family's
+model.py has them); they need no change unless the constructor, init_weights or the output above do.
+
 The default is a small GPT-style decoder so that everything runs as generated. Edit the part between the
 two `Your model` lines; keep ModelArgs.flops_per_token roughly right if you want MFU to mean something.
 """
@@ -17,12 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+if TYPE_CHECKING:
+    from config import Config, ParallelConfig
 
 # Model settings a resume may change (preflight.py compares the others with the checkpoint): the
 # initialisation scale, which a loaded checkpoint does not depend on.
@@ -140,3 +147,26 @@ def fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Ten
         low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
         if low < high:
             local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])
+
+
+# ---- What train.py calls: every family's model.py provides these four -------------------------------------
+
+
+def build_model(config: Config) -> Model:
+    """The model of config.model, with fp32 parameters; train.py calls it under torch.device("meta")."""
+    return Model(config.model)
+
+
+def block_classes(model: Model, parallel: ParallelConfig) -> list[str]:
+    """The classes of the repeated blocks (parallel.shard_modules): each such module is fully_shard-ed on its own."""
+    return parallel.shard_modules
+
+
+def initialize(model: Model, config: Config, device: torch.device) -> None:
+    """Fill every parameter and buffer after to_empty, on the sharded model."""
+    model.init_weights(seed=config.training.seed)
+
+
+def output_logits(output: torch.Tensor) -> torch.Tensor:
+    """The logits (batch, seq, vocab_size) of model(tokens): its output itself."""
+    return output

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from errors import stop
+
+if TYPE_CHECKING:
+    from config import Config, ParallelConfig
 
 # The files of a hub model that training, scripts/export.py and scripts/prepare_data.py read.
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -318,3 +324,44 @@ def share_from_rank0(value: Any, error: str | None) -> Any:
     if shared[1] is not None:
         raise PretrainedLoadError(shared[1])
     return shared[0]
+
+
+# ---- What train.py calls: every family's model.py provides these four -------------------------------------
+
+
+def build_model(config: Config) -> PreTrainedModel:
+    """The model of config.model (its config.json) with LoRA adapters, with fp32 parameters: the
+    sharded master weights, which mixed precision casts for compute. train.py calls it under torch.device("meta")."""
+    model = AutoModelForCausalLM.from_config(config.model.hf_config, dtype=torch.float32)
+    model.config.use_cache = False  # training never reuses past keys and values
+    lora = config.lora
+    try:
+        # Added before sharding, on the meta device too: fully_shard then shards adapters and frozen weights alike.
+        add_lora_adapters(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    except LoraTargetError as exc:
+        stop(str(exc))
+    return model
+
+
+def block_classes(model: PreTrainedModel, parallel: ParallelConfig) -> list[str]:
+    """The decoder layers, each fully_shard-ed on its own: the classes the model lists in _no_split_modules,
+    unless parallel.shard_modules names others."""
+    return parallel.shard_modules or sorted(model._no_split_modules)
+
+
+def initialize(model: PreTrainedModel, config: Config, device: torch.device) -> None:
+    """Fill the sharded model after to_empty: the pretrained weights, or the model's own random initialisation;
+    both recompute the non-persistent buffers (rotary tables). Then the adapters' initialisation."""
+    if config.model.pretrained:
+        try:
+            load_pretrained(model, config.model.folder)
+        except PretrainedLoadError as exc:
+            stop(str(exc))
+    else:
+        init_from_scratch(model, seed=config.training.seed)
+    init_lora_adapters(model, seed=config.training.seed)
+
+
+def output_logits(output: CausalLMOutputWithPast) -> torch.Tensor:
+    """The logits (batch, seq, vocab_size) of model(tokens)."""
+    return output.logits

@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+if TYPE_CHECKING:
+    from config import Config, ParallelConfig
 
 # Model settings a resume may change (preflight.py compares the others with the checkpoint): the length
 # of the rotary tables (not saved) and the initialisation scale, which a loaded checkpoint does not depend on.
@@ -227,3 +230,27 @@ def _fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Te
         low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
         if low < high:
             local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])
+
+
+# ---- What train.py calls: every family's model.py provides these four -------------------------------------
+
+
+def build_model(config: Config) -> Transformer:
+    """The model of config.model, with fp32 parameters; train.py calls it under torch.device("meta")."""
+    return Transformer(config.model)
+
+
+def block_classes(model: Transformer, parallel: ParallelConfig) -> list[str]:
+    """The classes of the repeated blocks: each such module is fully_shard-ed on its own."""
+    return ["TransformerBlock"]
+
+
+def initialize(model: Transformer, config: Config, device: torch.device) -> None:
+    """Fill every parameter and buffer after to_empty, on the sharded model; the rotary tables go to `device`
+    (also when CPU offload keeps the parameters in CPU memory)."""
+    model.init_weights(seed=config.training.seed, buffer_device=device)
+
+
+def output_logits(output: torch.Tensor) -> torch.Tensor:
+    """The logits (batch, seq, vocab_size) of model(tokens): its output itself."""
+    return output

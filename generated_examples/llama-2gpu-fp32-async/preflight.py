@@ -30,9 +30,9 @@ import torch
 
 from config import Config, parse_args
 from data import INDEX_FILE, TokenShards, read_index, token_dtype
+from errors import USAGE_ERROR
 from model import RESUME_MAY_CHANGE
 
-USAGE_ERROR = 2  # the exit code of every mistake found here; the launch scripts stop on it without retrying
 SCAN_TOKENS = 1 << 24  # token ids checked per read of data.path: 32-64 MiB at a time, whatever the file size
 
 

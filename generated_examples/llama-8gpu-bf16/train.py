@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import sys
 import time
@@ -31,18 +30,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from config import Config, ParallelConfig, ProfileConfig, TrainingConfig, parse_args
+from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
-from model import Transformer
+from errors import stop, stop_if_rank0_failed
+from metrics import MetricsLog, peak_memory_mib
+from model import block_classes, build_model, initialize, output_logits
 from preflight import (
-    USAGE_ERROR,
     PreflightError,
     complete_checkpoints,
     newest_checkpoint,
@@ -52,6 +52,7 @@ from preflight import (
     start_run,
     unreadable,
 )
+from profiling import Profiler
 
 
 # fsdp2gen: block init_distributed
@@ -116,54 +117,86 @@ def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> Device
 
 
 # fsdp2gen: block build_model_meta
-def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> Transformer:
-    """Build on the meta device, shard bottom-up, then allocate and initialise only local shards."""
+def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Build on the meta device, shard bottom-up, then allocate only local shards and fill them.
+
+    The order is what makes this correct: whatever changes the blocks' modules (tensor parallelism, float8,
+    wrappers) runs before fully_shard, which must see the final modules; materialize then allocates only the
+    shards that fully_shard left on this rank.
+    """
     parallel = config.parallel
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
-        model = Transformer(config.model)
-    # Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and
-    # reduce-scatter gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients
-    # rounds small contributions away.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+        model = build_model(config)
+    blocks = modules_to_shard(model, block_classes(model, parallel))
+    shard_model(model, [block for _, block in blocks], mesh, parallel)
+    materialize(model, config, device)
+    return model
+
+
+def modules_to_shard(model: nn.Module, class_names: list[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the submodules whose class is named in `class_names`; nested ones first, as
+    fully_shard goes bottom-up."""
+    found = [(name, module) for name, module in model.named_modules() if name and type(module).__name__ in class_names]
+    found.sort(key=lambda item: -item[0].count("."))
+    unmatched = sorted(set(class_names) - {type(module).__name__ for _, module in found})
+    if unmatched or not found:
+        classes = sorted({type(m).__name__ for _, m in model.named_modules() if not isinstance(m, nn.ModuleList)})
+        stop(
+            f"parallel.shard_modules: no module of class {', '.join(unmatched or class_names) or '(none listed)'} "
+            f"in the model; list the class(es) of its repeated blocks (classes in the model: {', '.join(classes)})"
+        )
+    return found
+
+
+def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig) -> None:
+    """fully_shard each block, then the root (embeddings, final norm, output layer). Bottom-up order gives
+    one all-gather per block, overlapped with the previous block's compute."""
     reshard = parallel.reshard_after_forward
     shard_ranks = mesh["dp_shard"].size()  # the ranks a parameter is sharded over (all, unless HSDP or TP)
     if not isinstance(reshard, bool) and reshard >= shard_ranks:
         # Groups at least as large as the shard group (e.g. a run on fewer GPUs than configured): reshard fully.
         # Smaller groups divide the shard group (preflight.py checked).
         reshard = True
-    # Shard each transformer block first, then the root (embeddings, final norm, output).
-    # Bottom-up order gives one all-gather per block, overlapped with the previous block's compute.
-    for block in model.layers:
-        fully_shard(
-            block,
-            mesh=mesh,
-            reshard_after_forward=reshard,
-            mp_policy=mp_policy,
-        )
-    # The root keeps its parameters after forward (its default): backward needs them right away.
-    # Its output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the
-    # compute dtype, halving the logits' memory).
-    root_policy = MixedPrecisionPolicy(
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
+    # The root keeps its parameters after forward (its default): backward needs them right away. Tied input and
+    # output embeddings are one parameter, so they share the root's group (torch >= 2.13 refuses to split a
+    # shared parameter across groups).
+    block_options: dict = {"mesh": mesh, "reshard_after_forward": reshard}
+    root_options: dict = {"mesh": mesh}
+    block_options["mp_policy"], root_options["mp_policy"] = mixed_precision_policies(parallel)
+    for block in blocks:
+        fully_shard(block, **block_options)
+    fully_shard(model, **root_options)
+
+
+def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """The blocks' and the root's MixedPrecisionPolicy.
+
+    Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and reduce-scatter
+    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions away.
+    The root's output_dtype casts the logits (float32 keeps the loss exact; "compute" keeps them in the compute
+    dtype, halving the logits' memory).
+    """
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, parallel.reduce_dtype))
+    root = MixedPrecisionPolicy(
+        param_dtype=blocks.param_dtype,
+        reduce_dtype=blocks.reduce_dtype,
         output_dtype=torch.float32 if parallel.output_dtype == "float32" else None,
     )
-    fully_shard(
-        model,
-        mesh=mesh,
-        mp_policy=root_policy,
-    )
-    # Allocate this rank's shards on the device. Their content is garbage until init_weights
-    # fills every parameter and buffer (including the non-persistent rotary tables).
+    return blocks, root
+
+
+def materialize(model: nn.Module, config: Config, device: torch.device) -> None:
+    """Allocate this rank's shards, then fill them (model.py's initialize: initialise, or load weights)."""
     model.to_empty(device=device)
-    model.init_weights(seed=config.training.seed)
-    return model
+    # The memory holds garbage until initialize fills every parameter and buffer (including non-persistent
+    # ones such as rotary tables, which no checkpoint holds).
+    initialize(model, config, device)
 
 
 # fsdp2gen: block build_optimizer
 def build_optimizer(
-    model: Transformer, training: TrainingConfig, device: torch.device
+    model: nn.Module, training: TrainingConfig, device: torch.device
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over the sharded parameters, so each rank keeps optimizer state for its shards only.
 
@@ -194,44 +227,60 @@ def build_optimizer(
 
 
 # fsdp2gen: block train_step
-def train_step(
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    max_norm: float,
-    device: torch.device,
-    *,
-    grad_sync: str = "every_micro_batch",
-) -> tuple[float, float]:
-    """One optimizer step over this rank's micro-batches; returns (loss averaged over ranks, grad norm)."""
+def train_step(state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor]], config: Config) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches. Returns the step's numbers for metrics.jsonl: the loss
+    averaged over ranks, the learning rate the step used, and optimizer_step's."""
+    model, device, training = state.model, state.device, config.training
+    lr = state.scheduler.get_last_lr()[0]
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(batches):
         # training.grad_sync: "every_micro_batch" reduce-scatters each micro-batch into the sharded gradients
         # (1/N of the model per rank); "last_micro_batch" keeps the unsharded gradients (the whole model on
         # every rank) until the last micro-batch, then reduces once (FSDP2 has no no_sync()).
-        model.set_requires_gradient_sync(grad_sync == "every_micro_batch" or index == len(batches) - 1)
+        model.set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)
         # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
-        logits = model(inputs.to(device, non_blocking=True))
+        logits = output_logits(model(inputs.to(device, non_blocking=True))).flatten(0, 1).float()
+        targets = targets.to(device).flatten()
         # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
         # makes the accumulated gradient equal to the gradient of one big batch.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()) / len(batches)
+        loss = F.cross_entropy(logits, targets) / len(batches)
         loss.backward()
         loss_sum += loss.detach()
-    # The gradients are DTensor shards; clip_grad_norm_ reduces the norm over all ranks.
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    numbers = optimizer_step(state, config)
     # Gloo has no AVG reduction: sum the per-rank losses, then divide.
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    return loss_sum.item() / dist.get_world_size(), grad_norm.item()
+    return {"loss": loss_sum.item() / dist.get_world_size(), "lr": lr, **numbers}
+
+
+def optimizer_step(state: TrainState, config: Config) -> dict[str, float]:
+    """Clip the accumulated gradients, step the optimizer and the schedule; returns the numbers for metrics.jsonl."""
+    model, optimizer, max_norm = state.model, state.optimizer, config.training.max_norm
+    grad_norm = clip_grad_norm(list(model.parameters()), max_norm if max_norm > 0 else math.inf)
+    optimizer.step()
+    numbers = {"grad_norm": grad_norm.item()}
+    optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    return numbers
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for gradients that are DTensor shards on any number of meshes (it refuses to mix meshes).
+
+    The norm per mesh is reduced over that mesh's ranks, the norms are combined, then one clip for all. (With
+    tensor parallelism a module left out of its plan stays on the data-parallel mesh alone.)"""
+    by_mesh: dict[DeviceMesh, list[torch.nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(param.grad.device_mesh, []).append(param)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor() for group in by_mesh.values()]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm
 
 
 def evaluate(
-    model: Transformer,
+    model: nn.Module,
     val_samples: TokenShards | SyntheticTokens,
     config: Config,
     data_rank: int,
@@ -242,24 +291,22 @@ def evaluate(
 
     The samples are split over the ranks like a training step's, so the mean is over the same tokens on any
     number of GPUs.
-    Every micro-batch holds as many tokens as any other, so the mean of the micro-batch means is the mean over
-    all tokens.
     """
     training = config.training
     model.eval()  # no dropout (in models that have it)
-    loss_sum = torch.zeros((), device=device)
-    micro_batch_count = 0
+    totals = torch.zeros(2, device=device)  # the loss summed over the targets, and their number
     with torch.no_grad():
         for batch in range(config.eval.batches):
             for inputs, targets in micro_batches(
                 val_samples, batch, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
             ):
-                logits = model(inputs.to(device, non_blocking=True))
-                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
-                micro_batch_count += 1
+                logits = output_logits(model(inputs.to(device, non_blocking=True))).flatten(0, 1).float()
+                targets = targets.to(device).flatten()
+                totals[0] += F.cross_entropy(logits, targets, reduction="sum")
+                totals[1] += targets.numel()
     model.train()
-    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    return loss_sum.item() / (micro_batch_count * dist.get_world_size())
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 class TrainState(Stateful):
@@ -267,7 +314,7 @@ class TrainState(Stateful):
 
     def __init__(
         self,
-        model: Transformer,
+        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: LambdaLR,
         global_batch_size: int,
@@ -343,26 +390,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def stop(message: str) -> NoReturn:
-    """End this rank. Every rank reaches this with the same message; only rank 0 prints it, as one line.
-
-    The exit code is USAGE_ERROR, as for the mistakes preflight.py finds: the cause is in the input.
-    """
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    if rank == 0:
-        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(USAGE_ERROR)
-
-
-def stop_if_rank0_failed(error: str | None) -> None:
-    """Share rank 0's error (or None) with every rank, so that all stop together instead of the others
-    waiting for rank 0 in their next collective."""
-    shared = [error]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[0] is not None:
-        stop(shared[0])
 
 
 # fsdp2gen: block checkpoint_save
@@ -474,34 +501,6 @@ def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
     return found[0], found[1]
 
 
-# Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate: the first name found in the
-# device's name wins, so the PCIe and NVL boards (lower clocks and power) come before their SXM namesakes.
-PEAK_FLOPS = {
-    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-    "L40S": 362e12, "A10": 125e12, "V100": 125e12,
-}  # fmt: skip
-
-
-def peak_flops_per_device(device: torch.device) -> float | None:
-    """The device's peak from PEAK_FLOPS, or None (CPU, unknown GPU): then no MFU is reported."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """The largest peak of any rank (the one that runs out first), in MiB; a collective, so every rank calls it."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    largest = torch.tensor([peak], dtype=torch.float64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return largest.item()
-
-
 Samples = SyntheticTokens | TokenFile | TokenShards
 
 
@@ -537,55 +536,6 @@ def cpu_has_bf16_instructions(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | N
     except OSError:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def warn_if_bf16_is_emulated(device: torch.device) -> None:
-    """Without bf16 instructions torch emulates bf16 on the CPU, about 10x slower than fp32: say so, once."""
-    if device.type == "cpu" and dist.get_rank() == 0 and cpu_has_bf16_instructions() is False:
-        print(
-            "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16, about 10x slower than "
-            "fp32; fine for a smoke test, train on GPUs",
-            flush=True,
-        )
-
-
-class Profiler:
-    """[profile]: a torch.profiler trace of steps start .. start + steps - 1 (one Chrome trace per rank in
-    output_dir/profile/), and on CUDA a snapshot of the allocations up to memory_snapshot_step."""
-
-    def __init__(self, profile: ProfileConfig, output_dir: Path, device: torch.device) -> None:
-        self.profile, self.device, self.rank = profile, device, dist.get_rank()
-        self.folder = output_dir / "profile"
-        self.folder.mkdir(exist_ok=True)
-        self.running: torch.profiler.profile | None = None
-        self.last_step = profile.start + profile.steps - 1
-        if profile.memory_snapshot_step and device.type == "cuda":
-            # Records every allocation from here on, with its stack: the snapshot shows what held memory when.
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-
-    def step_starting(self, step: int) -> None:
-        if step == self.profile.start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.running = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.running.start()
-
-    def step_done(self, step: int) -> None:
-        if self.running is not None and step == self.last_step:
-            self.close()
-        if step == self.profile.memory_snapshot_step and self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory-step-{step}-rank-{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
-
-    def close(self) -> None:
-        """Stop a running trace and write it (also when training ends before its last step)."""
-        if self.running is None:
-            return
-        self.running.stop()
-        first = self.profile.start
-        self.running.export_chrome_trace(str(self.folder / f"steps-{first}-{self.last_step}-rank-{self.rank}.json"))
-        self.running = None
 
 
 def start_checked_run(config: Config, output_dir: Path) -> str:
@@ -662,8 +612,6 @@ def close_process_group() -> None:
 def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     """Build, resume, and train to training.steps, checkpointing on the way."""
     training = config.training
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    data_rank, data_ranks = rank, world_size
     output_dir = Path(config.job.output_dir)
     # Every mistake in the config, the data and the output folder stops the run here, before anything is built.
     run_id = start_checked_run(config, output_dir)
@@ -671,35 +619,25 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     seed_everything(training.seed)
 
     model = build_model_meta(config, mesh, device)
-    if rank == 0:
-        # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
-        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
-    warn_if_bf16_is_emulated(device)
+    describe_model(model, device)
     optimizer, scheduler = build_optimizer(model, training, device)
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
 
     checkpoint_dir = output_dir / "checkpoints"
     if resuming(config):
         resumed_from = checkpoint_load(state, checkpoint_dir)
-        if resumed_from and rank == 0:
+        if resumed_from and dist.get_rank() == 0:
             print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
     train_samples, val_samples = open_datasets(config)
     samples = ShuffledEpochs(train_samples, training.seed)
-    tokens_per_step = training.global_batch_size * training.seq_len
-    # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
-    peak_flops = peak_flops_per_device(device)
-    flops_per_token = config.model.flops_per_token(training.seq_len)
-    metrics_file = None
-    if rank == 0:
-        # Appended to: a resumed run goes on in the same file (its rows carry the run id).
-        metrics_file = open(output_dir / "metrics.jsonl", "a")
+    data_rank, data_ranks = data_parallel_rank(mesh)
+    metrics = MetricsLog(config, output_dir, run_id, device, first_step=state.step)
     # Zero cost when [profile] is off: no profiler exists.
     profiling = config.profile.start or config.profile.memory_snapshot_step
     profiler = Profiler(config.profile, output_dir, device) if profiling else None
 
     model.train()
-    first_step, loop_started = state.step, time.perf_counter()
     for step in range(state.step, training.steps):
         started = time.perf_counter()
         if profiler is not None:
@@ -707,11 +645,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         batches = micro_batches(
             samples, step, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
         )
-        lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(
-            model, optimizer, scheduler, batches, training.max_norm, device, grad_sync=training.grad_sync
-        )
-        elapsed = time.perf_counter() - started
+        numbers = train_step(state, batches, config) | {"step_time_s": time.perf_counter() - started}
         state.step = step + 1
         if profiler is not None:
             profiler.step_done(state.step)
@@ -719,52 +653,36 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         validation = None
         if val_samples is not None and (state.step % config.eval.every == 0 or state.step == training.steps):
             validation = evaluate(model, val_samples, config, data_rank, data_ranks, device)
-        if metrics_file is not None:
-            record = {
-                "run_id": run_id,
-                "step": state.step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "step_time_s": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed,
-                # What published figures quote: throughput per GPU (per rank on CPU).
-                "tokens_per_s_per_gpu": tokens_per_step / elapsed / world_size,
-                "mfu": flops_per_token * tokens_per_step / elapsed / (peak_flops * world_size) if peak_flops else None,
-                "peak_mem_mib": peak_mem_mib,
-            }
-            if validation is not None:
-                # Perplexity is exp(mean loss); capped so that a diverged run still writes valid JSON.
-                record |= {"val_loss": validation, "val_perplexity": math.exp(min(validation, 80.0))}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if state.step % config.job.log_every == 0 or state.step == training.steps:
-                # Time left at the average step time of this launch so far (the first steps include warm-up).
-                per_step = (time.perf_counter() - loop_started) / (state.step - first_step)
-                remaining = timedelta(seconds=round(per_step * (training.steps - state.step)))
-                print(
-                    f"step {state.step:>6}/{training.steps} | loss {loss:.4f} | lr {lr:.2e} "
-                    f"| grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s "
-                    f"({record['tokens_per_s_per_gpu']:,.0f}/GPU) | peak {peak_mem_mib:,.0f} MiB | ETA {remaining}",
-                    flush=True,
-                )
-            if validation is not None:
-                perplexity = record["val_perplexity"]
-                print(
-                    f"step {state.step:>6}/{training.steps} | val loss {validation:.4f} "
-                    f"| val perplexity {perplexity:.2f}",
-                    flush=True,
-                )
+        metrics.log(state.step, numbers, peak_mem_mib, validation)
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
             save_started = time.perf_counter()
             checkpoint_save(state, checkpoint_dir, config)
-            if rank == 0:
+            if dist.get_rank() == 0:
                 print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
 
     if profiler is not None:
         profiler.close()
-    if metrics_file is not None:
-        metrics_file.close()
+    metrics.close()
+
+
+def describe_model(model: nn.Module, device: torch.device) -> None:
+    """Rank 0 prints the model's size (and warns when this CPU emulates bf16)."""
+    if dist.get_rank() != 0:
+        return
+    # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
+    total = sum(p.numel() for p in model.parameters())
+    print(f"model: {total:,} parameters", flush=True)
+    if device.type == "cpu" and cpu_has_bf16_instructions() is False:
+        print(
+            "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16, about 10x slower than "
+            "fp32; fine for a smoke test, train on GPUs",
+            flush=True,
+        )
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among the ranks that read different samples, and their number."""
+    return dist.get_rank(), dist.get_world_size()
 
 
 if __name__ == "__main__":

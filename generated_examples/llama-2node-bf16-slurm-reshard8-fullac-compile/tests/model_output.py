@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model import output_logits
 from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, run_on_every_rank
 
 
@@ -21,7 +22,7 @@ def save_model_output(config, device, mesh) -> None:
     tokens = torch.randint(config.model.vocab_size, (2, config.training.seq_len), generator=generator)
     model.eval()
     with torch.no_grad():
-        logits = model(tokens.to(device)).float().cpu()
+        logits = output_logits(model(tokens.to(device))).float().cpu()
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, output_dir / "model_output.pt")
 

@@ -1,0 +1,109 @@
+"""What a run reports after each step: a row of metrics.jsonl, a progress line every job.log_every steps and a
+validation line. Rank 0 writes everything."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import Config
+
+# Dense fp32 peak FLOP/s (no TF32) of known GPUs, for the MFU estimate: the first name found in the device's
+# name wins, so the PCIe and NVL boards (lower clocks and power) come before their SXM namesakes.
+PEAK_FLOPS = {
+    "H100 PCIe": 51e12, "H100 NVL": 60e12, "H200 NVL": 60e12, "H100": 67e12, "H200": 67e12, "A100": 19.5e12,
+    "L40S": 91.6e12, "A10": 31.2e12, "V100": 15.7e12,
+}  # fmt: skip
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """The device's peak from PEAK_FLOPS, or None (CPU, unknown GPU): then no MFU is reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """The largest peak of any rank (the one that runs out first), in MiB; a collective, so every rank calls it."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    largest = torch.tensor([peak], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
+class MetricsLog:
+    """Rank 0's report of each step; on the other ranks every method does nothing."""
+
+    def __init__(self, config: Config, output_dir: Path, run_id: str, device: torch.device, first_step: int) -> None:
+        training = config.training
+        self.config, self.run_id, self.world_size = config, run_id, dist.get_world_size()
+        self.tokens_per_step = training.global_batch_size * training.seq_len
+        # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
+        self.peak_flops = peak_flops_per_device(device)
+        self.flops_per_token = config.model.flops_per_token(training.seq_len)
+        self.first_step, self.started = first_step, time.perf_counter()
+        self.file = None
+        if dist.get_rank() == 0:
+            # Appended to: a resumed run goes on in the same file (its rows carry the run id).
+            self.file = open(output_dir / "metrics.jsonl", "a")
+
+    def log(self, step: int, numbers: dict[str, float], peak_mem_mib: float, validation: float | None) -> None:
+        """One row of metrics.jsonl for `step`: train_step's numbers (loss, lr, grad_norm, ...) and step_time_s,
+        with the throughput, MFU and peak memory they imply, and the validation loss when there is one."""
+        if self.file is None:
+            return
+        elapsed = numbers["step_time_s"]
+        record = {
+            "run_id": self.run_id,
+            "step": step,
+            **numbers,
+            "tokens_per_s": self.tokens_per_step / elapsed,
+            # What published figures quote: throughput per GPU (per rank on CPU).
+            "tokens_per_s_per_gpu": self.tokens_per_step / elapsed / self.world_size,
+            "mfu": self.flops_per_token * self.tokens_per_step / elapsed / (self.peak_flops * self.world_size)
+            if self.peak_flops
+            else None,
+            "peak_mem_mib": peak_mem_mib,
+        }
+        if validation is not None:
+            # Perplexity is exp(mean loss); capped so that a diverged run still writes valid JSON.
+            record |= {"val_loss": validation, "val_perplexity": math.exp(min(validation, 80.0))}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.print_progress(step, record)
+
+    def print_progress(self, step: int, record: dict) -> None:
+        steps = self.config.training.steps
+        if step % self.config.job.log_every == 0 or step == steps:
+            # Time left at the average step time of this launch so far (the first steps include warm-up).
+            per_step = (time.perf_counter() - self.started) / (step - self.first_step)
+            remaining = timedelta(seconds=round(per_step * (steps - step)))
+            print(
+                f"step {step:>6}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} "
+                f"| grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s "
+                f"({record['tokens_per_s_per_gpu']:,.0f}/GPU) | peak {record['peak_mem_mib']:,.0f} MiB "
+                f"| ETA {remaining}",
+                flush=True,
+            )
+        if "val_loss" in record:
+            print(
+                f"step {step:>6}/{steps} | val loss {record['val_loss']:.4f} "
+                f"| val perplexity {record['val_perplexity']:.2f}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
