@@ -23,11 +23,12 @@ def test_train_py_has_the_six_marked_blocks_in_order(projects: dict[str, Path]) 
         markers = re.findall(r"^# fsdp2gen: block (\w+)\ndef (\w+)\(", source, flags=re.M)
         assert markers == [(name, name) for name in BLOCKS]
         assert source.count("# fsdp2gen: block") == 6
-        # main() calls init_distributed and then train(), which calls the other blocks in this order.
+        # main() runs run_on_every_rank(train): it calls init_distributed and then train(), which calls the
+        # other blocks in this order.
         functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
         called = [
             n.func.id
-            for name in ("main", "train")
+            for name in ("main", "run_on_every_rank", "train")
             for n in ast.walk(functions[name])
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         ]
