@@ -6,14 +6,15 @@ Generates one project per style (`fsdp2gen new --gpus 2 --fp32 --checkpoint STYL
 under `torchrun --nproc-per-node 2`. Each rank builds the model once (111M parameters fp32; with AdamW's two
 moments the checkpoint is 3x the model) and takes one training step so that the optimizer state exists. Then,
 repetition by repetition and style by style (rotating the order), it calls each project's own
-`checkpoint_save` and `checkpoint_load` exactly as its `main()` does, and times them on the slowest rank.
+`Checkpointer` (checkpoint.py) `save` and `load`, which train.py's `checkpoint_save` and `checkpoint_load` call,
+made once per run as its `train()` makes it, and times them on the slowest rank.
 A first round is a warm-up, reported apart from the medians (a run's first save pays one-off costs).
 
-- dcp, full: `checkpoint_save` returns once the checkpoint is complete, so the loop is blocked throughout.
-- dcp-async: "save" is how long `checkpoint_save` blocks the loop (state_dict, staging copy into CPU memory,
+- dcp, full: `Checkpointer.save` returns once the checkpoint is complete, so the loop is blocked throughout.
+- dcp-async: "save" is how long `Checkpointer.save` blocks the loop (state_dict, staging copy into CPU memory,
   start of the writer thread); "until complete" runs from the same start until `BackgroundSave.finish()`
   returns (every rank's files written and step-N/ published), with the loop idle meanwhile.
-- load: `checkpoint_load` of the checkpoint just saved (its files are likely still in the page cache).
+- load: `Checkpointer.load` of the checkpoint just saved (its files are likely still in the page cache).
 
 It also times a training step while an async save is being written, against one without, since on a
 CPU machine the writer threads compete with training for the same cores (on GPUs they mostly do not).
@@ -57,10 +58,10 @@ FULL = flags("model", {**MODEL, "max_seq_len": 64}) + TRAINING
 TINY = flags("model", {**TINY_MODEL, "max_seq_len": 64}) + TRAINING
 
 
-def load_train_module(project: Path, style: str) -> ModuleType:
-    """The project's train.py as module `train_<style>`, so that the three styles live in one process."""
-    name = "train_" + style.replace("-", "_")
-    spec = importlib.util.spec_from_file_location(name, project / "train.py")
+def load_checkpoint_module(project: Path, style: str) -> ModuleType:
+    """The project's checkpoint.py as module `checkpoint_<style>`, so that the three styles live in one process."""
+    name = "checkpoint_" + style.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, project / "checkpoint.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -73,13 +74,15 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    # config.py, data.py and model.py are the same in the three projects (the launcher checked), so one copy
-    # serves all; each style keeps its own train.py.
+    # config.py, data.py, model.py, checkpoint_common.py and errors.py are the same in the three projects (the
+    # launcher checked), so one copy serves all, and so does the first project's train.py (its build and step
+    # code do not depend on the checkpoint style); each style keeps its own checkpoint.py.
     sys.path.insert(0, str(root / STYLES[0]))
+    import train as base
     from config import parse_args
     from data import ShuffledEpochs, SyntheticTokens, micro_batches
 
-    trains = {style: load_train_module(root / style, style) for style in STYLES}
+    checkpoints = {style: load_checkpoint_module(root / style, style) for style in STYLES}
     # Each style's own config.toml, with its own output folder (and so its own checkpoints/).
     configs = {
         style: parse_args(
@@ -88,7 +91,6 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         )
         for style in STYLES
     }
-    base = trains[STYLES[0]]
     config = configs[STYLES[0]]
     training = config.training
     device, mesh = base.init_distributed(config)
@@ -98,12 +100,18 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     model = base.build_model_meta(config, mesh, device)
     optimizer, scheduler = base.build_optimizer(model, training, device)
     states = {
-        style: trains[style].TrainState(model, optimizer, scheduler, training.global_batch_size, device, "benchmark")
+        style: checkpoints[style].TrainState(
+            model, optimizer, scheduler, training.global_batch_size, device, "benchmark"
+        )
         for style in STYLES
     }
-    # As in the async project's main(): background saves run their collectives on a gloo group of their own.
-    save_group = dist.new_group(backend="gloo")
-    stager = trains["dcp-async"].DefaultStager(trains["dcp-async"].staging_options(device))  # one per run, as there
+    # One per style for the whole run, as in train(): the async one makes its gloo group and its one stager.
+    checkpointers = {
+        style: checkpoints[style].Checkpointer(
+            Path(configs[style].job.output_dir) / "checkpoints", configs[style], device
+        )
+        for style in STYLES
+    }
     samples = ShuffledEpochs(
         SyntheticTokens(config.model.vocab_size, training.seq_len, config.data.synthetic_samples, training.seed),
         training.seed,
@@ -132,42 +140,43 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
 
     def save(style: str, step: int) -> tuple[float, float]:
         """(seconds the loop is blocked, seconds until the checkpoint is complete)."""
-        train, state, style_config = trains[style], states[style], configs[style]
-        checkpoint_dir = Path(style_config.job.output_dir) / "checkpoints"
+        checkpointer, state = checkpointers[style], states[style]
         # A new step-N/ each time, as in training; keep_last prunes the older ones.
         state.step = step
         dist.barrier()
         started = time.perf_counter()
+        checkpointer.save(state)
         if style == "dcp-async":
-            in_flight = train.checkpoint_save(state, checkpoint_dir, style_config, None, save_group, stager)
             blocked = time.perf_counter() - started
-            in_flight.finish()
+            finish_in_flight(checkpointer)
             complete = time.perf_counter() - started
             return slowest(blocked), slowest(complete)
-        train.checkpoint_save(state, checkpoint_dir, style_config)
         complete = slowest(time.perf_counter() - started)
         return complete, complete
+
+    def finish_in_flight(checkpointer: Any) -> None:
+        """Wait for the background save on every rank; the next save then has no save of its own to wait for."""
+        checkpointer.in_flight.finish()
+        checkpointer.in_flight = None
 
     def load(style: str, step: int) -> float:
         checkpoint_dir = Path(configs[style].job.output_dir) / "checkpoints"
         dist.barrier()
         started = time.perf_counter()
-        loaded = trains[style].checkpoint_load(states[style], checkpoint_dir)
+        loaded = checkpointers[style].load(states[style])
         seconds = slowest(time.perf_counter() - started)
         assert loaded == checkpoint_dir / f"step-{step}", (style, loaded)
         return seconds
 
     def step_during_async_save(step: int) -> float:
         """A training step started right after an async save returned, while its writer thread runs."""
-        train, state, style_config = trains["dcp-async"], states["dcp-async"], configs["dcp-async"]
+        checkpointer, state = checkpointers["dcp-async"], states["dcp-async"]
         state.step = step
-        in_flight = train.checkpoint_save(
-            state, Path(style_config.job.output_dir) / "checkpoints", style_config, None, save_group, stager
-        )
+        checkpointer.save(state)
         started = time.perf_counter()
         train_one_step()
         seconds = time.perf_counter() - started
-        in_flight.finish()
+        finish_in_flight(checkpointer)
         return slowest(seconds)
 
     train_one_step()  # creates AdamW's moments: a checkpoint of the state as it is during training
@@ -199,6 +208,8 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
             plain_steps.append(plain)
             overlapped_steps.append(overlapped)
 
+    for checkpointer in checkpointers.values():
+        checkpointer.close()  # the async one's staging buffers
     if rank == 0:
         parameters = sum(p.numel() for p in model.parameters())  # a DTensor's numel() is the full tensor's
         print(
@@ -232,7 +243,7 @@ def generate(root: Path) -> None:
     for style in STYLES:
         command = [sys.executable, "-m", "fsdp2gen", "new", str(root / style), "--yes", "--gpus", "2", "--fp32"]
         subprocess.run([*command, "--checkpoint", style], cwd=REPO, check=True, capture_output=True)
-    for name in ("config.py", "data.py", "model.py", "preflight.py"):
+    for name in ("config.py", "data.py", "model.py", "preflight.py", "checkpoint_common.py", "errors.py"):
         for style in STYLES[1:]:
             if not filecmp.cmp(root / STYLES[0] / name, root / style / name, shallow=False):
                 sys.exit(f"{name} differs between the {STYLES[0]} and {style} projects; the worker shares one copy")

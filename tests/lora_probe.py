@@ -12,17 +12,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from checkpoint import Checkpointer, TrainState
 from config import parse_args
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
+from train import build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
 
 config = parse_args(sys.argv[1:])
 device, mesh = init_distributed(config)
 model = build_model_meta(config, mesh, device)
 optimizer, scheduler = build_optimizer(model, config.training, device)
 state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="probe")
-assert checkpoint_load(state, Path(config.job.output_dir) / "checkpoints") is not None
+checkpointer = Checkpointer(Path(config.job.output_dir) / "checkpoints", config, device)
+assert checkpoint_load(state, checkpointer) is not None
+checkpointer.close()
 
 
 def local_numel(tensor: torch.Tensor) -> int:

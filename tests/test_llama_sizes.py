@@ -68,7 +68,8 @@ def test_tied_embeddings_train_on_two_ranks_and_export(project: Path, tmp_path: 
 
 def test_tied_embeddings_in_a_full_checkpoint_on_one_rank(checkpoint_projects: dict[str, Path], tmp_path: Path) -> None:
     # On one rank the gathered state holds the tied matrix once under both names; safetensors refuses shared
-    # memory, so checkpoint_save writes a copy for the second name, and the resume loads both into one parameter.
+    # memory, so checkpoint.py (unshared) writes a copy for the second name, and the resume loads both into one
+    # parameter.
     project = checkpoint_projects["full"]
     tied = [*TINY, "--model.tie_embeddings", "true", "--job.device", "cpu", "--job.output_dir", str(tmp_path)]
     for steps in ("2", "3"):

@@ -12,49 +12,34 @@ FSDP2 correct, so keep it when you edit them.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
-import random
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 from torchao.float8.float8_linear import Float8Linear
 
+from checkpoint import Checkpointer, TrainState
+from checkpoint_common import seed_everything
 from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
-from errors import stop, stop_if_rank0_failed
+from errors import stop
 from metrics import MetricsLog, peak_memory_mib
 from model import block_classes, build_model, initialize, output_logits
-from preflight import (
-    PreflightError,
-    complete_checkpoints,
-    newest_checkpoint,
-    preflight,
-    read_checkpoint_info,
-    resuming,
-    start_run,
-    unreadable,
-)
+from preflight import PreflightError, preflight, resuming, start_run
 from profiling import Profiler
 
 
@@ -73,7 +58,9 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    # How long a rank waits in a collective before the run fails (a hung peer, a lost node).
+    # How long a rank waits in a collective before the run fails (a hung peer, a lost node). It covers a save's
+    # pauses too: while rank 0 gathers and writes a full checkpoint (about 12 bytes per parameter), every other
+    # rank waits in its next collective.
     timeout = timedelta(minutes=job.timeout_minutes)
     if "RANK" in os.environ:
         store, rank, world_size = next(dist.rendezvous("env://"))
@@ -380,196 +367,19 @@ def evaluate(
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-class TrainState(Stateful):
-    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LambdaLR,
-        global_batch_size: int,
-        device: torch.device,
-        run_id: str,
-    ) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
-        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
-        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
-        self.step = 0
-        # checkpoint_load turns this off when the world size changed: RNG streams belong to ranks.
-        self.with_rng = True
-
-    def state_dict(self) -> dict:
-        # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "samples_seen": self.step * self.global_batch_size,
-        }
-        if self.with_rng:
-            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
-            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        if self.with_rng:
-            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This rank's random number generators: torch (and CUDA), numpy, python."""
-    numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": numpy_state["state"]["pos"],
-            "has_gauss": numpy_state["has_gauss"],
-            "gauss": numpy_state["gauss"],
-        },
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def seed_everything(seed: int) -> None:
-    """Start torch's (CPU and every GPU's), numpy's and python's random number generators from `seed`.
-
-    Every run, pretrained or not, and alike on every rank (the ranks of a tensor-parallel group must draw the
-    same dropout masks): dropout and any other random op repeat from run to run. A resume then restores each
-    rank's saved states, which continue the interrupted run's streams exactly.
-    """
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # seeds the CUDA generators of every device too
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    numpy_state = state["numpy"]
-    key = numpy_state["key"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", key, numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"]))
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 # fsdp2gen: block checkpoint_save
-def checkpoint_save(state: TrainState, checkpoint_dir: Path, config: Config) -> None:
-    """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
-
-    A crash mid-save leaves only a .tmp folder, which resume ignores.
-    """
-    staging = start_staging(checkpoint_dir, state.step)
-    model_only = config.checkpoint.model_only_final and state.step == config.training.steps
-    # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
-    app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
-    # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
-    # and the .metadata (written last, by rank 0) are on disk.
-    dcp.save(app_state, checkpoint_id=staging)
-    error = None
+def checkpoint_save(state: TrainState, checkpointer: Checkpointer) -> None:
+    """Save `state` as checkpoints/step-N/ (how: checkpoint.py) and say how long the training loop waited."""
+    started = time.perf_counter()
+    checkpointer.save(state)
     if dist.get_rank() == 0:
-        try:
-            publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
-        except OSError as exc:
-            error = f"could not finish checkpoint {staging}: {exc}"
-    stop_if_rank0_failed(error)
-
-
-def start_staging(checkpoint_dir: Path, step: int) -> Path:
-    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
-    if dist.get_rank() == 0:
-        for leftover in checkpoint_dir.glob("step-*.tmp"):
-            shutil.rmtree(leftover)
-    dist.barrier()
-    return checkpoint_dir / f"step-{step}.tmp"
-
-
-def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
-    """checkpoint.json: what resume checks before loading any tensor, and what scripts/export.py reads."""
-    return {
-        "step": state.step,
-        "world_size": dist.get_world_size(),
-        "device": state.device.type,
-        "model_only": model_only,
-        "run_id": state.run_id,
-        "config": asdict(config),
-    }
-
-
-def publish(staging: Path, info: dict, keep_last: int) -> None:
-    """Rank 0, once every rank's part of step-N.tmp/ is written: describe it, rename it, prune old ones."""
-    (staging / "checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
-    final = staging.with_name(staging.name.removesuffix(".tmp"))
-    shutil.rmtree(final, ignore_errors=True)
-    # The rename is atomic: step-N/ appears complete or not at all. (DCP's .metadata names the data
-    # files relative to the folder, so renaming it is safe.)
-    staging.rename(final)
-    # Older checkpoints of this run go only now that a newer one is complete. Never another run's: one copied
-    # in by hand is left alone (and resume refuses it).
-    ours = [p for p in complete_checkpoints(staging.parent) if run_id_of_checkpoint(p) in (info["run_id"], None)]
-    for old in ours[:-keep_last]:
-        shutil.rmtree(old)
-
-
-def run_id_of_checkpoint(path: Path) -> str | None:
-    try:
-        return json.loads((path / "checkpoint.json").read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return "unknown"  # unreadable: not provably this run's, so never pruned
+        print(checkpointer.SAVE_LINE.format(step=state.step, seconds=time.perf_counter() - started), flush=True)
 
 
 # fsdp2gen: block checkpoint_load
-def checkpoint_load(state: TrainState, checkpoint_dir: Path) -> Path | None:
-    """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
-    path, info = checkpoint_to_resume(checkpoint_dir)
-    if path is None:
-        return None
-    if info["model_only"]:
-        # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
-        state.step = info["step"]
-        return path
-    # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
-    state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
-    try:
-        # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
-        dcp.load({"train": state}, checkpoint_id=path)
-    except dcp.CheckpointException as exc:
-        # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
-        # them (and is a BaseException): report the first.
-        stop(unreadable(path, next(iter(exc.failures.values()))[0]))
-    except Exception as exc:
-        stop(unreadable(path, exc))
-    finally:
-        state.with_rng = True
-    return path
-
-
-def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
-    """The newest complete step-N/ and its checkpoint.json, on every rank as rank 0 found them.
-
-    Rank 0 decides, so that every rank loads the same folder even if the listing races a save.
-    """
-    found: list = [None, {}, None]  # folder, checkpoint.json, error
-    if dist.get_rank() == 0:
-        found[0] = newest_checkpoint(checkpoint_dir)
-        try:
-            found[1] = read_checkpoint_info(found[0]) if found[0] is not None else {}
-        except PreflightError as exc:
-            found[2] = str(exc)
-    dist.broadcast_object_list(found, src=0)
-    if found[2] is not None:
-        stop(found[2])
-    return found[0], found[1]
+def checkpoint_load(state: TrainState, checkpointer: Checkpointer) -> Path | None:
+    """Load the newest complete checkpoint into `state` (how: checkpoint.py); None if there is none yet."""
+    return checkpointer.load(state)
 
 
 Samples = SyntheticTokens | TokenFile | TokenShards
@@ -693,10 +503,10 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     describe_model(model, device)
     optimizer, scheduler = build_optimizer(model, training, device)
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
-
-    checkpoint_dir = output_dir / "checkpoints"
+    # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
+    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
     if resuming(config):
-        resumed_from = checkpoint_load(state, checkpoint_dir)
+        resumed_from = checkpoint_load(state, checkpointer)
         if resumed_from and dist.get_rank() == 0:
             print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
@@ -726,11 +536,12 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
             validation = evaluate(model, val_samples, config, data_rank, data_ranks, device)
         metrics.log(state.step, numbers, peak_mem_mib, validation)
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
-            save_started = time.perf_counter()
-            checkpoint_save(state, checkpoint_dir, config)
-            if dist.get_rank() == 0:
-                print(f"checkpoint step-{state.step} saved in {time.perf_counter() - save_started:.2f} s", flush=True)
+            checkpoint_save(state, checkpointer)
+        else:
+            checkpointer.after_step()
 
+    # A save still being written in the background (dcp-async) is finished here, on every rank.
+    checkpointer.close()
     if profiler is not None:
         profiler.close()
     metrics.close()

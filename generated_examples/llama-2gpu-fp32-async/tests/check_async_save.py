@@ -2,7 +2,7 @@
 
     torchrun ... tests/check_async_save.py [--section.key VALUE ...] [timing | stager | publish-fails]
 
-timing (the default): times, on the same state, a synchronous dcp.save; then checkpoint_save (which starts a
+timing (the default): times, on the same state, a synchronous dcp.save; then Checkpointer.save (which starts a
 background save and returns) and the training step that follows while that save is being written. Each rank
 prints one line of numbers. A second background save (into the same staging buffers) follows, next to a second
 synchronous one: each pair of checkpoints must hold the same state.
@@ -11,11 +11,12 @@ The disk is made slow on purpose (every rank's write takes SLOW_DISK_S longer, a
 storage): on a CPU machine a training step can take longer than writing a small model to a local
 disk, and the point to prove is that the step does not include the write, whatever the disk.
 
-stager: runs train() itself, recording every DefaultStager it makes, what each save staged and when the stager
-is closed, and whether the staged copies are pinned. One line per rank.
+stager: runs train() itself, recording every DefaultStager its Checkpointer makes, what each save staged and when
+the stager is closed, and whether the staged copies are pinned. One line per rank.
 
-publish-fails: rank 0 cannot publish a background save (a file already holds its step-N name). publish_if_done,
-which only rank 0 runs, must not raise; every rank must stop together at the next checkpoint_save, with one line.
+publish-fails: rank 0 cannot publish a background save (a file already holds its step-N name). Checkpointer.after_step
+(publish_if_done, which only rank 0 runs) must not raise; every rank must stop together at the next save, with one
+line.
 """
 
 import gc
@@ -28,17 +29,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
+import checkpoint as checkpoint_module
 import train as train_module
+from checkpoint import Checkpointer, TrainState, staging_options
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
-from train import (
-    TrainState,
-    build_model_meta,
-    build_optimizer,
-    checkpoint_save,
-    run_on_every_rank,
-    staging_options,
-    train_step,
-)
+from train import build_model_meta, build_optimizer, run_on_every_rank, train_step
 
 SLOW_DISK_S = 1.0
 
@@ -54,7 +49,7 @@ def slow_down_the_disk() -> None:
 
 
 def run_staging_options(config, device):
-    """The staging options train() gives its stager."""
+    """The staging options train()'s Checkpointer gives its stager."""
     return staging_options(device)
 
 
@@ -84,7 +79,7 @@ class Run:
         batches = micro_batches(
             self.samples, self.state.step, training.global_batch_size, 1, self.rank, self.world_size
         )
-        train_step(self.model, self.optimizer, self.scheduler, batches, training.max_norm, self.device)
+        train_step(self.state, batches, self.config)
         self.state.step += 1
         return time.perf_counter() - started
 
@@ -100,16 +95,16 @@ def check_timing(config, device, mesh) -> None:
     dcp.save({"train": run.state}, checkpoint_id=output_dir / "sync")
     sync_save = time.perf_counter() - started
 
+    # As train() makes it: its own gloo group for the saves, one stager for the run.
+    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
     dist.barrier()
-    save_group = dist.new_group(backend="gloo")
-    stager = DefaultStager(run_staging_options(config, device))
     started = time.perf_counter()
-    in_flight = checkpoint_save(run.state, output_dir / "checkpoints", config, None, save_group, stager)
+    checkpointer.save(run.state)
     paused = time.perf_counter() - started
     step_during_save = run.step()
     # Only reported, never branched on: ranks may disagree about done().
-    still_writing = not in_flight.future.done()
-    in_flight.finish()
+    still_writing = not checkpointer.in_flight.future.done()
+    checkpointer.in_flight.finish()
     whole_async_save = time.perf_counter() - started
     say(
         f"rank {rank}: sync save {sync_save:.3f} s | async save: paused {paused:.3f} s + step during the save "
@@ -119,11 +114,10 @@ def check_timing(config, device, mesh) -> None:
     # The next save copies into the buffers of the first: it must hold the state as it is now.
     dcp.save({"train": run.state}, checkpoint_id=output_dir / "sync-again")
     started = time.perf_counter()
-    in_flight = checkpoint_save(run.state, output_dir / "checkpoints", config, None, save_group, stager)
+    checkpointer.save(run.state)
     paused_again = time.perf_counter() - started
     run.step()
-    in_flight.finish()
-    stager.close()
+    checkpointer.close()
     say(f"rank {rank}: second async save into the same buffers: paused {paused_again:.3f} s")
 
 
@@ -153,7 +147,7 @@ def check_stager(config, device, mesh) -> None:
             closed.append(len(saves))
             super().close()
 
-    train_module.DefaultStager = RecordingStager
+    checkpoint_module.DefaultStager = RecordingStager
     train_module.train(config, device, mesh)
     gc.collect()
     same_stager = all(stager is saves[0][0] for stager, _ in saves)
@@ -171,21 +165,21 @@ def check_publish_fails(config, device, mesh) -> None:
     run, rank = Run(config, device, mesh), dist.get_rank()
     checkpoint_dir = Path(config.job.output_dir) / "checkpoints"
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    save_group = dist.new_group(backend="gloo")
-    stager = DefaultStager(run_staging_options(config, device))
+    checkpointer = Checkpointer(checkpoint_dir, config, device)
     run.step()
-    in_flight = checkpoint_save(run.state, checkpoint_dir, config, None, save_group, stager)
+    checkpointer.save(run.state)
     if rank == 0:
         # A file where the checkpoint folder is to go: the rename that publishes step-1.tmp/ fails.
         (checkpoint_dir / f"step-{run.state.step}").write_text("not a checkpoint\n")
-        while not in_flight.future.done():
+        while not checkpointer.in_flight.future.done():
             time.sleep(0.01)
-        # What the training loop does between saves: it must neither raise nor wait for the other ranks.
-        in_flight.publish_if_done()
+        # What the training loop does between saves (publish_if_done): it must neither raise nor wait for the
+        # other ranks.
+        checkpointer.after_step()
         say("rank 0: publish_if_done returned")
     run.step()  # training goes on: a collective of every rank
     # The next collective point of the save: every rank stops here with rank 0's error.
-    checkpoint_save(run.state, checkpoint_dir, config, in_flight, save_group, stager)
+    checkpointer.save(run.state)
     say(f"rank {rank}: MISSED the stop")
 
 

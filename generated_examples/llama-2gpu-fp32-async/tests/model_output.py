@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from checkpoint import Checkpointer, TrainState
 from model import output_logits
-from train import TrainState, build_model_meta, build_optimizer, checkpoint_load, run_on_every_rank
+from train import build_model_meta, build_optimizer, checkpoint_load, run_on_every_rank
 
 
 def save_model_output(config, device, mesh) -> None:
@@ -16,7 +17,9 @@ def save_model_output(config, device, mesh) -> None:
     optimizer, scheduler = build_optimizer(model, config.training, device)
     state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="test")
     output_dir = Path(config.job.output_dir)
-    assert checkpoint_load(state, output_dir / "checkpoints") is not None, "no checkpoint to load"
+    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
+    assert checkpoint_load(state, checkpointer) is not None, "no checkpoint to load"
+    checkpointer.close()
     # The same input on every rank: each rank computes the whole output with the all-gathered weights.
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(config.model.vocab_size, (2, config.training.seq_len), generator=generator)

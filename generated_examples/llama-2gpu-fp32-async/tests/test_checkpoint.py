@@ -271,7 +271,7 @@ def test_one_stager_for_the_run_reused_by_every_save_and_closed(tmp_path: Path) 
 
 
 def test_staging_is_pinned_exactly_when_the_state_is_on_a_gpu() -> None:
-    from train import staging_options
+    from checkpoint import staging_options
 
     # On a GPU: page-locked buffers, non-blocking device-to-host copies (then one synchronize).
     gpu = staging_options(torch.device("cuda", 0))

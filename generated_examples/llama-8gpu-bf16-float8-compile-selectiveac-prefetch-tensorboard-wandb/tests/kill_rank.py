@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import train
 from config import parse_args
+from preflight import complete_checkpoints
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
         nonlocal steps
         result = real_train_step(*args, **kwargs)
         steps += 1
-        if doomed and dist.get_rank() == 1 and steps >= kill_after and train.complete_checkpoints(checkpoint_dir):
+        if doomed and dist.get_rank() == 1 and steps >= kill_after and complete_checkpoints(checkpoint_dir):
             print(f"rank 1: SIGKILL after step {steps}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return result

@@ -1,0 +1,133 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes and reads its own shards.
+
+train.py's checkpoint_save and checkpoint_load call the Checkpointer; checkpoint_common.py holds what every
+checkpoint style shares (the step-N/ folders, checkpoint.json, the RNG states).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LambdaLR
+
+from checkpoint_common import (
+    checkpoint_info,
+    checkpoint_to_resume,
+    publish,
+    rng_state,
+    set_rng_state,
+    start_staging,
+)
+from config import Config
+from errors import stop, stop_if_rank0_failed
+from preflight import unreadable
+
+
+class TrainState(Stateful):
+    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
+        run_id: str,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+        self.step = 0
+        # Checkpointer.load turns this off when the world size changed: RNG streams belong to ranks.
+        self.with_rng = True
+
+    def state_dict(self) -> dict:
+        # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
+        }
+        if self.with_rng:
+            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        if self.with_rng:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+
+
+class Checkpointer:
+    """Saves into and resumes from checkpoint_dir/step-N/, one sharded DCP checkpoint per save."""
+
+    # What checkpoint_save prints: the loop waited for the whole save.
+    SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
+
+    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+        self.checkpoint_dir, self.config = checkpoint_dir, config
+
+    def save(self, state: TrainState) -> None:
+        """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
+
+        A crash mid-save leaves only a .tmp folder, which resume ignores.
+        """
+        config = self.config
+        staging = start_staging(self.checkpoint_dir, state.step)
+        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+        app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+        # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
+        # and the .metadata (written last, by rank 0) are on disk.
+        dcp.save(app_state, checkpoint_id=staging)
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+            except OSError as exc:
+                error = f"could not finish checkpoint {staging}: {exc}"
+        stop_if_rank0_failed(error)
+
+    def load(self, state: TrainState) -> Path | None:
+        """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
+        path, info = checkpoint_to_resume(self.checkpoint_dir)
+        if path is None:
+            return None
+        if info["model_only"]:
+            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+            state.step = info["step"]
+            return path
+        # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+        state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+        try:
+            # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
+            dcp.load({"train": state}, checkpoint_id=path)
+        except dcp.CheckpointException as exc:
+            # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
+            # them (and is a BaseException): report the first.
+            stop(unreadable(path, next(iter(exc.failures.values()))[0]))
+        except Exception as exc:
+            stop(unreadable(path, exc))
+        finally:
+            state.with_rng = True
+        return path
+
+    def after_step(self) -> None:
+        """Nothing to do between saves: each save is complete when save() returns."""
+
+    def close(self) -> None:
+        """Nothing to release: no save outlives save()."""

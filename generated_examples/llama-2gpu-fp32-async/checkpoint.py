@@ -1,0 +1,220 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), written in the background while training goes on.
+
+train.py's checkpoint_save and checkpoint_load call the Checkpointer; checkpoint_common.py holds what every
+checkpoint style shares (the step-N/ folders, checkpoint.json, the RNG states).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LambdaLR
+
+from checkpoint_common import (
+    checkpoint_info,
+    checkpoint_to_resume,
+    publish,
+    rng_state,
+    set_rng_state,
+    start_staging,
+)
+from config import Config
+from errors import stop, stop_if_rank0_failed
+from preflight import unreadable
+
+
+class TrainState(Stateful):
+    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
+        run_id: str,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+        self.step = 0
+        # Checkpointer.load turns this off when the world size changed: RNG streams belong to ranks.
+        self.with_rng = True
+
+    def state_dict(self) -> dict:
+        # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
+        }
+        if self.with_rng:
+            # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
+            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        if self.with_rng:
+            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+
+
+class Checkpointer:
+    """Saves into and resumes from checkpoint_dir/step-N/, each save written in the background.
+
+    Made once per run, on every rank: background saves run their collectives on a gloo group of their own,
+    never on the training group, and copy the state into the CPU buffers of one stager for the whole run.
+    """
+
+    # What checkpoint_save prints: the loop waited only for the save to start (the copy into CPU memory).
+    SAVE_LINE = "checkpoint step-{step} started: training paused {seconds:.2f} s"
+
+    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+        self.checkpoint_dir, self.config = checkpoint_dir, config
+        # Background saves run their collectives on this gloo group, never on the training group.
+        self.group = dist.new_group(backend="gloo")
+        # One stager for the whole run: every save copies into the same CPU buffers (see staging_options).
+        self.stager = DefaultStager(staging_options(device))
+        self.in_flight: BackgroundSave | None = None
+
+    def save(self, state: TrainState) -> None:
+        """Start a sharded DCP save into step-N.tmp/ and return while it is written in the background.
+
+        The step waits only while the state is copied into the stager's CPU buffers; a thread writes the copy.
+        At most one save is in flight: the previous one is finished (on every rank) first, which also makes the
+        buffers free to reuse. A crash mid-save leaves only a .tmp folder, which resume ignores.
+        """
+        config = self.config
+        if self.in_flight is not None:
+            self.in_flight.finish()
+        staging = start_staging(self.checkpoint_dir, state.step)
+        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+        app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+        # A gloo group of its own: the writer thread runs the save's collectives while the training loop runs
+        # its own on the default group, and the two must never interleave on one group.
+        future = dcp.async_save(app_state, checkpoint_id=staging, process_group=self.group, async_stager=self.stager)
+        info = checkpoint_info(state, config, model_only)
+        self.in_flight = BackgroundSave(future, staging, info, config.checkpoint.keep_last, self.stager)
+
+    def load(self, state: TrainState) -> Path | None:
+        """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
+        path, info = checkpoint_to_resume(self.checkpoint_dir)
+        if path is None:
+            return None
+        if info["model_only"]:
+            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+            state.step = info["step"]
+            return path
+        # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+        state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+        try:
+            # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
+            dcp.load({"train": state}, checkpoint_id=path)
+        except dcp.CheckpointException as exc:
+            # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
+            # them (and is a BaseException): report the first.
+            stop(unreadable(path, next(iter(exc.failures.values()))[0]))
+        except Exception as exc:
+            stop(unreadable(path, exc))
+        finally:
+            state.with_rng = True
+        return path
+
+    def after_step(self) -> None:
+        """Between saves: rank 0 publishes the save in flight as soon as it is complete (see publish_if_done)."""
+        if self.in_flight is not None:
+            self.in_flight.publish_if_done()
+
+    def close(self) -> None:
+        """At the end of the run, on every rank: finish the save in flight, then free the staging buffers."""
+        if self.in_flight is not None:
+            # Exiting now would leave the last checkpoint half written (an empty folder): wait on every rank.
+            self.in_flight.finish()
+        # Frees the staging buffers (and unpins them) now, not when the process ends.
+        self.stager.close()
+
+
+def staging_options(device: torch.device, cpu_offload: bool = False) -> StagingOptions:
+    """How the run's one DefaultStager copies the state out of the training tensors at each save.
+
+    Without a stager of its own, dcp.async_save copies every save into newly allocated, pageable CPU memory.
+    A DefaultStager keeps its CPU copy of each tensor from one save to the next and copies into it again.
+    - Pinned (page-locked) buffers when the state lives on a GPU: device-to-host copies into them run at full
+      PCIe/NVLink-C2C speed and without blocking (then one synchronize), so the loop waits less. Pinning
+      needs CUDA, and it only helps copies from the device: on CPU, and with CPU offload (the shards and
+      AdamW's moments already live in host memory), plain memory. The buffers hold this rank's whole
+      state (about 12 bytes per parameter / ranks with AdamW in fp32) for the whole run, pinned on a GPU.
+    - No shared memory: only the process-based checkpointer (another process) needs it; saves here run
+      in a thread.
+    - No background staging: the copy is done when Checkpointer.save returns, so the optimizer may change
+      the parameters right away. (Staging in a thread would need a wait before the next optimizer step.)
+    """
+    from_gpu = device.type == "cuda" and not cpu_offload
+    return StagingOptions(
+        use_pinned_memory=from_gpu,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=from_gpu,
+    )
+
+
+class BackgroundSave:
+    """The one dcp.async_save in flight, and its publication as step-N/ once it is complete."""
+
+    def __init__(self, future: Future, staging: Path, info: dict, keep_last: int, stager: DefaultStager) -> None:
+        self.future, self.staging, self.info, self.keep_last = future, staging, info, keep_last
+        self.stager = stager
+        self.published = False
+        self.error: str | None = None  # rank 0's failure to publish, reported by finish() on every rank
+
+    def publish_if_done(self) -> None:
+        """Rank 0 publishes the save as soon as it is complete, so that a crash soon after resumes from it.
+
+        Rank 0 coordinates the save: its future completes only after every rank's files and the .metadata
+        are written. Ranks may disagree about future.done(), so only rank 0 looks, and nothing here is a
+        collective. Nor does it raise: rank 0 stopping alone would leave the others waiting for it in their
+        next collective. A failure is kept, and finish() stops every rank with it.
+        """
+        if dist.get_rank() != 0 or self.published or self.error is not None:
+            return
+        if self.future.done() and self.future.exception() is None:
+            try:
+                publish(self.staging, self.info, self.keep_last)
+                self.published = True
+            except OSError as exc:
+                self.error = f"could not finish checkpoint {self.staging}: {exc}"
+
+    def finish(self) -> None:
+        """Wait for the save on every rank, then publish it (if publish_if_done has not yet).
+
+        If it failed, every rank stops here together, after closing the stager (its buffers go with it).
+        """
+        try:
+            # result() on every rank: each waits for its own writes, and all raise if any rank failed.
+            self.future.result()
+            if dist.get_rank() == 0 and not self.published and self.error is None:
+                try:
+                    publish(self.staging, self.info, self.keep_last)
+                except OSError as exc:
+                    self.error = f"could not finish checkpoint {self.staging}: {exc}"
+            self.published = self.error is None
+            stop_if_rank0_failed(self.error)
+        except BaseException:
+            self.stager.close()
+            raise

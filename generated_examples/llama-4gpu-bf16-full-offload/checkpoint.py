@@ -1,0 +1,151 @@
+"""Full (unsharded) checkpoints, gathered on rank 0 and written by it: model.safetensors and train_state.pt.
+
+train.py's checkpoint_save and checkpoint_load call the Checkpointer; checkpoint_common.py holds what every
+checkpoint style shares (the step-N/ folders, checkpoint.json, the RNG states).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim.lr_scheduler import LambdaLR
+
+from checkpoint_common import checkpoint_info, checkpoint_to_resume, publish, rng_state, set_rng_state
+from config import Config
+from errors import stop_if_rank0_failed
+from preflight import unreadable
+
+
+class TrainState:
+    """Everything a resume needs. Checkpointer.save gathers it into full (unsharded) tensors on rank 0."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        global_batch_size: int,
+        device: torch.device,
+        run_id: str,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
+        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+        self.step = 0
+
+
+class Checkpointer:
+    """Saves into and resumes from checkpoint_dir/step-N/, one full checkpoint per save, written by rank 0."""
+
+    # What checkpoint_save prints: the loop waited for the whole save.
+    SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
+
+    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+        self.checkpoint_dir, self.config = checkpoint_dir, config
+
+    def save(self, state: TrainState) -> None:
+        """Gather full tensors on rank 0, which writes step-N.tmp/ and renames it to step-N/.
+
+        model.safetensors holds the weights; train_state.pt the optimizer, scheduler, step and every rank's
+        RNG states. A crash mid-save leaves only a .tmp folder, which resume ignores.
+        """
+        config, checkpoint_dir = self.config, self.checkpoint_dir
+        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        # Collectives, so every rank calls them; with cpu_offload only rank 0 receives the full tensors, in
+        # CPU memory (the others get empty dicts), so no GPU ever holds the whole model.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(state.model, options=options)
+        train_state = None
+        if not model_only:
+            optimizer_state = get_optimizer_state_dict(state.model, state.optimizer, options=options)
+            rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(rng_state(state.device), rngs, dst=0)
+            train_state = {
+                "optimizer": optimizer_state,
+                "scheduler": state.scheduler.state_dict(),
+                "step": state.step,
+                "samples_seen": state.step * state.global_batch_size,
+                "rng": rngs,
+            }
+        staging = checkpoint_dir / f"step-{state.step}.tmp"
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                # Leftovers of crashed saves: never complete, never resumed from.
+                for leftover in checkpoint_dir.glob("step-*.tmp"):
+                    shutil.rmtree(leftover)
+                staging.mkdir(parents=True)
+                save_file(unshared(model_state), staging / "model.safetensors")
+                if train_state is not None:
+                    # Right away: the `step` entries of the gathered optimizer state are the optimizer's own
+                    # (live) tensors, which the next optimizer step changes.
+                    torch.save(train_state, staging / "train_state.pt")
+                publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+            except Exception as exc:
+                error = f"could not write checkpoint {staging} on rank 0: {type(exc).__name__}: {exc}"
+        stop_if_rank0_failed(error)
+
+    def load(self, state: TrainState) -> Path | None:
+        """Load the newest complete checkpoint into `state`, on any number of ranks.
+
+        Only rank 0 reads the files; the tensors then go out from it one by one, and every rank keeps
+        only its own shards of each (broadcast_from_rank0).
+        """
+        path, info = checkpoint_to_resume(self.checkpoint_dir)
+        if path is None:
+            return None
+        if info["model_only"]:
+            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+            state.step = info["step"]
+            return path
+        model_state, train_state, error = {}, {}, None
+        if dist.get_rank() == 0:
+            try:
+                model_state = load_file(path / "model.safetensors")
+                train_state = torch.load(path / "train_state.pt", weights_only=True)
+            except Exception as exc:
+                error = unreadable(path, exc)
+        stop_if_rank0_failed(error)
+        # The small part (scheduler, step, RNG states) goes to every rank as one object.
+        shared = [{key: value for key, value in train_state.items() if key != "optimizer"}]
+        dist.broadcast_object_list(shared, src=0)
+        saved = shared[0]
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(state.model, model_state, options=options)
+        set_optimizer_state_dict(state.model, state.optimizer, train_state.get("optimizer", {}), options=options)
+        state.scheduler.load_state_dict(saved["scheduler"])
+        state.step = saved["step"]
+        # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
+        if info["world_size"] == dist.get_world_size() and info["device"] == state.device.type:
+            set_rng_state(saved["rng"][dist.get_rank()], state.device)
+        return path
+
+    def after_step(self) -> None:
+        """Nothing to do between saves: each save is complete when save() returns."""
+
+    def close(self) -> None:
+        """Nothing to release: no save outlives save()."""
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a copy of each tensor whose memory an earlier one uses, for safetensors, which refuses shared
+    memory. Tied weights (one parameter, two names) arrive as one tensor when a single rank holds them whole."""
+    seen, copies = set(), {}
+    for name, tensor in state.items():
+        memory = tensor.untyped_storage().data_ptr()
+        copies[name] = tensor.clone() if memory in seen else tensor
+        seen.add(memory)
+    return copies
