@@ -123,7 +123,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
         batches = micro_batches(
             samples, steps_taken, training.global_batch_size, training.grad_accum_steps, rank, world_size
         )
-        base.train_step(model, optimizer, scheduler, batches, training.max_norm, device)
+        base.train_step(states["dcp"], batches, config)
         steps_taken += 1
 
     def slowest(seconds: float) -> float:

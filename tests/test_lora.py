@@ -31,7 +31,7 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     result = torchrun(project, "train.py", *TRAIN, "--training.steps", "4", "--checkpoint.interval", "2",
                       "--job.output_dir", str(out))  # fmt: skip
     # rank 4: (64 + 64) x 4 per attention projection (k, v: 64 + 32), (64 + 128) x 4 per MLP one, x 2 blocks.
-    assert "model: 123,200 parameters, 8,192 of them trainable (LoRA adapters)" in result.stdout
+    assert "model: 123,200 parameters, 8,192 of them trainable (the others frozen)" in result.stdout
     return {"root": root, "project": project, "model": root / "model", "out": out}
 
 

@@ -173,7 +173,8 @@ def build_optimizer(
     unsharded parameters and silently update nothing.
     """
     on_gpu = device.type == "cuda"
-    trainable = list(model.parameters())
+    # Frozen parameters (requires_grad False) get no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
@@ -455,7 +456,9 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
         return
     # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
     total = sum(p.numel() for p in model.parameters())
-    print(f"model: {total:,} parameters", flush=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
+    print(f"model: {total:,} parameters{trainable_note}", flush=True)
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:

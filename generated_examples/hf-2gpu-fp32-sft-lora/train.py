@@ -173,7 +173,7 @@ def build_optimizer(
     unsharded parameters and silently update nothing.
     """
     on_gpu = device.type == "cuda"
-    # Only the trainable parameters (LoRA's adapters; the base weights are frozen) get optimizer state.
+    # Frozen parameters (requires_grad False: the pretrained weights under LoRA's adapters) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in trainable if p.ndim >= 2]
@@ -465,7 +465,8 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
     # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"model: {total:,} parameters, {trainable:,} of them trainable (LoRA adapters)", flush=True)
+    trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
+    print(f"model: {total:,} parameters{trainable_note}", flush=True)
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:

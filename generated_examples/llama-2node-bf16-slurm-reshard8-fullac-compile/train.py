@@ -216,7 +216,8 @@ def build_optimizer(
     unsharded parameters and silently update nothing.
     """
     on_gpu = device.type == "cuda"
-    trainable = list(model.parameters())
+    # Frozen parameters (requires_grad False) get no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
@@ -507,7 +508,9 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
         return
     # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
     total = sum(p.numel() for p in model.parameters())
-    print(f"model: {total:,} parameters", flush=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
+    print(f"model: {total:,} parameters{trainable_note}", flush=True)
     if device.type == "cpu" and cpu_has_bf16_instructions() is False:
         print(
             "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16, about 10x slower than "

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -217,7 +217,7 @@ def materialize(model: nn.Module, config: Config, device: torch.device) -> None:
     initialize(model, config, device)
 
 
-def convert_blocks_to_float8(blocks: Iterable[nn.Module], device: torch.device) -> None:
+def convert_blocks_to_float8(blocks: list[nn.Module], device: torch.device) -> None:
     """Swap the blocks' linear layers for torchao's Float8Linear: their matmuls run in float8 (e4m3 for weights
     and activations, e5m2 for gradients) with one scale per tensor, while the master weights stay fp32.
 
@@ -258,7 +258,8 @@ def build_optimizer(
     unsharded parameters and silently update nothing.
     """
     on_gpu = device.type == "cuda"
-    trainable = list(model.parameters())
+    # Frozen parameters (requires_grad False) get no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
     # Norm weights (the only 1-D parameters) are not decayed.
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
@@ -553,7 +554,9 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
         return
     # A DTensor's numel() is that of the whole parameter, not of this rank's shard.
     total = sum(p.numel() for p in model.parameters())
-    print(f"model: {total:,} parameters", flush=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
+    print(f"model: {total:,} parameters{trainable_note}", flush=True)
     if device.type == "cpu" and cpu_has_bf16_instructions() is False:
         print(
             "note: this CPU has no bf16 instructions (avx512_bf16, AMX): torch emulates bf16, about 10x slower than "

@@ -1,0 +1,69 @@
+"""The shape issue 17 gave the template and the generator, kept: train.py.jinja reads as Python with few Jinja
+lines, none of them about the model family or the checkpoint style (model.py and checkpoint.py are chosen by file
+name instead), no function body branches on more than 3 options, and no function of fsdp2gen/ is long."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.conftest import REPO
+
+TRAIN = REPO / "templates" / "project" / "train.py.jinja"
+CONTROL = re.compile(r"^\s*\{%")
+CONDITIONAL = re.compile(r"^\s*\{%-?\s*if\b")  # one per if/elif/else chain
+
+
+def control_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if CONTROL.match(line)]
+
+
+def conditionals_per_function(path: Path) -> dict[str, int]:
+    """Top-level function or class name -> the Jinja conditionals inside it: those whose next Python line is
+    indented (a conditional followed by a top-level line renders a whole definition, or an import)."""
+    lines = path.read_text().splitlines()
+    counts: dict[str, int] = {}
+    current = None
+    for index, line in enumerate(lines):
+        if CONTROL.match(line):
+            following = next((later for later in lines[index + 1 :] if later and not CONTROL.match(later)), "")
+            if current and CONDITIONAL.match(line) and following[:1].isspace():
+                counts[current] += 1
+        elif line and not line[0].isspace():
+            match = re.match(r"(?:def|class) (\w+)", line)
+            if match:
+                current = match.group(1)
+                counts[current] = 0
+            elif not line.startswith(")"):  # `)` closes a signature
+                current = None
+    return counts
+
+
+def test_train_template_has_at_most_80_control_lines_and_no_family_or_style_branch() -> None:
+    lines = control_lines(TRAIN)
+    assert len(lines) <= 80, len(lines)
+    assert not [line for line in lines if "family" in line or "checkpoint ==" in line or "checkpoint !=" in line]
+    assert "family" not in TRAIN.read_text()
+
+
+def test_no_function_of_train_template_branches_on_more_than_3_options() -> None:
+    counts = conditionals_per_function(TRAIN)
+    assert counts["build_model_meta"] == 3 and counts["train_step"] == 2, counts  # the counter sees them
+    assert max(counts.values()) <= 3, {name: n for name, n in counts.items() if n > 3}
+
+
+def test_rendered_default_train_py_is_shorter_than_before_the_redesign() -> None:
+    # `fsdp2gen new my-run --gpus 8 --bf16`: 569 lines before issue 17 (and 771 once issues 18-20 had added to it).
+    default = REPO / "generated_examples" / "llama-8gpu-bf16" / "train.py"
+    assert len(default.read_text().splitlines()) <= 569
+
+
+def test_no_function_in_the_generator_is_longer_than_50_lines() -> None:
+    lengths = {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in sorted((REPO / "fsdp2gen").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    assert max(lengths.values()) <= 50, sorted(lengths.items(), key=lambda item: -item[1])[:3]
