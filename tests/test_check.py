@@ -134,7 +134,8 @@ def test_optimizer_before_sharding_and_root_first_in_a_generated_train_py() -> N
     source = (REPO / "generated_examples" / "llama-1gpu-fp32" / "train.py").read_text()
     # An optimizer above the sharding, and the root sharded before its blocks.
     early = "    early = torch.optim.AdamW(model.parameters())\n    fully_shard(model)\n"
-    planted = _plant(source, ("    for block in blocks:\n        fully_shard(", early + "    for block in blocks:\n        fully_shard("))
+    loop = "    for block in blocks:\n        fully_shard("
+    planted = _plant(source, (loop, early + loop))
     line = _line_of(planted, early)
     assert found(planted) == [(line, "FSDP001"), (line + 1, "FSDP002")]
 

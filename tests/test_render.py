@@ -63,7 +63,8 @@ def test_seed_rules_hold_in_train_py(projects: dict[str, Path]) -> None:
                  r"fully_shard\(model", r"model\.to_empty\(", r"initialize\(model"]  # fmt: skip
         positions = [re.search(step, source).start() for step in steps]
         assert positions == sorted(positions)
-        assert "model.init_weights(seed=config.training.seed, buffer_device=device)" in (project / "model.py").read_text()
+        model = (project / "model.py").read_text()
+        assert "model.init_weights(seed=config.training.seed, buffer_device=device)" in model
         # set_device comes before init_process_group.
         assert source.index("torch.cuda.set_device") < source.index("dist.init_process_group")
 
