@@ -12,11 +12,11 @@ from tests.conftest import generate, torchrun
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_init_in_small_blocks_equals_eager_on_uneven_shards(tmp_path: Path, nproc: int) -> None:
     project = generate(tmp_path / "run", "--gpus", "2", "--fp32")
-    model = project / "model.py"
+    sharded_init = project / "sharded_init.py"
     # 1000 values per block: every parameter spans several blocks, and 3 ranks split 130 rows unevenly.
-    source = model.read_text()
+    source = sharded_init.read_text()
     assert "INIT_BLOCK_ELEMENTS = 1 << 20\n" in source
-    model.write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 20\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
+    sharded_init.write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 20\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
     result = torchrun(
         project, "tests/check_init.py", "--job.device", "cpu", "--model.vocab_size", "130", "--model.dim", "64",
         "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_dim", "172", "--model.n_layers", "2",

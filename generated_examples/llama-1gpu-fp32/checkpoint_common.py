@@ -10,20 +10,33 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from config import Config
 from errors import stop
 from preflight import PreflightError, complete_checkpoints, newest_checkpoint, read_checkpoint_info
 
-if TYPE_CHECKING:
-    from checkpoint import TrainState
+
+@dataclass(eq=False)
+class TrainState:
+    """Everything a resume needs, in every checkpoint style."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    global_batch_size: int
+    device: torch.device
+    run_id: str
+    # Optimizer steps taken. data.py addresses samples by global index, so the data position is
+    # step x global_batch_size samples whatever the number of ranks: no loader state to save.
+    step: int = 0
 
 
 def rng_state(device: torch.device) -> dict:

@@ -1,7 +1,7 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), written in the background while training goes on.
 
 train.py's checkpoint_save and checkpoint_load call the Checkpointer; checkpoint_common.py holds what every
-checkpoint style shares (the step-N/ folders, checkpoint.json, the RNG states).
+checkpoint style shares (the TrainState, the step-N/ folders, checkpoint.json, the RNG states).
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint_common import (
+    TrainState,
     checkpoint_info,
     checkpoint_to_resume,
     publish,
@@ -31,47 +30,38 @@ from errors import stop, stop_if_rank0_failed
 from preflight import unreadable
 
 
-class TrainState(Stateful):
-    """Everything a resume needs. DCP calls state_dict()/load_state_dict() on every rank."""
+class DcpState(Stateful):
+    """A TrainState as DCP saves and loads it: dcp.save/dcp.load call state_dict()/load_state_dict() on every rank."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LambdaLR,
-        global_batch_size: int,
-        device: torch.device,
-        run_id: str,
-    ) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
-        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
-        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
-        self.step = 0
-        # Checkpointer.load turns this off when the world size changed: RNG streams belong to ranks.
-        self.with_rng = True
+    def __init__(self, state: TrainState, with_rng: bool = True) -> None:
+        # with_rng is False for a resume on other ranks than the checkpoint's: RNG streams belong to ranks.
+        self.state, self.with_rng = state, with_rng
 
     def state_dict(self) -> dict:
+        state = self.state
         # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {
+        model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+        saved = {
             "model": model_state,
             "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "samples_seen": self.step * self.global_batch_size,
+            "scheduler": state.scheduler.state_dict(),
+            "step": state.step,
+            "samples_seen": state.step * state.global_batch_size,
         }
         if self.with_rng:
             # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
-            state["rng"] = {f"rank{dist.get_rank()}": rng_state(self.device)}
-        return state
+            saved["rng"] = {f"rank{dist.get_rank()}": rng_state(state.device)}
+        return saved
 
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
+    def load_state_dict(self, saved: dict) -> None:
+        state = self.state
+        set_state_dict(
+            state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
+        )
+        state.scheduler.load_state_dict(saved["scheduler"])
+        state.step = saved["step"]
         if self.with_rng:
-            set_rng_state(state["rng"][f"rank{dist.get_rank()}"], self.device)
+            set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
 
 
 class Checkpointer:
@@ -99,17 +89,20 @@ class Checkpointer:
         At most one save is in flight: the previous one is finished (on every rank) first, which also makes the
         buffers free to reuse. A crash mid-save leaves only a .tmp folder, which resume ignores.
         """
-        config = self.config
         if self.in_flight is not None:
             self.in_flight.finish()
+        config = self.config
         staging = start_staging(self.checkpoint_dir, state.step)
         model_only = config.checkpoint.model_only_final and state.step == config.training.steps
-        # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
-        app_state = {"train": {"model": get_model_state_dict(state.model)}} if model_only else {"train": state}
+        if model_only:
+            # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
+            app_state = {"train": {"model": get_model_state_dict(state.model)}}
+        else:
+            app_state = {"train": DcpState(state)}
+        info = checkpoint_info(state, config, model_only)
         # A gloo group of its own: the writer thread runs the save's collectives while the training loop runs
         # its own on the default group, and the two must never interleave on one group.
         future = dcp.async_save(app_state, checkpoint_id=staging, process_group=self.group, async_stager=self.stager)
-        info = checkpoint_info(state, config, model_only)
         self.in_flight = BackgroundSave(future, staging, info, config.checkpoint.keep_last, self.stager)
 
     def load(self, state: TrainState) -> Path | None:
@@ -122,18 +115,16 @@ class Checkpointer:
             state.step = info["step"]
             return path
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
-        state.with_rng = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
+        same_ranks = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
         try:
             # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
-            dcp.load({"train": state}, checkpoint_id=path)
+            dcp.load({"train": DcpState(state, with_rng=same_ranks)}, checkpoint_id=path)
         except dcp.CheckpointException as exc:
             # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
             # them (and is a BaseException): report the first.
             stop(unreadable(path, next(iter(exc.failures.values()))[0]))
         except Exception as exc:
             stop(unreadable(path, exc))
-        finally:
-            state.with_rng = True
         return path
 
     def after_step(self) -> None:

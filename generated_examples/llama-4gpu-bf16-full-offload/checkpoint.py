@@ -1,7 +1,7 @@
 """Full (unsharded) checkpoints, gathered on rank 0 and written by it: model.safetensors and train_state.pt.
 
 train.py's checkpoint_save and checkpoint_load call the Checkpointer; checkpoint_common.py holds what every
-checkpoint style shares (the step-N/ folders, checkpoint.json, the RNG states).
+checkpoint style shares (the TrainState, the step-N/ folders, checkpoint.json, the RNG states).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -20,31 +19,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.optim.lr_scheduler import LambdaLR
 
-from checkpoint_common import checkpoint_info, checkpoint_to_resume, publish, rng_state, set_rng_state
+from checkpoint_common import TrainState, checkpoint_info, checkpoint_to_resume, publish, rng_state, set_rng_state
 from config import Config
 from errors import stop_if_rank0_failed
 from preflight import unreadable
-
-
-class TrainState:
-    """Everything a resume needs. Checkpointer.save gathers it into full (unsharded) tensors on rank 0."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LambdaLR,
-        global_batch_size: int,
-        device: torch.device,
-        run_id: str,
-    ) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.global_batch_size, self.device, self.run_id = global_batch_size, device, run_id
-        # Optimizer steps taken. data.py addresses samples by global index, so the data position is
-        # step x global_batch_size samples whatever the number of ranks: no loader state to save.
-        self.step = 0
 
 
 class Checkpointer:

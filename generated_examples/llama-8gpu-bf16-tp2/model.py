@@ -9,15 +9,14 @@ full copy of the model, or even of one parameter, on one rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from sharded_init import fill_by_blocks
 
 if TYPE_CHECKING:
     from config import Config, ParallelConfig
@@ -186,12 +185,12 @@ class Transformer(nn.Module):
         # named_parameters() lists a tied output weight once, as tok_embeddings.weight.
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                _fill_by_blocks(param, lambda block: block.fill_(1.0))
+                fill_by_blocks(param, lambda block: block.fill_(1.0))
             elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 # Residual projections are scaled down so the residual stream does not grow with depth.
-                _fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
+                fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
             else:
-                _fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
+                fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
         self._init_rope(buffer_device or device)
 
     def _init_rope(self, device: torch.device) -> None:
@@ -201,35 +200,6 @@ class Transformer(nn.Module):
         # Assigning to a registered buffer replaces it (still non-persistent), on `device`.
         self.rope_cos = angles.cos()
         self.rope_sin = angles.sin()
-
-
-# Row blocks of this many values at most are drawn at a time during initialisation.
-INIT_BLOCK_ELEMENTS = 1 << 20
-
-
-def _fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Fill the full tensor behind `param` block of rows by block of rows; keep this rank's part of each.
-
-    The blocks depend only on the full shape, so every world size consumes the
-    generator identically and gets the same values, without holding the full tensor.
-    """
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        # Where this rank's shard sits in the full tensor, for any placement (FSDP, HSDP, TP). The helper is
-        # private but is what DTensor itself uses; it has kept this signature since torch 2.4.
-        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    else:
-        local, local_shape, offset = param, tuple(param.shape), (0,) * param.ndim
-    rows, row_shape = param.shape[0], tuple(param.shape[1:])
-    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
-    # This rank's columns (all dimensions but the first), e.g. under tensor parallelism.
-    columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], local_shape[1:], strict=True))
-    for first in range(0, rows, rows_per_block):
-        last = min(rows, first + rows_per_block)
-        block = fill(torch.empty((last - first, *row_shape), dtype=param.dtype, device=local.device))
-        low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
-        if low < high:
-            local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])
 
 
 # ---- What train.py calls: every family's model.py provides these four -------------------------------------

@@ -30,10 +30,10 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 sys.path.insert(0, str(SCRIPTS))
 # prepare_data.py (beside this script) writes the shards of both scripts.
-from prepare_data import USAGE_ERROR, DataError, ShardWriter, check_output, count, describe, start_index  # noqa: E402
+from prepare_data import DataError, ShardWriter, check_output, count, describe, run, start_index  # noqa: E402
 
-from config import ConfigError, load_config  # noqa: E402
-from tokenizer import Tokenizer, TokenizerError, load_tokenizer  # noqa: E402
+from config import load_config  # noqa: E402
+from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -46,20 +46,10 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="of the conversations (default: %(default)s)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 1e8)")
     parser.add_argument("--config", type=Path, default=SCRIPTS.parent / "config.toml", help="default: %(default)s")
-    args = parser.parse_args()
-    try:
-        prepare(args)
-    except (DataError, TokenizerError, ConfigError) as exc:
-        parser.exit(USAGE_ERROR, f"{parser.prog}: error: {exc}\n")
-    except ValueError as exc:  # the config's own checks
-        parser.exit(USAGE_ERROR, f"{parser.prog}: error: {args.config}: {exc}\n")
+    run(prepare, parser)  # as prepare_data.py: checks --val-fraction and --shard-tokens, one line per mistake
 
 
 def prepare(args: argparse.Namespace) -> None:
-    if not 0 <= args.val_fraction < 1:
-        raise DataError(f"--val-fraction must be at least 0 and below 1, got {args.val_fraction}")
-    if args.shard_tokens < 1:
-        raise DataError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
     config = load_config(args.config)
     spec = args.tokenizer or config.data.tokenizer or config.model.path
     tokenizer = load_tokenizer(spec)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint as checkpoint_module
 import train as train_module
-from checkpoint import Checkpointer, TrainState, staging_options
+from checkpoint import Checkpointer, DcpState, TrainState, staging_options
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
 from train import build_model_meta, build_optimizer, run_on_every_rank, train_step
 
@@ -92,7 +92,7 @@ def check_timing(config, device, mesh) -> None:
     plain_step = run.step()
     dist.barrier()
     started = time.perf_counter()
-    dcp.save({"train": run.state}, checkpoint_id=output_dir / "sync")
+    dcp.save({"train": DcpState(run.state)}, checkpoint_id=output_dir / "sync")
     sync_save = time.perf_counter() - started
 
     # As train() makes it: its own gloo group for the saves, one stager for the run.
@@ -112,7 +112,7 @@ def check_timing(config, device, mesh) -> None:
         f"written after {whole_async_save:.3f} s"
     )
     # The next save copies into the buffers of the first: it must hold the state as it is now.
-    dcp.save({"train": run.state}, checkpoint_id=output_dir / "sync-again")
+    dcp.save({"train": DcpState(run.state)}, checkpoint_id=output_dir / "sync-again")
     started = time.perf_counter()
     checkpointer.save(run.state)
     paused_again = time.perf_counter() - started

@@ -22,7 +22,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +56,17 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.005, help="of the text (default: %(default)s)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 1e8)")
     parser.add_argument("--config", type=Path, default=PROJECT / "config.toml", help="default: %(default)s")
+    run(prepare, parser)
+
+
+def run(prepare: Callable[[argparse.Namespace], None], parser: argparse.ArgumentParser) -> None:
+    """prepare(the parsed arguments); a mistake in the input exits with one line and USAGE_ERROR."""
     args = parser.parse_args()
     try:
+        if not 0 <= args.val_fraction < 1:
+            raise DataError(f"--val-fraction must be at least 0 and below 1, got {args.val_fraction}")
+        if args.shard_tokens < 1:
+            raise DataError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
         prepare(args)
     except (DataError, TokenizerError, ConfigError) as exc:
         parser.exit(USAGE_ERROR, f"{parser.prog}: error: {exc}\n")
@@ -66,10 +75,6 @@ def main() -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    if not 0 <= args.val_fraction < 1:
-        raise DataError(f"--val-fraction must be at least 0 and below 1, got {args.val_fraction}")
-    if args.shard_tokens < 1:
-        raise DataError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
     config = load_config(args.config)
     spec = args.tokenizer or config.data.tokenizer
     if not spec:
