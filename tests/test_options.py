@@ -73,15 +73,16 @@ def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
 ) -> None:
     if "--training.grad_sync" in options:
-        # The option reaches train_step (not only the config): the default is the other mode, and every
-        # train() call site passes it. tests/test_plan.py measures that last_micro_batch holds the whole model.
+        # The option reaches train_step (not only the config): the default is the other mode, and train_step
+        # reads it from the config it is given. tests/test_plan.py measures that last_micro_batch holds the
+        # whole model.
         source = (projects["fp32"] / "train.py").read_text()
         assert (
             'grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"'
             in (projects["fp32"] / "config.py").read_text()
         )
-        assert source.count("grad_sync=training.grad_sync") == 1
-        assert 'set_requires_gradient_sync(grad_sync == "every_micro_batch" or index == len(batches) - 1)' in source
+        sync = 'set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)'
+        assert source.count(sync) == 1 and source.count("train_step(state, batches, config)") == 1
     assert_run_equals_reference(projects["fp32"], reference, tmp_path, nproc, options)
 
 
