@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,19 +75,30 @@ def test_template_defaults_are_the_ones_plan_assumes() -> None:
     assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
 
 
+def load_template_module(name: str, path: Path) -> types.ModuleType:
+    """The template file `path` imported as module `name` (its file name does not end in .py)."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
 def test_parameter_shapes_are_the_template_models_own() -> None:
     """Names, order and shapes equal Transformer.named_parameters() of the template's model.py (on meta)."""
     torch = pytest.importorskip("torch")
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
-    # (Its file name does not end in .py, so the loader is named explicitly.)
-    loader = importlib.machinery.SourceFileLoader("fsdp2gen_template_model", str(LLAMA_MODEL))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    template_model = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = template_model
+    # It imports sharded_init, its sibling in the template, which is loaded the same way for the while.
+    sharded_init = load_template_module("sharded_init", TEMPLATE / '{% if family != "hf" %}sharded_init.py{% endif %}')
+    sys.modules["sharded_init"] = sharded_init
     try:
-        spec.loader.exec_module(template_model)
+        template_model = load_template_module("fsdp2gen_template_model", LLAMA_MODEL)
     finally:
-        del sys.modules[spec.name]
+        del sys.modules["sharded_init"]
     ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
     shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
     for tied in (True, False):
