@@ -80,15 +80,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def start_staging(checkpoint_dir: Path, step: int) -> Path:
-    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
-    if dist.get_rank() == 0:
-        for leftover in checkpoint_dir.glob("step-*.tmp"):
-            shutil.rmtree(leftover)
-    dist.barrier()
-    return checkpoint_dir / f"step-{step}.tmp"
-
-
 def checkpoint_info(state: TrainState, config: Config, model_only: bool) -> dict:
     """checkpoint.json: what resume checks before loading any tensor, and what scripts/export.py reads."""
     return {

@@ -6,6 +6,7 @@ checkpoint style shares (the TrainState, the step-N/ folders, checkpoint.json, t
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -23,7 +24,6 @@ from checkpoint_common import (
     publish,
     rng_state,
     set_rng_state,
-    start_staging,
 )
 from config import Config
 from errors import stop, stop_if_rank0_failed
@@ -62,6 +62,15 @@ class DcpState(Stateful):
         state.step = saved["step"]
         if self.with_rng:
             set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
+
+
+def start_staging(checkpoint_dir: Path, step: int) -> Path:
+    """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
+    if dist.get_rank() == 0:
+        for leftover in checkpoint_dir.glob("step-*.tmp"):
+            shutil.rmtree(leftover)
+    dist.barrier()
+    return checkpoint_dir / f"step-{step}.tmp"
 
 
 class Checkpointer:
