@@ -1189,9 +1189,12 @@ def check_paths(paths: Iterable[Path]) -> list[Finding]:
     findings: list[Finding] = []
     for file in python_files(paths):
         try:
-            source = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise CheckInputError(f"{file}: cannot read (not UTF-8 text); fix the file or exclude it") from None
+            # utf-8-sig: a UTF-8 byte order mark (some Windows editors write one) is valid Python source.
+            source = file.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as error:
+            raise CheckInputError(
+                f"{file}: cannot read (not UTF-8 text, byte {error.start}); save it as UTF-8 or exclude it"
+            ) from None
         except OSError as error:
             raise CheckInputError(f"{file}: cannot read ({error.strerror}); fix the file or exclude it") from None
         try:

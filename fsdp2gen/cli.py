@@ -8,6 +8,7 @@ Errors are one line on stderr with exit code 2.
 
 from __future__ import annotations
 
+import collections
 import enum
 import inspect
 import json
@@ -24,7 +25,7 @@ from typer.core import TyperGroup
 
 from fsdp2gen import __version__
 from fsdp2gen.questions import Question, load_answers_file, project_name_from_folder, questions, validate
-from fsdp2gen.render import DestinationError, check_destination, render_project
+from fsdp2gen.render import CONFLICT, UNCHANGED, DestinationError, check_destination, render_project
 from fsdp2gen.sizes import sizes
 
 EXIT_BAD_INPUT = 2
@@ -239,7 +240,14 @@ def new(
         typer.Option(help="YAML file of answers (the keys of .copier-answers.yml); flags may not contradict it."),
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Use defaults for every answer not given.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Allow writing into a non-empty DEST.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Re-render the fsdp2gen project in DEST with these answers: files you edited are kept or merged "
+            "(conflicts shown inline), files no longer generated are removed only if unedited; each file is listed.",
+        ),
+    ] = False,
     interactive: Annotated[
         bool | None,
         typer.Option(
@@ -260,8 +268,8 @@ def new(
     dest_path, answers, defaults_used = _collect_answers(
         dest, answers, answers_file=answers_file, yes=yes, force=force, interactive=interactive, as_json=as_json
     )
-    written, answers = _write_project(dest_path, answers, force=force, dry_run=dry_run)
-    _report(dest_path, answers, written, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
+    written, answers, changes = _write_project(dest_path, answers, force=force, dry_run=dry_run)
+    _report(dest_path, answers, written, changes, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
 
 
 def _apply_precision_shortcut(flags: dict[str, Any]) -> None:
@@ -328,8 +336,9 @@ def _check_dest(dest: Path, answers: dict[str, Any], *, force: bool) -> None:
 
 def _write_project(
     dest: Path, answers: dict[str, Any], *, force: bool, dry_run: bool
-) -> tuple[list[str], dict[str, Any]]:
-    """Render the project (or list its files, on a dry run); returns its files and the recorded answers."""
+) -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """Render the project (or list its files, on a dry run); returns its files, the recorded answers and,
+    under --force over an existing project, what was done to each file."""
     try:
         return render_project(dest, answers, force=force, dry_run=dry_run)
     except (DestinationError, ValueError) as error:
@@ -337,10 +346,11 @@ def _write_project(
 
 
 def _report(
-    dest: Path, answers: dict[str, Any], written: list[str], *, defaults_used: list[str], dry_run: bool,
-    as_json: bool,
+    dest: Path, answers: dict[str, Any], written: list[str], changes: dict[str, str], *, defaults_used: list[str],
+    dry_run: bool, as_json: bool,
 ) -> None:  # fmt: skip
-    """What was written and the commands to run next: as text, or as one JSON object."""
+    """What was written (per file, when --force updated a project) and the commands to run next: as text, or as
+    one JSON object."""
     commands = next_commands(dest, answers)
     if as_json:
         report = {
@@ -349,15 +359,27 @@ def _report(
             "answers": answers,
             "defaults_used": defaults_used,
             "files": written,
+            "changes": changes,
             "next": [{"command": command, "why": why} for command, why in commands],
         }
         typer.echo(json.dumps(report, indent=2))
         return
-    verb = "Would create" if dry_run else "Created"
     summary = ", ".join(f"{name}={value if value != '' else repr('')}" for name, value in answers.items())
-    typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
-    for path in written:
-        typer.echo(f"  {path}")
+    if changes:
+        verb = "Would update" if dry_run else "Updated"
+        tally = collections.Counter(changes.values())
+        counts = ", ".join(f"{tally[change]} {change}" for change in sorted(tally))
+        typer.echo(f"{verb} {dest} ({summary}): {counts}:")
+        for path, change in changes.items():
+            if change != UNCHANGED:
+                typer.echo(f"  {change}: {path}")
+        if CONFLICT in changes.values():
+            typer.echo("Resolve the conflicts (between <<<<<<< and >>>>>>> markers) in the files listed as conflict.")
+    else:
+        verb = "Would create" if dry_run else "Created"
+        typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
+        for path in written:
+            typer.echo(f"  {path}")
     if not dry_run:
         typer.echo("\nNext:")
         for command, why in commands:
@@ -465,15 +487,22 @@ def update(
     try:
         recorded = check_updatable(project)
         answers = _update_answers(project, recorded, given)
-        conflicts = update_project(project, answers, conflict=conflict.value, vcs_ref=vcs_ref)
+        result = update_project(project, answers, conflict=conflict.value, vcs_ref=vcs_ref)
     except UpdateError as error:
         fail(str(error))
     if as_json:
-        typer.echo(json.dumps({"project": str(project.absolute()), "answers": given, "conflicts": conflicts}, indent=2))
-    elif conflicts:
-        typer.echo(f"Updated {project} with conflicts to resolve in: {', '.join(conflicts)}")
+        report = {"project": str(project.absolute()), "answers": given, "conflicts": result.conflicts,
+                  "removed": result.removed, "kept": result.kept}  # fmt: skip
+        typer.echo(json.dumps(report, indent=2))
+        return
+    if result.conflicts:
+        typer.echo(f"Updated {project} with conflicts to resolve in: {', '.join(result.conflicts)}")
     else:
         typer.echo(f"Updated {project}; review with `git diff` and commit")
+    for path in result.removed:
+        typer.echo(f"  removed (no longer generated, unedited): {path}")
+    for path in result.kept:
+        typer.echo(f"  kept, edited: {path} (no longer generated; delete it yourself if unneeded)")
 
 
 def _update_answers(project: Path, recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

@@ -31,9 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
+from fsdp2gen.files import FileInputError, read_text, read_yaml_mapping
 from fsdp2gen.questions import questions
 from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
 
@@ -440,12 +438,9 @@ def _read_answers(answers_file: Path) -> dict[str, Any]:
     if not answers_file.is_file():
         return {}
     try:
-        loaded = load_yaml(read_text(answers_file, "answers file", "fix or delete it"))
+        answers = read_yaml_mapping(answers_file, "answers file", "fix or delete it")
     except FileInputError as error:
         raise PlanError(str(error)) from None
-    except yaml.YAMLError as error:
-        raise PlanError(f"{answers_file}: invalid YAML ({yaml_problem(error)}); fix or delete it") from None
-    answers = loaded if isinstance(loaded, dict) else {}
     for key in ("gpus", "nodes"):
         limit = LIMITS[f"--{key}"]
         if key in answers and (type(answers[key]) is not int or not 1 <= answers[key] <= limit):

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from jinja2.sandbox import SandboxedEnvironment
 
-from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
+from fsdp2gen.files import FileInputError, read_text, read_yaml_mapping
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -230,13 +230,9 @@ def load_answers_file(path: Path) -> dict[str, Any]:
     with the flags and defaults, so that the messages speak of the answers that will be used.
     """
     try:
-        loaded = load_yaml(read_text(path, "answers file", "pass a YAML file of answers like 'gpus: 8'"))
+        loaded = read_yaml_mapping(path, "answers file", "pass a YAML file of answers like 'gpus: 8'")
     except FileInputError as error:
         raise ValueError(str(error)) from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"answers file {path} is not valid YAML: {yaml_problem(error)}") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"answers file {path} must be a mapping like 'gpus: 8', got {type(loaded).__name__}")
     all_questions = questions()
     answers = {}
     for key, value in loaded.items():

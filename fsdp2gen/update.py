@@ -2,19 +2,21 @@
 
 copier does the three-way merge (the user's edits are kept, conflicts become
 markers or .rej files); this module checks the preconditions first so that each
-failure is one clear sentence instead of a traceback.
+failure is one clear sentence instead of a traceback. copier also deletes every
+file the old version generated and the new one does not, edited or not: those
+are compared with the old version's rendering, and edited ones are restored.
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from fsdp2gen.files import FileInputError, load_yaml, read_text, yaml_problem
+from fsdp2gen.files import FileInputError, read_yaml_mapping
 from fsdp2gen.render import ANSWERS_FILE
 
 # PEP 440 release tags as copier reads them: v0.2.0, 1.0, 2.0.0rc1 ...
@@ -73,16 +75,16 @@ def _read_answers(path: Path) -> dict[str, Any]:
     # The project is a clean checkout, so `git checkout` would restore the same file: an older commit may not.
     restore = f"restore it from an earlier commit (git log -- {ANSWERS_FILE}) or fix it by hand"
     try:
-        recorded = load_yaml(read_text(path, "answers file", restore))
+        return read_yaml_mapping(path, "answers file", restore)
     except FileInputError as error:
         raise UpdateError(str(error)) from None
-    except yaml.YAMLError as error:
-        raise UpdateError(f"{path} is not valid YAML ({yaml_problem(error)}); {restore}") from None
-    if not isinstance(recorded, dict):
-        raise UpdateError(
-            f"{path} must be a mapping of answers like 'gpus: 8', got {type(recorded).__name__}; {restore}"
-        )
-    return {str(key): value for key, value in recorded.items()}
+
+
+@dataclass
+class UpdateResult:
+    conflicts: list[str] = field(default_factory=list)  # files with conflict markers or .rej files
+    removed: list[str] = field(default_factory=list)  # files the new version no longer generates, unedited
+    kept: list[str] = field(default_factory=list)  # files it no longer generates that the user edited: restored
 
 
 def update_project(
@@ -91,13 +93,14 @@ def update_project(
     *,
     conflict: Literal["inline", "rej"] = "inline",
     vcs_ref: str | None = None,
-) -> list[str]:
-    """Run `copier update` on `project` with changed `answers`; return the files left in conflict."""
+) -> UpdateResult:
+    """Run `copier update` on `project` with changed `answers`; return the files in conflict, removed, and
+    kept because the user edited them."""
     import copier  # lazily, as in render.py
     from copier.errors import UserMessageError
     from plumbum.commands.processes import ProcessExecutionError  # copier runs git through plumbum
 
-    check_updatable(project)
+    recorded = check_updatable(project)
     try:
         copier.run_update(
             project,
@@ -114,8 +117,45 @@ def update_project(
     except ProcessExecutionError as error:
         reason = (str(error.stderr).strip().splitlines() or ["git failed"])[-1]
         raise UpdateError(f"cannot fetch the template with git ({reason}); check the network or _src_path") from None
+    result = UpdateResult()
+    result.removed, result.kept = _keep_edited_removals(project, recorded)
     if conflict == "rej":
-        return sorted(str(p.relative_to(project)) for p in project.rglob("*.rej"))
+        result.conflicts = sorted(str(p.relative_to(project)) for p in project.rglob("*.rej"))
+        return result
     unmerged = _git(project, "diff", "--name-only", "--diff-filter=U").stdout.split()
     with_markers = _git(project, "grep", "-l", "^<<<<<<< before updating").stdout.split()
-    return sorted(set(unmerged) | set(with_markers))
+    result.conflicts = sorted(set(unmerged) | set(with_markers))
+    return result
+
+
+def _keep_edited_removals(project: Path, recorded: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """copier deleted the files the old template version generated and the new one does not, edited or not.
+    Each is compared with the old version's rendering of the recorded answers; an edited one is restored from
+    the last commit (the tree was clean). Returns (removed, kept)."""
+    deleted = _git(project, "diff", "--relative", "--name-only", "-z", "--diff-filter=D", "HEAD").stdout
+    deleted_paths = sorted(path for path in deleted.split("\0") if path)
+    if not deleted_paths:
+        return [], []
+    import copier
+
+    removed, kept = [], []
+    with tempfile.TemporaryDirectory(prefix="fsdp2gen-old-") as tmp:
+        old = Path(tmp) / project.resolve().name
+        source = str(recorded["_src_path"])
+        if not re.match(r"^[\w+.-]+://|^gh:|^gl:|^git@", source) and not Path(source).is_absolute():
+            source = str(project / source)
+        answers = {key: value for key, value in recorded.items() if not key.startswith("_")}
+        try:
+            copier.run_copy(source, old, data=answers, vcs_ref=str(recorded["_commit"]), defaults=True,
+                            quiet=True, unsafe=False, overwrite=True)  # fmt: skip
+        except Exception:  # without the old rendering, every deleted file counts as edited (kept)
+            pass
+        for path in deleted_paths:
+            committed = subprocess.run(["git", "-C", str(project), "show", f"HEAD:./{path}"], capture_output=True)
+            generated = old / path
+            if committed.returncode == 0 and generated.is_file() and generated.read_bytes() == committed.stdout:
+                removed.append(path)
+            else:
+                _git(project, "checkout", "HEAD", "--", path)
+                kept.append(path)
+    return removed, kept
