@@ -168,6 +168,10 @@ BAD_NAME = (
     "e.g. --project-name my-run"
 )
 AF = "pass a YAML file of answers like 'gpus: 8'"
+# "Billion laughs": 10 lines that expand to 9**10 values (PyYAML: a MemoryError after a minute and GBs).
+ALIAS_BOMB = "".join(
+    f"_a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else '1'] * 9)}]\n" for i in range(10)
+) + "gpus: *a9\n"
 HF_FIX = "give a folder written by save_pretrained (config.json + *.safetensors) or a hub id"
 RESTORE = "restore it from an earlier commit (git log -- .copier-answers.yml) or fix it by hand"
 NOT_INT = "Input should be a valid integer, unable to parse string as an integer"
@@ -374,8 +378,30 @@ CASES = [
     Case(
         "dest-not-empty",
         NEW,
-        "{d}/run exists and is not empty; choose another DEST or pass --force to write into it",
+        "{d}/run exists, is not empty and holds no project fsdp2gen made (no .copier-answers.yml); choose another "
+        "DEST or empty it",
         (write("run/mine.txt", "mine"),),
+    ),
+    Case(
+        "dest-not-empty-force",
+        (*NEW, "--force"),
+        "{d}/run exists, is not empty and holds no project fsdp2gen made (no .copier-answers.yml); choose another "
+        "DEST or empty it",
+        (write("run/mine.txt", "mine"),),
+    ),
+    Case(
+        "dest-holds-a-project",
+        NEW,
+        "{d}/run already holds an fsdp2gen project; choose another DEST, or pass --force to re-render it with these "
+        "answers (your edits are kept or shown as conflicts)",
+        (write("run/.copier-answers.yml", "gpus: 2\n"),),
+    ),
+    Case(
+        "dest-force-answers-alias",
+        (*NEW, "--force"),
+        "answers file {d}/run/.copier-answers.yml line 1: anchor &a is refused (YAML anchors and aliases can expand to "
+        "billions of values); write each value out",
+        (write("run/.copier-answers.yml", "_x: &a 1\ngpus: *a\n"),),
     ),
     Case(
         "dest-not-writable",
@@ -387,7 +413,7 @@ CASES = [
     Case(
         "answers-file-missing",
         (*NEW, "--answers-file", "a.yml"),
-        "cannot read answers file a.yml: No such file or directory",
+        f"cannot read answers file a.yml: No such file or directory; {AF}",
     ),
     Case(
         "answers-file-folder",
@@ -409,7 +435,7 @@ CASES = [
     Case(
         "answers-file-too-large",
         (*NEW, "--answers-file", "a.yml"),
-        f"answers file a.yml is larger than 16 MiB; {AF}",
+        f"answers file a.yml is larger than 256 KiB; {AF}",
         (sparse("a.yml", 17 * 2**20),),
     ),
     Case(
@@ -427,32 +453,52 @@ CASES = [
     Case(
         "answers-file-invalid-yaml",
         (*NEW, "--answers-file", "a.yml"),
-        "answers file a.yml is not valid YAML: expected the node content, but found '<stream end>' (line 2)",
+        f"answers file a.yml is not valid YAML (expected the node content, but found '<stream end>' (line 2)); {AF}",
         (write("a.yml", "gpus: [\n"),),
     ),
     Case(
         "answers-file-list",
         (*NEW, "--answers-file", "a.yml"),
-        "answers file a.yml must be a mapping like 'gpus: 8', got list",
+        f"answers file a.yml must be a mapping of answers like 'gpus: 8', got a list; {AF}",
         (write("a.yml", "- gpus\n"),),
     ),
     Case(
         "answers-file-empty",
         (*NEW, "--answers-file", "a.yml"),
-        "answers file a.yml must be a mapping like 'gpus: 8', got NoneType",
+        f"answers file a.yml must be a mapping of answers like 'gpus: 8', got an empty document; {AF}",
         (write("a.yml", ""),),
     ),
     Case(
         "answers-file-duplicate-key",
         (*NEW, "--answers-file", "a.yml"),
-        "answers file a.yml is not valid YAML: key 'gpus' appears twice (lines 1 and 3); keep one",
+        f"answers file a.yml is not valid YAML (key 'gpus' appears twice (lines 1 and 3); keep one); {AF}",
         (write("a.yml", "gpus: 2\nnodes: 1\ngpus: 4\n"),),
     ),
     Case(
         "answers-file-duplicate-key-flow",
         (*NEW, "--answers-file", "a.yml"),
-        "answers file a.yml is not valid YAML: key 'gpus' appears twice (lines 1 and 1); keep one",
+        f"answers file a.yml is not valid YAML (key 'gpus' appears twice (lines 1 and 1); keep one); {AF}",
         (write("a.yml", "{gpus: 2, gpus: 4}\n"),),
+    ),
+    Case(
+        "answers-file-alias-bomb",
+        (*NEW, "--answers-file", "a.yml"),
+        "answers file a.yml line 1: anchor &a0 is refused (YAML anchors and aliases can expand to billions of "
+        "values); write each value out",
+        (write("a.yml", ALIAS_BOMB),),
+    ),
+    Case(
+        "answers-file-alias",
+        (*NEW, "--answers-file", "a.yml"),
+        "answers file a.yml line 1: alias *x is refused (YAML anchors and aliases can expand to billions of "
+        "values); write each value out",
+        (write("a.yml", "gpus: *x\n"),),
+    ),
+    Case(
+        "answers-file-deeply-nested",
+        (*NEW, "--answers-file", "a.yml"),
+        f"answers file a.yml is not valid YAML (values nested more than 32 deep (line 1)); {AF}",
+        (write("a.yml", "gpus: " + "[" * 100000 + "\n"),),
     ),
     Case(
         "answers-file-unknown-key",
@@ -633,20 +679,22 @@ CASES = [
     Case(
         "update-answers-invalid-yaml",
         ("update", "p"),
-        "p/.copier-answers.yml is not valid YAML (expected the node content, but found '<stream end>' (line 2)); "
+        "answers file p/.copier-answers.yml is not valid YAML (expected the node content, but found '<stream end>' "
+        "(line 2)); "
         f"{RESTORE}",
         (project("gpus: [\n"),),
     ),
     Case(
         "update-answers-not-a-mapping",
         ("update", "p"),
-        f"p/.copier-answers.yml must be a mapping of answers like 'gpus: 8', got list; {RESTORE}",
+        f"answers file p/.copier-answers.yml must be a mapping of answers like 'gpus: 8', got a list; {RESTORE}",
         (project("- 1\n"),),
     ),
     Case(
         "update-answers-empty",
         ("update", "p"),
-        f"p/.copier-answers.yml must be a mapping of answers like 'gpus: 8', got NoneType; {RESTORE}",
+        "answers file p/.copier-answers.yml must be a mapping of answers like 'gpus: 8', got an empty document; "
+        f"{RESTORE}",
         (project(""),),
     ),
     Case(
@@ -658,8 +706,16 @@ CASES = [
     Case(
         "update-answers-duplicate-key",
         ("update", "p"),
-        f"p/.copier-answers.yml is not valid YAML (key 'gpus' appears twice (lines 1 and 2); keep one); {RESTORE}",
+        "answers file p/.copier-answers.yml is not valid YAML (key 'gpus' appears twice (lines 1 and 2); keep "
+        f"one); {RESTORE}",
         (project("gpus: 2\ngpus: 4\n"),),
+    ),
+    Case(
+        "update-answers-alias-bomb",
+        ("update", "p"),
+        "answers file p/.copier-answers.yml line 1: anchor &a0 is refused (YAML anchors and aliases can expand to "
+        "billions of values); write each value out",
+        (project(ALIAS_BOMB),),
     ),
     Case(
         "update-answers-no-version",
@@ -752,7 +808,7 @@ CASES = [
     Case(
         "check-not-utf8",
         ("check", "l.py"),
-        "l.py: cannot read (not UTF-8 text); fix the file or exclude it",
+        "l.py: cannot read (not UTF-8 text, byte 8); save it as UTF-8 or exclude it",
         (write("l.py", "s = 'caf\xe9'\n".encode("latin-1")),),
     ),
     Case(
@@ -846,8 +902,16 @@ CASES = [
     Case(
         "plan-answers-duplicate-key",
         ("plan", "--config", "config.toml"),
-        ".copier-answers.yml: invalid YAML (key 'gpus' appears twice (lines 1 and 2); keep one); fix or delete it",
+        "answers file .copier-answers.yml is not valid YAML (key 'gpus' appears twice (lines 1 and 2); keep one); "
+        "fix or delete it",
         (write("config.toml", ""), write(".copier-answers.yml", "gpus: 2\ngpus: 4\n")),
+    ),
+    Case(
+        "plan-answers-alias-bomb",
+        ("plan", "--config", "config.toml"),
+        "answers file .copier-answers.yml line 1: anchor &a0 is refused (YAML anchors and aliases can expand to "
+        "billions of values); write each value out",
+        (write("config.toml", ""), write(".copier-answers.yml", ALIAS_BOMB)),
     ),
     Case(
         "plan-answers-gpus-huge",

@@ -209,19 +209,20 @@ def test_bad_answers_exit_2_with_one_line_and_write_nothing(tmp_path: Path, opti
     assert list(tmp_path.iterdir()) == []
 
 
-def test_non_empty_destination_needs_force(tmp_path: Path) -> None:
+def test_non_empty_destination_is_refused_even_with_force(tmp_path: Path) -> None:
+    """A non-empty DEST that holds no fsdp2gen project is never written to: --force only updates a project
+    fsdp2gen made (tests/test_force.py)."""
     dest = tmp_path / "run"
     dest.mkdir()
     (dest / "notes.txt").write_text("mine")
-    result = fsdp2gen("new", str(dest), "-y")
-    assert result.returncode == 2
-    assert result.stderr == (
-        f"fsdp2gen: error: {dest} exists and is not empty; choose another DEST or pass --force to write into it\n"
-    )
-    assert tree(dest) == {"notes.txt": b"mine"}
-    forced = fsdp2gen("new", str(dest), "-y", "--force")
-    assert forced.returncode == 0, forced.stderr
-    assert (dest / "notes.txt").read_text() == "mine" and (dest / "train.py").is_file()
+    for force in ([], ["--force"]):
+        result = fsdp2gen("new", str(dest), "-y", *force)
+        assert result.returncode == 2
+        assert result.stderr == (
+            f"fsdp2gen: error: {dest} exists, is not empty and holds no project fsdp2gen made (no "
+            ".copier-answers.yml); choose another DEST or empty it\n"
+        )
+        assert tree(dest) == {"notes.txt": b"mine"}
 
 
 def test_empty_destination_folder_is_fine(tmp_path: Path) -> None:
