@@ -129,11 +129,15 @@ def render_project(
             check_destination(dest, force=force)  # again: another run may have filled it before we held the lock
             for leftover in dest.glob(STAGING_PREFIX + "*"):  # of a killed run: a live one would hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
+            if _entries(dest):
+                # Rendered and merged away from DEST: a refusal (bad recorded answers, a colliding path) leaves
+                # DEST untouched; only the files to write are then copied into DEST's file system.
+                with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX) as tmp:
+                    written, recorded = _render(Path(tmp), dest.name, answers)
+                    return written, recorded, _update_in_place(dest, Path(tmp), dry_run=False)
             # Staged inside DEST, which is writable (its parent may not be), on DEST's file system.
             with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=dest) as tmp:
                 written, recorded = _render(Path(tmp), dest.name, answers)
-                if _entries(dest):
-                    return written, recorded, _update_in_place(dest, Path(tmp), dry_run=False)
                 _move_into_place(Path(tmp) / dest.name, dest)
                 return written, recorded, {}
     except OSError as error:
@@ -247,12 +251,17 @@ def _update_in_place(dest: Path, staging: Path, *, dry_run: bool) -> dict[str, s
             changes[path] = MERGED if clean else CONFLICT
     if dry_run:
         return changes
-    for path, change in changes.items():
-        if change in (WRITTEN, MERGED, CONFLICT):
-            source = new / path if change == WRITTEN else merged_dir / path
+    writes = [path for path, change in changes.items() if change in (WRITTEN, MERGED, CONFLICT)]
+    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=dest) as tmp:
+        # Every file is copied onto DEST's file system first (a full disk fails here, DEST unchanged) ...
+        for index, path in enumerate(writes):
+            shutil.copy2(new / path if changes[path] == WRITTEN else merged_dir / path, Path(tmp) / str(index))
+        # ... then each is placed with one rename: a file of DEST is the old one or the new one, never half.
+        for index, path in enumerate(writes):
             (dest / path).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, dest / path)  # atomic: the file is the old one or the new one, never half
-        elif change == REMOVED:
+            os.replace(Path(tmp) / str(index), dest / path)
+    for path, change in changes.items():
+        if change == REMOVED:
             (dest / path).unlink()
             _remove_empty_parents(dest, dest / path)
     return changes
