@@ -1,0 +1,172 @@
+"""`fsdp2gen new` never destroys (issue 24, data path 6): --force over a project fsdp2gen made behaves like an
+update (edits kept or merged, stale files removed only if unedited, every change reported), anything else in DEST
+is refused; creating DEST is atomic and exclusive; a write that fails mid-render leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import fsdp2gen, generate, tree
+
+TRAIN_ANCHOR = '    """One optimizer step over this rank\'s micro-batches'
+USER_NOTE = "    # user note: tuned for our cluster\n"
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (path, old)
+    path.write_text(text.replace(old, new, 1))
+
+
+def clean_render(tmp_path: Path, name: str, *options: str) -> dict[str, bytes]:
+    """The files of a fresh `new` with these options, into a folder of the same name (the project's name)."""
+    return tree(generate(tmp_path / "clean" / name, *options))
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every path under `root` with its mode and content (folders: empty content)."""
+    return {
+        str(p.relative_to(root)): (p.lstat().st_mode, b"" if p.is_dir() else p.read_bytes())
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_force_keeps_edited_train_and_config(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2")
+    edit(project / "train.py", TRAIN_ANCHOR, USER_NOTE + TRAIN_ANCHOR)
+    edit(project / "config.toml", "log_every = 10 ", "log_every = 5  ")
+    readme = (project / "README.md").read_bytes()
+
+    same = fsdp2gen("new", str(project), "-y", "--gpus", "2", "--force", "--json")
+    assert same.returncode == 0, same.stderr
+    changes = json.loads(same.stdout)["changes"]
+    assert changes["train.py"] == "kept, edited" and changes["config.toml"] == "kept, edited"
+    assert set(changes.values()) == {"unchanged", "kept, edited"}
+    assert USER_NOTE in (project / "train.py").read_text()
+    assert "log_every = 5  " in (project / "config.toml").read_text()
+    assert (project / "README.md").read_bytes() == readme
+
+    # Other answers change both files: each edit is merged with the new rendering, and the report says so.
+    other = fsdp2gen("new", str(project), "-y", "--gpus", "4", "--fp32", "--force")
+    assert other.returncode == 0, other.stderr
+    assert "  merged: config.toml\n" in other.stdout and "  merged: train.py\n" in other.stdout, other.stdout
+    assert USER_NOTE in (project / "train.py").read_text()
+    config = (project / "config.toml").read_text()
+    assert "log_every = 5  " in config and "# 4 GPU(s) shard" in config and "reduce_dtype = " not in config
+    # Only the user's edits differ from a clean render of the new answers.
+    clean = clean_render(tmp_path, "run", "--gpus", "4", "--fp32")
+    assert sorted(tree(project)) == sorted(clean)
+    assert [path for path in clean if tree(project)[path] != clean[path]] == ["config.toml", "train.py"]
+
+
+def test_force_conflicting_edit_is_marked_not_lost(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2")
+    edit(project / "config.toml", "# 2 GPU(s) shard one FSDP group.", "# our 2 GPUs: mine")
+    result = fsdp2gen("new", str(project), "-y", "--gpus", "4", "--force")
+    assert result.returncode == 0, result.stderr
+    assert "  conflict: config.toml\n" in result.stdout and "Resolve the conflicts" in result.stdout
+    config = (project / "config.toml").read_text()
+    assert "<<<<<<< yours\n# our 2 GPUs: mine" in config and "\n# 4 GPU(s) shard one FSDP group." in config
+
+
+def test_force_removes_stale_files_only_when_unedited(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2", "--tp", "2", "--launcher", "slurm")
+    edit(project / "tensor_parallel.py", "import", "# mine\nimport")
+    edited_tp = (project / "tensor_parallel.py").read_bytes()
+
+    result = fsdp2gen("new", str(project), "-y", "--gpus", "2", "--force")
+    assert result.returncode == 0, result.stderr
+    assert "  removed: scripts/slurm.sbatch\n" in result.stdout
+    assert "  kept, edited, no longer generated: tensor_parallel.py\n" in result.stdout
+    assert not (project / "scripts" / "slurm.sbatch").exists() and not (project / "logs").exists()
+    assert (project / "tensor_parallel.py").read_bytes() == edited_tp
+    clean = clean_render(tmp_path, "run", "--gpus", "2")
+    assert sorted(tree(project)) == sorted([*clean, "tensor_parallel.py"])
+
+
+def test_force_refuses_a_folder_that_fsdp2gen_did_not_make(tmp_path: Path) -> None:
+    dest = tmp_path / "run"
+    dest.mkdir()
+    (dest / "train.py").write_text("my own training script\n")
+    result = fsdp2gen("new", str(dest), "-y", "--force")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "holds no project fsdp2gen made" in result.stderr and "choose another DEST or empty it" in result.stderr
+    assert tree(dest) == {"train.py": b"my own training script\n"}
+
+
+def test_force_over_a_colliding_file_writes_nothing(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--gpus", "2")
+    shutil.rmtree(project / "scripts")
+    (project / "scripts").write_text("a file where the project has a folder\n")
+    before = snapshot(project)
+    result = fsdp2gen("new", str(project), "-y", "--gpus", "2", "--force")
+    assert result.returncode == 2, result.stdout
+    assert result.stderr == (
+        f"fsdp2gen: error: {project / 'scripts'} is a file but the project needs a folder there (for "
+        "scripts/export.py); move it away or choose another DEST (nothing was written)\n"
+    )
+    assert snapshot(project) == before
+
+
+def _race(tmp_path: Path, dest: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+    """Two `fsdp2gen new DEST` started together."""
+    command = [sys.executable, "-m", "fsdp2gen", "new", str(dest), "-y", "--gpus", "2", *extra]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return [subprocess.CompletedProcess(run.args, run.wait(120), *run.communicate()) for run in runs]
+
+
+def test_two_concurrent_new_into_one_dest(tmp_path: Path) -> None:
+    """Exactly one creates the project; the other exits 2 with one line; the project is one run's."""
+    clean = clean_render(tmp_path, "run", "--gpus", "2")
+    for round_, existing_empty in enumerate((False, True, False, True)):
+        dest = tmp_path / f"race{round_}" / "run"
+        if existing_empty:
+            dest.mkdir(parents=True)
+        runs = _race(tmp_path, dest)
+        codes = sorted(run.returncode for run in runs)
+        assert codes == [0, 2], [(run.returncode, run.stderr) for run in runs]
+        winner, loser = sorted(runs, key=lambda run: run.returncode)
+        assert winner.stdout.startswith(f"Created {dest} ")
+        assert loser.stdout == "" and len(loser.stderr.splitlines()) == 1, loser.stderr
+        assert tree(dest) == clean
+        assert sorted(p.name for p in dest.parent.iterdir()) == ["run"]  # no staging folder left
+
+
+def _limit_file_size() -> None:
+    # Any file written past 16 KiB fails with EFBIG, as a write on a full disk fails with ENOSPC (no root needed).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**10, 16 * 2**10))
+
+
+def _new_with_a_full_disk(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdp2gen", "new", *args], capture_output=True, text=True,
+                          env=env, preexec_fn=_limit_file_size, timeout=120)  # fmt: skip
+
+
+def test_a_write_failing_mid_render_leaves_nothing(tmp_path: Path) -> None:
+    # The template renders a file over 16 KiB (train.py): the failure comes after other files were written.
+    assert max(len(content) for content in clean_render(tmp_path, "run", "--gpus", "2").values()) > 16 * 2**10
+    for dest in (tmp_path / "new" / "run", tmp_path / "empty"):
+        if dest.name == "empty":
+            dest.mkdir()
+        result = _new_with_a_full_disk(str(dest), "-y", "--gpus", "2")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"fsdp2gen: error: cannot write {dest}: File too large (nothing was written)")
+        assert len(result.stderr.splitlines()) == 1
+        assert not (tmp_path / "new").exists() and (not dest.exists() or list(dest.iterdir()) == [])
+
+    # --force over a project: the failure leaves the previous project as it was.
+    project = generate(tmp_path / "run", "--gpus", "2")
+    edit(project / "config.toml", "log_every = 10 ", "log_every = 5  ")
+    before = snapshot(project)
+    result = _new_with_a_full_disk(str(project), "-y", "--gpus", "4", "--force")
+    assert result.returncode == 2 and "File too large" in result.stderr, result.stdout + result.stderr
+    assert snapshot(project) == before
