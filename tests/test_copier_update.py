@@ -180,3 +180,25 @@ def test_update_refuses_what_copier_cannot_update(template_repo: Path, tmp_path:
         "e.g. `git tag v0.2.0`\n"
     )
     assert os.path.isdir(project2)
+
+
+def test_update_never_deletes_an_edited_file(template_repo: Path, tmp_path: Path) -> None:
+    """A file the new template version drops is removed only if the user never edited it (compared with the old
+    version's rendering); an edited one stays and is reported. Both are listed."""
+    project = copier_copy(template_repo, tmp_path / "run")
+    kill_rank = project / "tests" / "kill_rank.py"
+    kill_rank.write_text(kill_rank.read_text() + "# user: our cluster's signal\n")
+    commit_all(project, "user edit")
+    edited = kill_rank.read_bytes()
+    for dropped in ("tests/kill_rank.py", "profiling.py"):
+        (template_repo / "templates" / "project" / dropped).unlink()
+    commit_all(template_repo, "drop two files")
+    git(template_repo, "tag", "v0.2.0")
+
+    result = fsdp2gen("update", str(project), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["removed"], report["kept"], report["conflicts"]) == (["profiling.py"], ["tests/kill_rank.py"], [])
+    assert kill_rank.read_bytes() == edited
+    assert not (project / "profiling.py").exists()
+    assert yaml.safe_load((project / ".copier-answers.yml").read_text())["_commit"] == "v0.2.0"
