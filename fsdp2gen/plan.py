@@ -373,11 +373,15 @@ def _levers(plan: Plan) -> list[Lever]:
     return sorted(levers, key=lambda lever: -lever.saves_bytes)
 
 
+# The end of a message about a value in a project's config.toml.
+FIX_CONFIG = "fix that value in the file"
+
+
 def _positive(name: str, value: int | None, limit: int) -> None:
     if value is not None and value < 1:
-        raise PlanError(f"{name} must be at least 1, got {value}")
+        raise PlanError(f"{name} must be at least 1, got {value}; give {name} 1 or more")
     if value is not None and value > limit:
-        raise PlanError(f"{name} must be at most {limit}, got {value}")
+        raise PlanError(f"{name} must be at most {limit}, got {value}; give {name} {limit} or less")
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -395,17 +399,21 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     sections = {name: raw.get(name, {}) for name in ("model", "training")}
     for name, table in sections.items():
         if not isinstance(table, dict):
-            raise PlanError(f"{path}: [{name}] must be a table, got {table!r}")
+            raise PlanError(f"{path}: [{name}] must be a table, got {table!r}; {FIX_CONFIG}")
     model = _model_keys(path, sections["model"])
     training = dict(TEMPLATE_TRAINING)
     for key in TEMPLATE_TRAINING:
         value = sections["training"].get(key, training[key])
         if type(value) is not int or not 1 <= value <= TRAINING_LIMITS[key]:
-            raise PlanError(f"{path}: training.{key} must be an int from 1 to {TRAINING_LIMITS[key]}, got {value!r}")
+            raise PlanError(
+                f"{path}: training.{key} must be an int from 1 to {TRAINING_LIMITS[key]}, got {value!r}; {FIX_CONFIG}"
+            )
         training[key] = value
     grad_sync = sections["training"].get("grad_sync", TEMPLATE_GRAD_SYNC)
     if grad_sync not in GRAD_SYNC_MODES:
-        raise PlanError(f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}")
+        raise PlanError(
+            f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}; {FIX_CONFIG}"
+        )
     training["grad_sync"] = grad_sync
     # GPUs, nodes and precision the project was generated for (flags override them).
     return model, training, _read_answers(path.parent / ".copier-answers.yml")
@@ -419,17 +427,19 @@ def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
         if expected is None:
             raise PlanError(f"{path}: unknown key model.{key}; known: {', '.join(TEMPLATE_MODEL)}")
         if type(value) is not expected and not (expected is float and type(value) is int):
-            raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}")
+            raise PlanError(f"{path}: model.{key} must be {expected.__name__}, got {value!r}; {FIX_CONFIG}")
         if expected is float and not (math.isfinite(value) and value >= 0):
-            raise PlanError(f"{path}: model.{key} must be a finite number >= 0, got {value!r}")
+            raise PlanError(f"{path}: model.{key} must be a finite number >= 0, got {value!r}; {FIX_CONFIG}")
         model[key] = value
     if model["size"] not in TEMPLATE_SIZES:
-        raise PlanError(f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}")
+        raise PlanError(
+            f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}; {FIX_CONFIG}"
+        )
     for key, value in TEMPLATE_SIZES[model["size"]].items():
         model[key] = model[key] or value
     for key, limit in MODEL_LIMITS.items():
         if not 1 <= model[key] <= limit:
-            raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}")
+            raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}; {FIX_CONFIG}")
     return model
 
 
@@ -444,7 +454,10 @@ def _read_answers(answers_file: Path) -> dict[str, Any]:
     for key in ("gpus", "nodes"):
         limit = LIMITS[f"--{key}"]
         if key in answers and (type(answers[key]) is not int or not 1 <= answers[key] <= limit):
-            raise PlanError(f"{answers_file}: {key} must be an int from 1 to {limit}, got {answers[key]!r}")
+            raise PlanError(
+                f"{answers_file}: {key} must be an int from 1 to {limit}, got {answers[key]!r}; fix it there or give "
+                f"--{key}"
+            )
     return answers
 
 
@@ -455,7 +468,7 @@ def _project_tp(path: Path, answers: dict[str, Any]) -> int:
         parallel = tomllib.load(f).get("parallel", {})
     tp = parallel.get("tp", answers.get("tp", 1)) if isinstance(parallel, dict) else 1
     if type(tp) is not int or tp < 1:
-        raise PlanError(f"{path}: parallel.tp must be a positive int, got {tp!r}")
+        raise PlanError(f"{path}: parallel.tp must be a positive int, got {tp!r}; {FIX_CONFIG}")
     return tp
 
 
@@ -494,7 +507,7 @@ def build_request(
     elif size is not None:
         request = _size_request(size, family, seq)
     else:
-        raise PlanError(f"give --size ({', '.join(SIZES)}) or --config PATH/config.toml")
+        raise PlanError(f"no model to plan; give --size ({', '.join(SIZES)}) or --config PATH/config.toml")
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": offload, "ac": ac, "gpu": gpu}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
@@ -511,7 +524,9 @@ def _project_request(config: Path, family: str | None, tp: int | None, seq: int 
     """The model, batch and setup of a generated project's config.toml and recorded answers."""
     model_keys, training, answers = _read_config(config)
     if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
-        raise PlanError(f"family {answers.get('family', family)}: only llama is planned")
+        raise PlanError(
+            f"family {answers.get('family', family)}: only llama is planned; plan a llama of similar shape with --size"
+        )
     return PlanRequest(
         model=shape_of(model_keys),
         label=str(config),
@@ -531,7 +546,7 @@ def _size_request(size: str, family: str | None, seq: int | None) -> PlanRequest
     micro-batches is not known: None (a grad_sync of last_micro_batch then assumes accumulation, the only case
     where it matters)."""
     if (family or "llama") != "llama":
-        raise PlanError(f"--family {family}: only llama is planned")
+        raise PlanError(f"--family {family}: only llama is planned; drop --family, or plan a llama of similar shape")
     if size.lower() not in SIZES:
         raise PlanError(f"--size {size}: unknown size; choose one of {', '.join(SIZES)}")
     model = SIZES[size.lower()]
@@ -550,15 +565,23 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     """The checks of model.py's ModelArgs and train.py, on the model and setup to plan."""
     model, tp, seq_len = request.model, request.tp, request.seq_len
     if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
-        raise PlanError(f"{request.label}: dim must be divisible by n_heads, and n_heads by n_kv_heads")
+        raise PlanError(
+            f"{request.label}: dim must be divisible by n_heads, and n_heads by n_kv_heads; change model.dim, "
+            "n_heads or n_kv_heads"
+        )
     if seq_len > model.max_seq_len:
-        raise PlanError(f"seq_len {seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+        raise PlanError(
+            f"seq_len {seq_len} exceeds model.max_seq_len {model.max_seq_len}; lower --seq or raise model.max_seq_len"
+        )
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
     if request.world_size % tp:
         raise PlanError(f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor")
     if model.n_kv_heads % tp or model.ffn_dim % tp:
-        raise PlanError(f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim})")
+        raise PlanError(
+            f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim}); choose a --tp "
+            "that divides both"
+        )
     if seq_len % tp:
         # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
         raise PlanError(f"--tp {tp} must divide the sequence length ({seq_len}); change --seq or --tp")

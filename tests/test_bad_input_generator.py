@@ -169,9 +169,9 @@ BAD_NAME = (
 )
 AF = "pass a YAML file of answers like 'gpus: 8'"
 # "Billion laughs": 10 lines that expand to 9**10 values (PyYAML: a MemoryError after a minute and GBs).
-ALIAS_BOMB = "".join(
-    f"_a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else '1'] * 9)}]\n" for i in range(10)
-) + "gpus: *a9\n"
+ALIAS_BOMB = (
+    "".join(f"_a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else '1'] * 9)}]\n" for i in range(10)) + "gpus: *a9\n"
+)
 HF_FIX = "give a folder written by save_pretrained (config.json + *.safetensors) or a hub id"
 RESTORE = "restore it from an earlier commit (git log -- .copier-answers.yml) or fix it by hand"
 NOT_INT = "Input should be a valid integer, unable to parse string as an integer"
@@ -826,21 +826,45 @@ CASES = [
         (write("s.py", "x = 1\n"),),
     ),
     # plan
-    Case("plan-gpus-zero", ("plan", "--size", "8b", "--gpus", "0"), "--gpus must be at least 1, got 0"),
-    Case("plan-gpus-65", ("plan", "--size", "8b", "--gpus", "65"), "--gpus must be at most 64, got 65"),
+    Case(
+        "plan-gpus-zero",
+        ("plan", "--size", "8b", "--gpus", "0"),
+        "--gpus must be at least 1, got 0; give --gpus 1 or more",
+    ),
+    Case(
+        "plan-gpus-65",
+        ("plan", "--size", "8b", "--gpus", "65"),
+        "--gpus must be at most 64, got 65; give --gpus 64 or less",
+    ),
     Case(
         "plan-nodes-huge",
         ("plan", "--size", "8b", "--nodes", "100000000000000000000"),
-        "--nodes must be at most 16384, got 100000000000000000000",
+        "--nodes must be at most 16384, got 100000000000000000000; give --nodes 16384 or less",
     ),
-    Case("plan-tp-negative", ("plan", "--size", "8b", "--tp", "-1"), "--tp must be at least 1, got -1"),
-    Case("plan-batch-zero", ("plan", "--size", "8b", "--batch", "0"), "--batch must be at least 1, got 0"),
     Case(
-        "plan-batch-huge", ("plan", "--size", "8b", "--batch", "1000000"), "--batch must be at most 65536, got 1000000"
+        "plan-tp-negative",
+        ("plan", "--size", "8b", "--tp", "-1"),
+        "--tp must be at least 1, got -1; give --tp 1 or more",
     ),
-    Case("plan-seq-negative", ("plan", "--size", "8b", "--seq", "-8"), "--seq must be at least 1, got -8"),
     Case(
-        "plan-seq-huge", ("plan", "--size", "8b", "--seq", "100000000"), "--seq must be at most 16777216, got 100000000"
+        "plan-batch-zero",
+        ("plan", "--size", "8b", "--batch", "0"),
+        "--batch must be at least 1, got 0; give --batch 1 or more",
+    ),
+    Case(
+        "plan-batch-huge",
+        ("plan", "--size", "8b", "--batch", "1000000"),
+        "--batch must be at most 65536, got 1000000; give --batch 65536 or less",
+    ),
+    Case(
+        "plan-seq-negative",
+        ("plan", "--size", "8b", "--seq", "-8"),
+        "--seq must be at least 1, got -8; give --seq 1 or more",
+    ),
+    Case(
+        "plan-seq-huge",
+        ("plan", "--size", "8b", "--seq", "100000000"),
+        "--seq must be at most 16777216, got 100000000; give --seq 16777216 or less",
     ),
     Case(
         "plan-gpus-not-a-number",
@@ -884,19 +908,19 @@ CASES = [
     Case(
         "plan-config-layers-huge",
         ("plan", "--config", "config.toml"),
-        "config.toml: model.n_layers must be from 1 to 4096, got 1000000000",
+        "config.toml: model.n_layers must be from 1 to 4096, got 1000000000; fix that value in the file",
         (write("config.toml", "[model]\nn_layers = 1000000000\n"),),
     ),
     Case(
         "plan-config-nan",
         ("plan", "--config", "config.toml"),
-        "config.toml: model.norm_eps must be a finite number >= 0, got nan",
+        "config.toml: model.norm_eps must be a finite number >= 0, got nan; fix that value in the file",
         (write("config.toml", "[model]\nnorm_eps = nan\n"),),
     ),
     Case(
         "plan-config-seq-zero",
         ("plan", "--config", "config.toml"),
-        "config.toml: training.seq_len must be an int from 1 to 16777216, got 0",
+        "config.toml: training.seq_len must be an int from 1 to 16777216, got 0; fix that value in the file",
         (write("config.toml", "[training]\nseq_len = 0\n"),),
     ),
     Case(
@@ -916,7 +940,7 @@ CASES = [
     Case(
         "plan-answers-gpus-huge",
         ("plan", "--config", "config.toml"),
-        ".copier-answers.yml: gpus must be an int from 1 to 64, got 1000",
+        ".copier-answers.yml: gpus must be an int from 1 to 64, got 1000; fix it there or give --gpus",
         (write("config.toml", ""), write(".copier-answers.yml", "gpus: 1000\n")),
     ),
 ]
