@@ -272,6 +272,20 @@ def test_unreadable_input_is_bad_input(tmp_path: Path, content: bytes | None, re
     assert result.stderr.count("\n") == 1
 
 
+def test_a_utf8_byte_order_mark_is_valid_python(tmp_path: Path) -> None:
+    """Python runs a file that starts with a UTF-8 BOM (some Windows editors write one); check reads it too, and
+    its findings keep their line numbers."""
+    target = tmp_path / "train.py"
+    target.write_bytes(b"\xef\xbb\xbfimport torch\nstate = torch.load('x.pt')\n")
+    assert (
+        subprocess.run([sys.executable, "-c", f"compile(open({str(target)!r}, 'rb').read(), 'f', 'exec')"]).returncode
+        == 0
+    )
+    result = fsdp2gen("check", str(target))
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.startswith(f"{target}:2:"), result.stdout
+
+
 @pytest.mark.parametrize(
     "expression,limit",
     [(" + ".join(["1"] * 100_000), "recursion"), ("-" * 100_000 + "1", "parser stack")],
