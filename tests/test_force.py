@@ -4,6 +4,7 @@ is refused; creating DEST is atomic and exclusive; a write that fails mid-render
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import resource
@@ -170,3 +171,23 @@ def test_a_write_failing_mid_render_leaves_nothing(tmp_path: Path) -> None:
     result = _new_with_a_full_disk(str(project), "-y", "--gpus", "4", "--force")
     assert result.returncode == 2 and "File too large" in result.stderr, result.stdout + result.stderr
     assert snapshot(project) == before
+
+
+def test_a_run_holding_dest_refuses_a_second(tmp_path: Path) -> None:
+    """While one run holds DEST's lock (flock on the folder), another `new --force` (or `new` into the empty
+    folder) is refused in one line and changes nothing."""
+    project = generate(tmp_path / "run", "--gpus", "2")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for dest, force in ((project, ["--force"]), (empty, [])):
+        before = snapshot(dest)
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            result = fsdp2gen("new", str(dest), "-y", "--gpus", "4", *force)
+        finally:
+            os.close(fd)
+        assert (result.returncode, result.stderr) == (
+            2, f"fsdp2gen: error: another fsdp2gen run is writing into {dest}; wait for it to finish, then run again\n"
+        )  # fmt: skip
+        assert snapshot(dest) == before
