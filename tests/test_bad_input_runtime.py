@@ -504,7 +504,7 @@ SCHEMA_CASES: dict[str, tuple[list[str], str]] = {
     ),
     "timeout-1e300": (
         ["--job.timeout_minutes", "1e300"],
-        "job.timeout_minutes must be at most 1000000, got 1e+300; e.g. --job.timeout_minutes 10",
+        "job.timeout_minutes must be between 1 and 1000000, got 1e+300; e.g. --job.timeout_minutes 10",
     ),
     "synthetic-samples-1e12": (
         ["--data.synthetic_samples", str(10**12)],

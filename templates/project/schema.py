@@ -107,7 +107,9 @@ def check_value(key: str, value: Any, bound: Bound, default: Any) -> None:
     if not low_ok or value != value:  # NaN fails every comparison, and is named like a value below the range
         raise SchemaError(f"{key} must be {_allowed(bound, is_int)}, got {value!r}; {fix}")
     if bound.high is not None and value > bound.high:
-        raise SchemaError(f"{key} must be at most {_number(bound.high)}, got {value!r}; {fix}")
+        allowed = _allowed(bound, is_int)
+        allowed = allowed if allowed.startswith("between") else f"at most {_number(bound.high)}"
+        raise SchemaError(f"{key} must be {allowed}, got {value!r}; {fix}")
 
 
 def check_section(name: str, section: Any) -> None:
