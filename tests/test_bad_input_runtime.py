@@ -8,6 +8,7 @@ The table CASES is the list in docs/bad-inputs.md (a test keeps the two in step)
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -48,38 +49,75 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "config-is-a-folder": (
         ["--config", "{tmp}"],
-        "config file {tmp} cannot be read (Is a directory); pass --config PATH",
+        "config file {tmp} is a folder; pass --config PATH of a TOML file",
     ),
-    "steps-0": (["--training.steps", "0"], "training.steps must be at least 1, got 0"),
-    "steps-negative": (["--training.steps", "-3"], "training.steps must be at least 1, got -3"),
-    "lr-nan": (["--training.lr", "nan"], "training.lr must be a positive number, got nan"),
-    "lr-inf": (["--training.lr", "inf"], "training.lr must be a positive number, got inf"),
-    "lr-0": (["--training.lr", "0"], "training.lr must be a positive number, got 0.0"),
-    "grad-accum-0": (["--training.grad_accum_steps", "0"], "training.grad_accum_steps must be at least 1, got 0"),
-    "global-batch-0": (["--training.global_batch_size", "0"], "training.global_batch_size must be at least 1, got 0"),
-    "seq-len-0": (["--training.seq_len", "0"], "training.seq_len must be at least 1, got 0"),
-    "warmup-negative": (["--training.warmup_steps", "-1"], "training.warmup_steps must be 0 or more, got -1"),
-    "lr-min-ratio-2": (["--training.lr_min_ratio", "2"], "training.lr_min_ratio must be between 0 and 1, got 2.0"),
-    "weight-decay-negative": (["--training.weight_decay", "-0.1"], "training.weight_decay must be 0 or more, got -0.1"),
-    "max-norm-nan": (["--training.max_norm", "nan"], "training.max_norm must be 0 (no clipping) or more, got nan"),
-    "seed-negative": (["--training.seed", "-1"], "training.seed must be 0 or more, got -1"),
-    "log-every-0": (["--job.log_every", "0"], "job.log_every must be at least 1, got 0"),
+    "steps-0": (["--training.steps", "0"], "training.steps must be at least 1, got 0; e.g. --training.steps 1000"),
+    "steps-negative": (
+        ["--training.steps", "-3"],
+        "training.steps must be at least 1, got -3; e.g. --training.steps 1000",
+    ),
+    "lr-nan": (["--training.lr", "nan"], "training.lr must be a positive number, got nan; e.g. --training.lr 0.0003"),
+    "lr-inf": (["--training.lr", "inf"], "training.lr must be a finite number, got inf; e.g. --training.lr 0.0003"),
+    "lr-0": (["--training.lr", "0"], "training.lr must be a positive number, got 0.0; e.g. --training.lr 0.0003"),
+    "grad-accum-0": (
+        ["--training.grad_accum_steps", "0"],
+        "training.grad_accum_steps must be at least 1, got 0; e.g. --training.grad_accum_steps 1",
+    ),
+    "global-batch-0": (
+        ["--training.global_batch_size", "0"],
+        ("training.global_batch_size must be at least 1, got 0; e.g. --training.global_batch_size 32"),
+    ),
+    "seq-len-0": (
+        ["--training.seq_len", "0"],
+        "training.seq_len must be at least 1, got 0; e.g. --training.seq_len 256",
+    ),
+    "warmup-negative": (
+        ["--training.warmup_steps", "-1"],
+        "training.warmup_steps must be 0 or more, got -1; e.g. --training.warmup_steps 100",
+    ),
+    "lr-min-ratio-2": (
+        ["--training.lr_min_ratio", "2"],
+        ("training.lr_min_ratio must be between 0 and 1, got 2.0; e.g. --training.lr_min_ratio 0.1"),
+    ),
+    "weight-decay-negative": (
+        ["--training.weight_decay", "-0.1"],
+        ("training.weight_decay must be 0 or more, got -0.1; e.g. --training.weight_decay 0.1"),
+    ),
+    "max-norm-nan": (
+        ["--training.max_norm", "nan"],
+        ("training.max_norm must be 0 (no clipping) or more, got nan; e.g. --training.max_norm 1"),
+    ),
+    "seed-negative": (["--training.seed", "-1"], "training.seed must be 0 or more, got -1; e.g. --training.seed 0"),
+    "log-every-0": (["--job.log_every", "0"], "job.log_every must be at least 1, got 0; e.g. --job.log_every 10"),
     "output-dir-empty": (
         ["--job.output_dir", ""],
         "job.output_dir is empty; name a folder, e.g. --job.output_dir outputs",
     ),
-    "checkpoint-interval-0": (["--checkpoint.interval", "0"], "checkpoint.interval must be at least 1, got 0"),
-    "keep-last-0": (["--checkpoint.keep_last", "0"], "checkpoint.keep_last must be at least 1, got 0"),
-    "synthetic-samples-0": (["--data.synthetic_samples", "0"], "data.synthetic_samples must be at least 1, got 0"),
+    "checkpoint-interval-0": (
+        ["--checkpoint.interval", "0"],
+        "checkpoint.interval must be at least 1, got 0; e.g. --checkpoint.interval 100",
+    ),
+    "keep-last-0": (
+        ["--checkpoint.keep_last", "0"],
+        "checkpoint.keep_last must be at least 1, got 0; e.g. --checkpoint.keep_last 2",
+    ),
+    "synthetic-samples-0": (
+        ["--data.synthetic_samples", "0"],
+        ("data.synthetic_samples must be at least 1, got 0; e.g. --data.synthetic_samples 4096"),
+    ),
     "dp-replicate-0": (
         ["--parallel.dp_replicate", "0"],
-        "parallel.dp_replicate must be >= 1 and dp_shard >= 1 or -1, not 0, -1",
+        "parallel.dp_replicate must be at least 1, got 0; e.g. --parallel.dp_replicate 1",
     ),
     "reshard-0": (
         ["--parallel.reshard_after_forward", "0"],
-        "parallel.reshard_after_forward must be true, false or >= 1, not 0",
+        "parallel.reshard_after_forward must be true, false or at least 1, got 0; e.g. "
+        "--parallel.reshard_after_forward true",
     ),
-    "heads-not-dividing-dim": (["--model.n_heads", "5"], "model.dim (64) must be divisible by model.n_heads (5)"),
+    "heads-not-dividing-dim": (
+        ["--model.n_heads", "5"],
+        "model.dim (64) must be divisible by model.n_heads (5); change one of them",
+    ),
     # The layout: the numbers must fit the ranks (2 here, 8 where the case says --world-size 8).
     "batch-not-divisible": (
         ["--training.global_batch_size", "9"],
@@ -170,8 +208,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "eval.batches x training.global_batch_size = 24; lower --eval.batches, prepare with a larger "
         "--val-fraction, or set --eval.every 0",
     ),
-    "eval-every-negative": (["--eval.every", "-1"], "eval.every must be 0 (off) or more, got -1"),
-    "eval-batches-0": (["--eval.batches", "0"], "eval.batches must be at least 1, got 0"),
+    "eval-every-negative": (
+        ["--eval.every", "-1"],
+        "eval.every must be 0 (off) or more, got -1; e.g. --eval.every 100",
+    ),
+    "eval-batches-0": (["--eval.batches", "0"], "eval.batches must be at least 1, got 0; e.g. --eval.batches 4"),
     "profile-memory-snapshot-on-cpu": (
         ["--profile.memory_snapshot_step", "1"],
         "profile.memory_snapshot_step records CUDA allocations, but this run has no CUDA device; set "
@@ -434,3 +475,120 @@ def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> Non
     records = metrics(tmp_path)
     assert records[-1]["step"] == 6
     assert {r["run_id"] for r in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
+
+
+# Issue 24's run-time cases, beyond the list above: each is found by a mechanism (the schema's bounds and rules in
+# config.py/schema.py/model.py, the kind of every path, the ids actually in the shards), not by a case of its own.
+# id -> (launch_local.sh arguments, the line). {out}: the case's output folder, {tmp}: its folder of inputs.
+SCHEMA_CASES: dict[str, tuple[list[str], str]] = {
+    "n-heads-negative": (
+        ["--model.n_heads", "-4"],
+        "model.n_heads must be 0 (the value of model.size) or more, got -4; e.g. --model.n_heads 0",
+    ),
+    "dim-negative": (
+        ["--model.dim", "-64"],
+        "model.dim must be 0 (the value of model.size) or more, got -64; e.g. --model.dim 0",
+    ),
+    "init-std-nan": (
+        ["--model.init_std", "nan"],
+        "model.init_std must be a positive number, got nan; e.g. --model.init_std 0.02",
+    ),
+    "head-size-odd": (
+        ["--model.dim", "63", "--model.n_heads", "3", "--model.n_kv_heads", "1"],
+        "model.dim / model.n_heads = 63 / 3 = 21 is odd, but rotary embeddings turn pairs of values; choose an even "
+        "head size",
+    ),
+    "seed-2**32": (
+        ["--training.seed", str(2**32)],
+        "training.seed must be at most 4294967294, got 4294967296; e.g. --training.seed 0",
+    ),
+    "timeout-1e300": (
+        ["--job.timeout_minutes", "1e300"],
+        "job.timeout_minutes must be between 1 and 1000000, got 1e+300; e.g. --job.timeout_minutes 10",
+    ),
+    "synthetic-samples-1e12": (
+        ["--data.synthetic_samples", str(10**12)],
+        "data.synthetic_samples must be at most 2147483647, got 1000000000000; e.g. --data.synthetic_samples 4096",
+    ),
+    "rope-theta-nan": (
+        ["--model.rope_theta", "nan"],
+        "model.rope_theta must be 0 (the value of model.size) or at least 1, got nan; e.g. --model.rope_theta 0",
+    ),
+    "norm-eps-nan": (
+        ["--model.norm_eps", "nan"],
+        "model.norm_eps must be a positive number, got nan; e.g. --model.norm_eps 1e-05",
+    ),
+    "shard-id-above-max-id": (
+        ["--data.path", "{tmp}/changed-shard"],
+        "data.path {tmp}/changed-shard: shard train-00001.bin holds token id 500 (at token 7), above the largest id "
+        "99 that index.json records for it: it was changed after it was written; prepare it again with "
+        "scripts/prepare_data.py --output {tmp}/changed-shard-new and point --data.path there",
+    ),
+    "checkpoints-is-a-file": (
+        [],
+        "job.output_dir {out} has checkpoints, which is not a folder: the run writes its checkpoints there; move it "
+        "away or choose another --job.output_dir",
+    ),
+    "metrics-jsonl-is-a-folder": (
+        [],
+        "job.output_dir {out} has metrics.jsonl, which is not a file: the run writes its metrics to it; move it away "
+        "or choose another --job.output_dir",
+    ),
+    "config-is-a-fifo": (
+        ["--config", "{tmp}/fifo.toml"],
+        "config file {tmp}/fifo.toml is a FIFO; pass --config PATH of a TOML file",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def schema_inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("schema-inputs")
+    write_prepared(tmp / "changed-shard")
+    shard = np.fromfile(tmp / "changed-shard" / "train-00001.bin", dtype=np.uint16)
+    shard[7] = 500  # index.json still says max_id 99
+    shard.tofile(tmp / "changed-shard" / "train-00001.bin")
+    os.mkfifo(tmp / "fifo.toml")
+    return tmp
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES)
+def test_launch_script_refuses_what_the_schema_and_the_paths_rule_out(
+    case: str, projects: dict[str, Path], schema_inputs: Path, tmp_path: Path
+) -> None:
+    tmp, out = schema_inputs, tmp_path / "out"
+    if case == "checkpoints-is-a-file":
+        out.mkdir()
+        (out / "checkpoints").write_text("not a folder")
+    elif case == "metrics-jsonl-is-a-folder":
+        (out / "metrics.jsonl").mkdir(parents=True)
+    before = sorted(out.rglob("*")) if out.exists() else []
+    args = [arg.format(out=out, tmp=tmp) for arg in SCHEMA_CASES[case][0]]
+    result = subprocess.run(
+        ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
+        cwd=projects["fp32"], env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    expected = SCHEMA_CASES[case][1].format(out=out, tmp=tmp)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {expected}\n")
+    assert (sorted(out.rglob("*")) if out.exists() else []) == before
+
+
+@pytest.mark.parametrize("case", ["head-size-odd", "checkpoints-is-a-file"])
+def test_torchrun_without_the_launcher_refuses_them_too(
+    case: str, projects: dict[str, Path], schema_inputs: Path, tmp_path: Path
+) -> None:
+    # train.py's own checks (config.py's schema while parsing, preflight on rank 0) for runs started otherwise.
+    out = tmp_path / "out"
+    if case == "checkpoints-is-a-file":
+        out.mkdir()
+        (out / "checkpoints").write_text("not a folder")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
+         "--job.device", "cpu", "--job.output_dir", str(out), *SCHEMA_CASES[case][0]],
+        cwd=projects["fp32"], env=torchrun_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    expected = SCHEMA_CASES[case][1].format(out=out, tmp=schema_inputs)
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {expected}"]
+    assert "exitcode  : 2" in result.stderr
+    assert "parameters" not in result.stdout
