@@ -421,7 +421,8 @@ CPU_RUN = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_si
 def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
     """(command, why) pairs to run after generation, in order."""
     commands = [
-        (f"cd {shlex.quote(str(dest))}", ""),
+        # Absolute: the README's main command has already cd'ed into a relative DEST when this is read.
+        (f"cd {shlex.quote(str(dest.absolute()))}", ""),
         ("pip install -e '.[test]'", ""),
         # The sizes of the README's CPU run: this continues that run in outputs/ (or starts one), as a resume must
         # keep the batch size and the sequence length.
