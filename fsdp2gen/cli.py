@@ -437,13 +437,20 @@ def _ask(question: Question, answers: dict[str, Any]) -> Any:
         typer.echo(f"Error: {problem}", err=True)
 
 
+CPU_RUN = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
+
+
 def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
     """(command, why) pairs to run after generation, in order."""
     commands = [
-        (f"cd {shlex.quote(str(dest))}", ""),
+        # Absolute: the README's main command has already cd'ed into a relative DEST when this is read.
+        (f"cd {shlex.quote(str(dest.absolute()))}", ""),
         ("pip install -e '.[test]'", ""),
-        ("NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.steps 20", "2 CPU processes, gloo"),
-        ("scripts/launch_local.sh", f"{answers['gpus']} GPU(s) with nccl"),
+        # The sizes of the README's CPU run: this continues that run in outputs/ (or starts one), as a resume must
+        # keep the batch size and the sequence length.
+        (f"{CPU_RUN} --training.steps 20", "2 CPU processes, gloo"),
+        # A folder of its own: outputs/ may hold the CPU run, whose sizes a default run does not share.
+        ("scripts/launch_local.sh --job.output_dir outputs-gpu", f"{answers['gpus']} GPU(s) with nccl"),
     ]
     if answers["launcher"] == "slurm":
         commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))

@@ -93,7 +93,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
     assert f"  cd {dest}" in lines
-    assert "  NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.steps 20   # 2 CPU processes, gloo" in lines
+    cpu = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
+    assert f"  {cpu} --training.steps 20   # 2 CPU processes, gloo" in lines
     assert any("scripts/launch_multinode.sh" in line for line in lines[1 + len(files) :])
 
 

@@ -4,6 +4,7 @@ SLURM cluster."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, torchrun_env
-from tests.slurm_cluster import free_port, local_slurm_cluster
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable
 
 
 def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str) -> list[tuple[int, str]]:
@@ -98,6 +99,11 @@ def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> Non
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory):
+    if reason := unavailable():
+        # CI (.ci/run) installs the daemons and sets FSDP2GEN_REQUIRE_SLURM=1: there a missing SLURM is a failure.
+        if os.environ.get("FSDP2GEN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"FSDP2GEN_REQUIRE_SLURM=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
     with local_slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
         yield env
 
@@ -130,3 +136,24 @@ def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_pat
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3, 4, 5]
     job_id = second.stdout.split()[-1]
     assert "resumed from outputs/checkpoints/step-3 at step 3" in (project / "logs" / f"run-{job_id}.out").read_text()
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_without_slurm_the_sbatch_test_skips_saying_how_to_enable_it_or_fails_in_ci(
+    tmp_path: Path, required: bool
+) -> None:
+    # A machine without SLURM's daemons: an empty PATH (the tests never install anything, so nothing is found).
+    env = {**torchrun_env(), "PATH": str(tmp_path), "COLUMNS": "1000"}
+    env["FSDP2GEN_REQUIRE_SLURM"] = "1" if required else ""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-rsf", "-k", "test_sbatch_trains",
+         "tests/test_launchers.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    tools = "slurmctld, slurmd, sbatch, sinfo, munged, munge, unmunge"
+    reason = f"SLURM tests need {tools} (not on PATH); to run them: {ENABLE}"
+    if required:
+        assert result.returncode == 1 and f"FSDP2GEN_REQUIRE_SLURM=1 but {reason}" in result.stdout, result.stdout
+    else:
+        assert result.returncode == 0 and "1 skipped" in result.stdout, result.stdout
+        assert "SKIPPED [1] tests/test_launchers.py" in result.stdout and reason in result.stdout, result.stdout
