@@ -27,10 +27,8 @@ KNOWN_TRAINING_KEYS = (
     "grad_sync, max_norm"
 )
 FRESH = "another --job.output_dir"
-CORRUPT = (
-    "it is probably incomplete or corrupt. Delete it (rm -r {out}/checkpoints/step-2) to resume from the previous "
-    f"checkpoint, or start a new run in {FRESH}"
-)
+# The run's only checkpoint (corrupt() deletes the older one, which resume would use instead).
+CORRUPT = f"and no older checkpoint is left to resume from; restore it from a copy, or start a new run in {FRESH}"
 CASES: dict[str, tuple[list[str], str]] = {
     # The config file and the command line.
     "unknown-key": (["--training.stepz", "5"], f"unknown key training.stepz; known: {KNOWN_TRAINING_KEYS}"),
@@ -268,22 +266,22 @@ CASES: dict[str, tuple[list[str], str]] = {
     "checkpoint-metadata-missing": (
         [],
         "checkpoint {out}/checkpoints/step-2 cannot be loaded (FileNotFoundError: no .metadata in "
-        f"{{out}}/checkpoints/step-2); {CORRUPT}",
+        f"{{out}}/checkpoints/step-2), {CORRUPT}",
     ),
     "checkpoint-metadata-garbage": (
         [],
         "checkpoint {out}/checkpoints/step-2 cannot be loaded (ValueError: .metadata is not a DCP metadata file "
-        f"(UnpicklingError: pickle data was truncated)); {CORRUPT}",
+        f"(UnpicklingError: pickle data was truncated)), {CORRUPT}",
     ),
     "checkpoint-shard-truncated": (
         [],
         "checkpoint {out}/checkpoints/step-2 cannot be loaded (ValueError: __0_0.distcp has 100 bytes, .metadata "
-        f"expects at least {{shard_size}}); {CORRUPT}",
+        f"expects at least {{shard_size}}), {CORRUPT}",
     ),
     "checkpoint-json-garbage": (
         [],
         "checkpoint {out}/checkpoints/step-2 cannot be loaded (JSONDecodeError: Expecting value: line 1 column 1 "
-        f"(char 0)); {CORRUPT}",
+        f"(char 0)), {CORRUPT}",
     ),
     "checkpoint-of-another-run": (
         [],
@@ -301,6 +299,9 @@ CASES: dict[str, tuple[list[str], str]] = {
 def corrupt(case: str, out: Path) -> None:
     """Turn the copy `out` of a finished 2-step run into the broken run folder of `case`."""
     newest = out / "checkpoints" / "step-2"
+    if case.startswith("checkpoint-") and case != "checkpoint-of-another-run":
+        # Only the newest checkpoint is left: resume would pass over a corrupt one for an older one.
+        shutil.rmtree(out / "checkpoints" / "step-1")
     if case == "checkpoint-metadata-missing":
         (newest / ".metadata").unlink()
     elif case == "checkpoint-metadata-garbage":

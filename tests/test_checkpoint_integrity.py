@@ -1,0 +1,244 @@
+"""Checkpoints of generated projects survive damage and full disks: every file's checksum is verified at resume,
+a corrupt newest checkpoint is named, set aside and replaced by the previous one (the run then continues exactly as
+an uninterrupted one), and a save that does not fit stops every rank with one line, the previous checkpoint intact.
+
+Real torchrun, 2 gloo ranks on CPU, the tiny model, one project per checkpoint style. A full disk is made with
+RLIMIT_FSIZE (any user) and, as root, with a small tmpfs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, generate, metrics, torchrun_env
+
+STYLES = ("dcp", "dcp-async", "full")
+# The file of the newest checkpoint that the tests damage: rank 1's shard, or the full style's weights.
+DAMAGED = {"dcp": "__1_0.distcp", "dcp-async": "__1_0.distcp", "full": "model.safetensors"}
+SAVES = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "3", "--job.device", "cpu"]
+
+
+@pytest.fixture(scope="module", params=STYLES)
+def style(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def project(style: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp(f"project-{style}") / "project", "--gpus", "2", "--checkpoint", style)
+
+
+@pytest.fixture(scope="module")
+def straight(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 uninterrupted steps, checkpoints at steps 2, 4 and 6: the run the others are made from and compared to."""
+    output_dir = tmp_path_factory.mktemp("straight")
+    result = launch(project, output_dir, "--training.steps", "6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoint_names(output_dir) == ["step-2", "step-4", "step-6"]
+    return output_dir
+
+
+def launch(
+    project: Path, output_dir: Path, *args: str, nproc: int = 2, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess:
+    """train.py on `nproc` gloo ranks under torchrun (never restarted), or as one plain process."""
+    command = [sys.executable, "train.py"]
+    if nproc > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
+    command += [*TINY, *SAVES, "--job.output_dir", str(output_dir), *args]
+    env = {**torchrun_env(), "PYTHONPATH": str(project)}
+    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=preexec_fn)  # fmt: skip
+
+
+def checkpoint_names(output_dir: Path) -> list[str]:
+    return sorted(path.name for path in (output_dir / "checkpoints").iterdir())
+
+
+def copy_run(straight: Path, dest: Path, keep: list[str]) -> Path:
+    """A copy of the straight run's folder (run.json, metrics, checkpoints) with only the checkpoints `keep`."""
+    shutil.copytree(straight, dest)
+    for name in checkpoint_names(dest):
+        if name not in keep:
+            shutil.rmtree(dest / "checkpoints" / name)
+    return dest
+
+
+def flip_64_bytes(path: Path) -> bytes:
+    """Invert 64 bytes in the middle of `path` (tensor data, past every header: the file still parses and keeps
+    its size, as after silent corruption on disk); its new content."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(byte ^ 0xFF for byte in data[middle : middle + 64])
+    path.write_bytes(data)
+    return bytes(data)
+
+
+def by_step(output_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl, the last row of each step (a resume from an older checkpoint logs its steps again)."""
+    return {row["step"]: row for row in metrics(output_dir)}
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly_from_the_previous_one(
+    style: str, project: Path, straight: Path, tmp_path: Path
+) -> None:
+    run = copy_run(straight, tmp_path / "run", keep=["step-2", "step-4"])
+    newest = run / "checkpoints" / "step-4"
+    damaged = flip_64_bytes(newest / DAMAGED[style])
+    result = launch(project, run, "--training.steps", "6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    # One line names the checkpoint, the file and the checkpoint used instead; each rank verified its share of the
+    # files (2 ranks), and the damaged file is found whichever rank read it.
+    assert re.findall(r"^.*(?:warning|error): .*$", result.stderr, flags=re.M) == [
+        f"train.py: warning: checkpoint {newest} is corrupt ({DAMAGED[style]}: checksum mismatch); kept as "
+        "step-4.corrupt, resuming from step-2"
+    ], result.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # Never deleted, and not replaced by the new save of step 4: set aside, as it was.
+    assert checkpoint_names(run) == ["step-2", "step-4", "step-4.corrupt", "step-6"]
+    assert (run / "checkpoints" / "step-4.corrupt" / DAMAGED[style]).read_bytes() == damaged
+    # A resume is deterministic: steps 3-6 are those of the uninterrupted run, bit for bit.
+    expected, resumed = by_step(straight), by_step(run)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert (resumed[step]["loss"], resumed[step]["grad_norm"]) == (
+            expected[step]["loss"],
+            expected[step]["grad_norm"],
+        ), step
+
+
+def test_a_run_whose_only_checkpoint_is_corrupt_stops_with_one_line(
+    style: str, project: Path, straight: Path, tmp_path: Path
+) -> None:
+    run = copy_run(straight, tmp_path / "run", keep=["step-6"])
+    newest = run / "checkpoints" / "step-6"
+    intact = (newest / DAMAGED[style]).read_bytes()
+    flip_64_bytes(newest / DAMAGED[style])
+    before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
+    result = launch(project, run, "--training.steps", "8", nproc=1)
+    assert (result.returncode, result.stderr) == (2, (
+        f"train.py: error: checkpoint {newest} cannot be loaded ({DAMAGED[style]}: checksum mismatch), and no older "
+        "checkpoint is left to resume from; restore it from a copy, or start a new run in another --job.output_dir\n"
+    ))  # fmt: skip
+    # Never a silent fresh start: nothing trained, renamed or written.
+    assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
+    # Checkpoints of older projects record no checksums: they load as before.
+    (newest / DAMAGED[style]).write_bytes(intact)
+    info = json.loads((newest / "checkpoint.json").read_text())
+    del info["files"]
+    (newest / "checkpoint.json").write_text(json.dumps(info))
+    result = launch(project, run, "--training.steps", "8", nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {newest} at step 6" in result.stdout
+
+
+def file_size_limit(limit: int) -> Callable[[], None]:
+    """For subprocess's preexec_fn: no file of the process and its children may grow past `limit` bytes; a write
+    beyond it fails with EFBIG ("File too large") instead of killing the process (SIGXFSZ ignored)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_save_that_cannot_be_written_stops_every_rank_with_one_line(
+    style: str, project: Path, straight: Path, tmp_path: Path
+) -> None:
+    run = copy_run(straight, tmp_path / "run", keep=["step-2", "step-4"])
+    # Every data file of a checkpoint is larger than the limit; what else the run writes (metrics.jsonl,
+    # checkpoint.json, DCP's .metadata) far smaller.
+    limit, newest = 200_000, run / "checkpoints" / "step-4"
+    small = [newest / name for name in ("checkpoint.json", ".metadata") if (newest / name).exists()]
+    assert all(path.stat().st_size > limit for path in newest.iterdir() if path not in small)
+    assert all(path.stat().st_size < limit // 2 for path in small)
+    result = launch(project, run, "--training.steps", "8", preexec_fn=file_size_limit(limit))
+    checkpoints = run / "checkpoints"
+    assert re.findall(r"^.*error: .*$", result.stderr, flags=re.M) == [
+        f"train.py: error: checkpoint step-6 could not be written to disk in {checkpoints} (File too large: over the "
+        "file size limit (ulimit -f) or the filesystem's largest file); step-4 stays the newest checkpoint: fix that "
+        "and launch again to resume from it"
+    ], result.stderr[-3000:]
+    # Every rank stopped with that line's exit code (2: a usage error, which the launch scripts do not retry), none
+    # with a traceback of its own. (torchrun may end a rank that has not exited yet once another has: -15.)
+    assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]
+    assert "[rank" not in result.stderr and "OSError" not in result.stderr, result.stderr[-3000:]
+    # The half-written step-6.tmp is gone; step-4 stays the newest checkpoint, whole.
+    assert checkpoint_names(run) == ["step-2", "step-4"]
+    for name in ("step-2", "step-4"):
+        original, kept = straight / "checkpoints" / name, checkpoints / name
+        assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in original.iterdir())
+        assert all((kept / p.name).read_bytes() == p.read_bytes() for p in original.iterdir())
+
+
+def space_needed(project: Path) -> int:
+    """The free space the project's preflight asks of a disk for one checkpoint of the tiny model."""
+    code = (
+        "import sys\n"
+        "from config import parse_args\n"
+        "from preflight import model_checkpoint_bytes, space_needed\n"
+        "print(space_needed(model_checkpoint_bytes(parse_args(sys.argv[1:]))))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, *TINY], cwd=project, env=torchrun_env(),
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    return int(result.stdout)
+
+
+@pytest.mark.parametrize("style", ["dcp"], indirect=True)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root; the RLIMIT_FSIZE test covers "
+                    "a failing write without it")  # fmt: skip
+def test_free_space_is_checked_before_the_run_and_before_every_save(
+    style: str, project: Path, straight: Path, tmp_path: Path
+) -> None:
+    needed = space_needed(project)
+    actual = sum(path.stat().st_size for path in (straight / "checkpoints" / "step-2").iterdir())
+    # Room for the first checkpoint with the margin preflight asks, not for a second one at all.
+    assert needed < 2 * actual - (64 << 10), (needed, actual)
+    size = (needed + 2 * actual) // 2 // 4096 * 4096
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run = disk / "run"
+        result = launch(project, run, "--training.steps", "4")
+        checkpoints = run / "checkpoints"
+        errors = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
+        assert len(errors) == 1, result.stderr[-3000:]
+        assert re.fullmatch(
+            rf"train\.py: error: disk full: checkpoint step-4 needs about {needed / 2**20:.1f} MiB on the disk of "
+            rf"{re.escape(str(checkpoints))}, which has \d+\.\d MiB free; step-2 stays the newest checkpoint: free "
+            r"space there \(or lower --checkpoint\.keep_last\) and launch again to resume from it",
+            errors[0],
+        ), errors[0]
+        assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]
+        assert checkpoint_names(run) == ["step-2"]
+        # Preflight, before torchrun starts, for a run whose first checkpoint no longer fits there.
+        other = disk / "other"
+        result = subprocess.run(
+            [sys.executable, "preflight.py", "--world-size", "2", *TINY, *SAVES, "--job.output_dir", str(other)],
+            cwd=project, env=torchrun_env(), capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert re.fullmatch(
+            rf"preflight\.py: error: disk full: a checkpoint of this model needs about {needed / 2**20:.1f} MiB on "
+            rf"the disk of {re.escape(str(other / 'checkpoints'))}, which has \d+\.\d MiB free; free space there, or "
+            r"give a --job.output_dir on a disk with room\n",
+            result.stderr,
+        ), result.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
