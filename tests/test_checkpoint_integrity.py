@@ -188,8 +188,9 @@ def space_needed(project: Path) -> int:
     code = (
         "import sys\n"
         "from config import parse_args\n"
-        "from preflight import model_checkpoint_bytes, space_needed\n"
-        "print(space_needed(model_checkpoint_bytes(parse_args(sys.argv[1:]))))\n"
+        "from preflight import checkpoint_bytes, meta_model, space_needed\n"
+        "model = meta_model(parse_args(sys.argv[1:]))\n"
+        "print(space_needed(checkpoint_bytes([*model.parameters(), *model.buffers()])))\n"
     )
     result = subprocess.run([sys.executable, "-c", code, *TINY], cwd=project, env=torchrun_env(),
                             capture_output=True, text=True, check=True)  # fmt: skip
