@@ -22,10 +22,89 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.conftest import TINY, generate, metrics, torchrun_env, tree
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env, tree
+
+# The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
+# here directly, as well as through real launches below.
+OWNERSHIP = REPO / "templates" / "project" / "ownership.py"
 
 FRESH = "start a new run in another --job.output_dir"
+
+
+def load_ownership():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ownership", OWNERSHIP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_of_many_processes_taking_the_lock_at_once_exactly_one_wins(tmp_path: Path) -> None:
+    # 6 processes race for one folder's lock; each then keeps what it got for a moment, as a run would.
+    race = (
+        "import json, sys, time; sys.path.insert(0, sys.argv[1]); import ownership; from pathlib import Path; "
+        "holder = ownership.take_run_lock(Path(sys.argv[2]), [sys.argv[3]]); "
+        "print(json.dumps(holder), flush=True); time.sleep(3)"
+    )
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", race, str(OWNERSHIP.parent), str(tmp_path), f"launch-{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    results = [json.loads(racer.communicate(timeout=60)[0]) for racer in racers]
+    winners = [racer.pid for racer, result in zip(racers, results, strict=True) if result is None]
+    assert len(winners) == 1, results
+    # Every loser names the winner; the lock file says the same.
+    holder = json.loads((tmp_path / "run.lock").read_text())
+    assert holder["pid"] == winners[0] and holder["host"] == socket.gethostname()
+    assert [result for result in results if result is not None] == [holder] * 5
+    # The winner has exited: the kernel released its lock, nobody holds the folder now.
+    assert load_ownership().lock_holder(tmp_path) is None
+
+
+SEGMENT = st.sampled_from(["a", "b", "checkpoints", "step-1", "step-2.tmp", "run-b", ".", ".."])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    run_at=st.lists(SEGMENT, max_size=3),
+    marker=st.sampled_from(["run.json", "run.lock", "checkpoints/step-3/checkpoint.json", None]),
+    below=st.lists(SEGMENT, max_size=5),
+    link=st.booleans(),
+)
+def test_an_output_dir_is_found_inside_a_run_folder_however_it_is_spelled(
+    tmp_path_factory: pytest.TempPathFactory, run_at: list[str], marker: str | None, below: list[str], link: bool
+) -> None:
+    # A run folder (or none) somewhere below a root, and an output_dir written as any path from the root:
+    # through "." and "..", and through a symlink to the root when `link`.
+    root = Path(os.path.realpath(tmp_path_factory.mktemp("tree")))
+    ownership = load_ownership()
+    run_folder = Path(os.path.normpath(root.joinpath(*run_at))) if marker else None
+    if run_folder is not None and run_folder.is_relative_to(root):
+        (run_folder / marker).parent.mkdir(parents=True, exist_ok=True)
+        (run_folder / marker).write_text("{}")
+    else:
+        run_folder = None
+    start = root
+    if link:
+        (root.parent / f"{root.name}-link").symlink_to(root)
+        start = root.parent / f"{root.name}-link"
+    output_dir = start.joinpath(*run_at, *below)
+    real = Path(os.path.realpath(output_dir))
+    found = ownership.run_folder_above(output_dir)
+    inside = run_folder is not None and real != run_folder and real.is_relative_to(run_folder)
+    if inside:
+        assert found is not None and found[0] == run_folder, (output_dir, found)
+    else:
+        # Outside the run folder (or none): only a folder above the root could hold a run, and none does.
+        assert found is None or not found[0].is_relative_to(root.parent), (output_dir, found)
 
 
 @pytest.fixture(scope="module")
