@@ -214,6 +214,36 @@ def test_a_killed_launcher_leaves_no_rank_and_a_relaunch_resumes(project: Path, 
     assert [r["step"] for r in metrics(out)] == list(range(1, logged + 1)) + list(range(resumed + 1, int(steps) + 1))
 
 
+def rank_process(out: Path, rank: int) -> int | None:
+    """The pid of the rank `rank` training into `out`, if it is running."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train.py" in cmdline and str(out).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_crash_is_restarted_and_a_new_run_continues_itself(project: Path, tmp_path: Path) -> None:
+    # The launch script's own restart (one torchrun per attempt): rank 1 killed mid-run, every rank starts again
+    # and the new run (checkpoint.resume = "never") continues itself, as the run of this same launch.
+    out, steps = tmp_path / "out", 300
+    args = ["--training.steps", str(steps), "--checkpoint.interval", "20", "--checkpoint.resume", "never"]
+    launcher = launch(project, out, tmp_path / "launch", *args)
+    wait_for(lambda: steps_logged(out) >= 60, 300, "60 steps")
+    os.kill(rank_process(out, 1), signal.SIGKILL)
+    assert launcher.wait(timeout=600) == 0, (tmp_path / "launch.err").read_text()[-3000:]
+    err, stdout = (tmp_path / "launch.err").read_text(), (tmp_path / "launch.out").read_text()
+    assert "launch_local.sh: training failed (exit code 1); restart 1 of 1, from the newest checkpoint" in err
+    assert re.search(rf"resumed from {out}/checkpoints/step-\d+ at step", stdout), stdout[-2000:]
+    records = metrics(out)
+    assert records[-1]["step"] == steps
+    assert {r["run_id"] for r in records} == {json.loads((out / "run.json").read_text())["run_id"]}
+
+
 def test_a_killed_torchrun_leaves_no_rank(project: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     torchrun = subprocess.Popen(
