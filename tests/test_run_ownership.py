@@ -179,7 +179,7 @@ def test_two_launches_at_once_into_one_folder_one_trains_the_other_is_refused(pr
     # preflight at once; the lock decides): it names the winner's launcher, the process to stop.
     assert holder["launcher_pid"] == launches[winner].pid
     expected = (
-        f"job.output_dir {out} is in use by another run: train.py pid {holder['pid']} on {host}, launcher pid "
+        f"job.output_dir {out} is in use by another run: rank 0 pid {holder['pid']} on {host}, launcher pid "
         f"{launches[winner].pid}, launch {holder['launch'][0]}, since {holder['since']}; wait for it to finish, stop "
         f"it (kill {launches[winner].pid} on {host}), or choose another --job.output_dir"
     )

@@ -87,7 +87,8 @@ def die_with_launcher() -> None:
         return
 
     def watch() -> None:
-        while all(process_start(pid) == start for pid, start in watched):
+        # (A start time of None: the process was gone before it could be read.)
+        while all(start is not None and process_start(pid) == start for pid, start in watched):
             time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -169,7 +170,7 @@ def describe_holder(output_dir: Path, holder: dict) -> str:
     stop = holder.get("launcher_pid") or holder.get("pid")
     launcher = f", launcher pid {holder['launcher_pid']}" if holder.get("launcher_pid") else ""
     return (
-        f"job.output_dir {output_dir} is in use by another run: train.py pid {holder.get('pid')} on "
+        f"job.output_dir {output_dir} is in use by another run: rank 0 pid {holder.get('pid')} on "
         f"{holder.get('host')}{launcher}, launch {','.join(holder.get('launch', []))}, since {holder.get('since')}; "
         f"wait for it to finish, stop it (kill {stop} on {holder.get('host')}), or choose another --job.output_dir"
     )
