@@ -1,0 +1,351 @@
+"""Every run owns its job.output_dir (issue 24, data paths 1-5), for real: launch_local.sh and torchrun, 2 gloo ranks.
+
+- two launches into one folder at once: one trains, the other stops in one line naming the holder;
+- a killed launcher (or torchrun) leaves no rank training, and a relaunch resumes cleanly;
+- a restart continues only the run its own launch started, whatever the restart counters say;
+- an output folder inside another run's folder is refused, nothing deleted;
+- a folder with run.json and no checkpoint is not continued by another model;
+- a usage error found after the ranks started stops the launch once, exit code 2, never retried.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env, tree
+
+# The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
+# here directly, as well as through real launches below.
+OWNERSHIP = REPO / "templates" / "project" / "ownership.py"
+
+FRESH = "start a new run in another --job.output_dir"
+
+
+def load_ownership():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ownership", OWNERSHIP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_of_many_processes_taking_the_lock_at_once_exactly_one_wins(tmp_path: Path) -> None:
+    # 6 processes race for one folder's lock; each then keeps what it got for a moment, as a run would.
+    race = (
+        "import json, sys, time; sys.path.insert(0, sys.argv[1]); import ownership; from pathlib import Path; "
+        "holder = ownership.take_run_lock(Path(sys.argv[2]), [sys.argv[3]]); "
+        "print(json.dumps(holder), flush=True); time.sleep(3)"
+    )
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", race, str(OWNERSHIP.parent), str(tmp_path), f"launch-{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    results = [json.loads(racer.communicate(timeout=60)[0]) for racer in racers]
+    winners = [racer.pid for racer, result in zip(racers, results, strict=True) if result is None]
+    assert len(winners) == 1, results
+    # Every loser names the winner; the lock file says the same.
+    holder = json.loads((tmp_path / "run.lock").read_text())
+    assert holder["pid"] == winners[0] and holder["host"] == socket.gethostname()
+    assert [result for result in results if result is not None] == [holder] * 5
+    # The winner has exited: the kernel released its lock, nobody holds the folder now.
+    assert load_ownership().lock_holder(tmp_path) is None
+
+
+SEGMENT = st.sampled_from(["a", "b", "checkpoints", "step-1", "step-2.tmp", "run-b", ".", ".."])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    run_at=st.lists(SEGMENT, max_size=3),
+    marker=st.sampled_from(["run.json", "run.lock", "checkpoints/step-3/checkpoint.json", None]),
+    below=st.lists(SEGMENT, max_size=5),
+    link=st.booleans(),
+)
+def test_an_output_dir_is_found_inside_a_run_folder_however_it_is_spelled(
+    tmp_path_factory: pytest.TempPathFactory, run_at: list[str], marker: str | None, below: list[str], link: bool
+) -> None:
+    # A run folder (or none) somewhere below a root, and an output_dir written as any path from the root:
+    # through "." and "..", and through a symlink to the root when `link`.
+    root = Path(os.path.realpath(tmp_path_factory.mktemp("tree")))
+    ownership = load_ownership()
+    run_folder = Path(os.path.normpath(root.joinpath(*run_at))) if marker else None
+    if run_folder is not None and run_folder.is_relative_to(root):
+        (run_folder / marker).parent.mkdir(parents=True, exist_ok=True)
+        (run_folder / marker).write_text("{}")
+    else:
+        run_folder = None
+    start = root
+    if link:
+        (root.parent / f"{root.name}-link").symlink_to(root)
+        start = root.parent / f"{root.name}-link"
+    output_dir = start.joinpath(*run_at, *below)
+    real = Path(os.path.realpath(output_dir))
+    found = ownership.run_folder_above(output_dir)
+    inside = run_folder is not None and real != run_folder and real.is_relative_to(run_folder)
+    if inside:
+        assert found is not None and found[0] == run_folder, (output_dir, found)
+    else:
+        # Outside the run folder (or none): only a folder above the root could hold a run, and none does.
+        assert found is None or not found[0].is_relative_to(root.parent), (output_dir, found)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("ownership") / "run", "--gpus", "2", "--fp32")
+
+
+def launch(project: Path, out: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """scripts/launch_local.sh on 2 CPU ranks (one restart allowed), output in the files log.out and log.err."""
+    return subprocess.Popen(
+        ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
+        cwd=project,
+        env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1", **(env or {})},
+        stdout=open(log.with_suffix(".out"), "w"),
+        stderr=open(log.with_suffix(".err"), "w"),
+    )
+
+
+def run(project: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """launch_local.sh to its end."""
+    return subprocess.run(
+        ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
+        cwd=project, env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1", **(env or {})},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def processes_of(out: Path) -> list[str]:
+    """The command lines of the live processes launched for `out` (launcher, torchrun, ranks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(out) in cmdline and state != "Z" and proc.name != str(os.getpid()):
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    """Poll `condition` until it holds; return the seconds it took, or fail naming `what`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def steps_logged(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def error_lines(text: str) -> list[str]:
+    return re.findall(r"^\S+\.py: error: .*$", text, flags=re.M)
+
+
+def test_two_launches_at_once_into_one_folder_one_trains_the_other_is_refused(project: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    launches = [launch(project, out, tmp_path / f"launch{i}", "--training.steps", "30") for i in (0, 1)]
+    codes = [p.wait(timeout=600) for p in launches]
+    assert sorted(codes) == [0, 2], codes
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    err = (tmp_path / f"launch{loser}.err").read_text()
+    holder = json.loads((out / "run.lock").read_text())
+    host = socket.gethostname()
+    # One line, from preflight (the winner held the folder already) or from the loser's rank 0 (both passed
+    # preflight at once; the lock decides): it names the winner's launcher, the process to stop.
+    assert holder["launcher_pid"] == launches[winner].pid
+    expected = (
+        f"job.output_dir {out} is in use by another run: rank 0 pid {holder['pid']} on {host}, launcher pid "
+        f"{launches[winner].pid}, launch {holder['launch'][0]}, since {holder['since']}; wait for it to finish, stop "
+        f"it (kill {launches[winner].pid} on {host}), or choose another --job.output_dir"
+    )
+    assert [line.split(": error: ", 1)[1] for line in error_lines(err)] == [expected], err[-3000:]
+    assert "restart" not in err  # exit code 2: not retried
+    assert "parameters" not in (tmp_path / f"launch{loser}.out").read_text()  # the loser built no model
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert {r["run_id"] for r in records} == {json.loads((out / "run.json").read_text())["run_id"]}
+
+
+def test_a_killed_launcher_leaves_no_rank_and_a_relaunch_resumes(project: Path, tmp_path: Path) -> None:
+    out, steps = tmp_path / "out", "400"
+    args = ["--training.steps", steps, "--checkpoint.interval", "20"]
+    launcher = launch(project, out, tmp_path / "first", *args)
+    wait_for(lambda: steps_logged(out) >= 60, 300, "60 steps")
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    # The ranks notice within a second (their watchdog), torchrun then ends as its ranks did.
+    gone = wait_for(lambda: not processes_of(out), 10, "every process of the killed launch gone")
+    print(f"all processes gone {gone:.1f} s after the launcher's SIGKILL")
+    logged = steps_logged(out)
+    assert logged < int(steps), "the run ended before the kill: nothing was tested"
+    time.sleep(2)
+    assert steps_logged(out) == logged  # nothing trains any more
+    relaunch = run(project, out, *args)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    resumed = int(re.search(r"resumed from \S+/step-(\d+) at step", relaunch.stdout).group(1))
+    assert 20 <= resumed <= logged
+    # The first launch's steps, then the relaunch's from its checkpoint on, one after the other: never two runs
+    # logging at once.
+    assert [r["step"] for r in metrics(out)] == list(range(1, logged + 1)) + list(range(resumed + 1, int(steps) + 1))
+
+
+def rank_process(out: Path, rank: int) -> int | None:
+    """The pid of the rank `rank` training into `out`, if it is running."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train.py" in cmdline and str(out).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_crash_is_restarted_and_a_new_run_continues_itself(project: Path, tmp_path: Path) -> None:
+    # The launch script's own restart (one torchrun per attempt): rank 1 killed mid-run, every rank starts again
+    # and the new run (checkpoint.resume = "never") continues itself, as the run of this same launch.
+    out, steps = tmp_path / "out", 300
+    args = ["--training.steps", str(steps), "--checkpoint.interval", "20", "--checkpoint.resume", "never"]
+    launcher = launch(project, out, tmp_path / "launch", *args)
+    wait_for(lambda: steps_logged(out) >= 60, 300, "60 steps")
+    os.kill(rank_process(out, 1), signal.SIGKILL)
+    assert launcher.wait(timeout=600) == 0, (tmp_path / "launch.err").read_text()[-3000:]
+    err, stdout = (tmp_path / "launch.err").read_text(), (tmp_path / "launch.out").read_text()
+    assert "launch_local.sh: training failed (exit code 1); restart 1 of 1, from the newest checkpoint" in err
+    assert re.search(rf"resumed from {out}/checkpoints/step-\d+ at step", stdout), stdout[-2000:]
+    records = metrics(out)
+    assert records[-1]["step"] == steps
+    assert {r["run_id"] for r in records} == {json.loads((out / "run.json").read_text())["run_id"]}
+
+
+def test_a_killed_torchrun_leaves_no_rank(project: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
+         "--job.device", "cpu", "--job.output_dir", str(out), "--training.steps", "2000"],
+        cwd=project, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(lambda: steps_logged(out) >= 5, 300, "5 steps")
+    os.kill(torchrun.pid, signal.SIGKILL)
+    torchrun.wait()
+    # PR_SET_PDEATHSIG: the kernel kills each rank as its parent dies.
+    gone = wait_for(lambda: not processes_of(out), 5, "every rank of the killed torchrun gone")
+    print(f"all ranks gone {gone:.1f} s after torchrun's SIGKILL")
+
+
+@pytest.fixture
+def finished_run(project: Path, tmp_path: Path) -> Path:
+    """A folder holding a finished 2-step run, a checkpoint after each step."""
+    out = tmp_path / "run-a"
+    result = run(project, out, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.keep_last", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    return out
+
+
+def test_a_new_run_restarted_never_continues_another_launchs_run(
+    project: Path, finished_run: Path, tmp_path: Path
+) -> None:
+    before = tree(finished_run)
+    never = ["--training.steps", "4", "--checkpoint.interval", "1", "--checkpoint.keep_last", "1",
+             "--checkpoint.resume", "never"]  # fmt: skip
+    refusal = (
+        f"job.output_dir {finished_run} already holds a run (run.json; metrics.jsonl; checkpoints step-1, step-2); "
+        "checkpoint.resume = 'never' starts a new run, which must not mix with it: give the new run its own "
+        "--job.output_dir, or continue that run with --checkpoint.resume auto"
+    )
+    # A shell inside a requeued SLURM job has SLURM_RESTART_COUNT: a new launch there is still a new run.
+    result = run(project, finished_run, *never, env={"SLURM_RESTART_COUNT": "1"})
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {refusal}\n")
+    # torchrun by hand restarts the refused ranks (TORCHELASTIC_RESTART_COUNT=1), from another launch than run A's:
+    # refused again, never turned into a continuation of run A that prunes its checkpoints.
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+         "train.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(finished_run), *never],
+        cwd=project, env={**torchrun_env(), "TRAIN_LAUNCH_ID": "another-launch", "SLURM_RESTART_COUNT": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [f"train.py: error: {refusal}"] * 2, result.stderr[-3000:]
+    assert tree(finished_run) == before
+
+
+def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, finished_run: Path) -> None:
+    before = tree(finished_run)
+    for inside in ("checkpoints/step-1/run-b", "checkpoints", "notes/run-b"):
+        out = finished_run / inside
+        result = run(project, out, "--training.steps", "2")
+        expected = (
+            f"preflight.py: error: job.output_dir {out} is inside {finished_run}, the folder of another run (it holds "
+            f"run.json), which may delete it when it prunes its checkpoints; choose a --job.output_dir outside "
+            f"{finished_run}\n"
+        )
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)
+    assert tree(finished_run) == before and not (finished_run / "notes").exists()
+
+
+def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Path, tmp_path: Path) -> None:
+    # run.json, metrics.jsonl, no checkpoint yet (as a run killed before its first save leaves it).
+    out = tmp_path / "out"
+    first = run(project, out, "--training.steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(out / "checkpoints")
+    before = tree(out)
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    other = run(project, out, "--training.steps", "2", "--model.dim", "128", "--training.seq_len", "16")
+    expected = (
+        f"preflight.py: error: {out} holds run {run_id} (run.json), which has no checkpoint yet and other settings "
+        f"(model.dim 64 -> 128, training.seq_len 32 -> 16); continue it with its settings, or {FRESH}\n"
+    )
+    assert (other.returncode, other.stdout, other.stderr) == (2, "", expected)
+    assert tree(out) == before
+    # The same model continues it.
+    same = run(project, out, "--training.steps", "2")
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert {r["run_id"] for r in metrics(out)} == {run_id}
+
+
+def test_a_usage_error_found_by_the_ranks_stops_the_launch_once(tmp_path: Path) -> None:
+    # A class named in parallel.shard_modules that the user's model lacks: only the ranks see the model's classes
+    # (they build it on the meta device), preflight cannot find this one.
+    project = generate(tmp_path / "custom", "--family", "custom", "--gpus", "2", "--fp32")
+    # The custom model has no n_kv_heads or ffn_dim.
+    tiny = [item for key, value in zip(TINY[::2], TINY[1::2], strict=True)
+            if key not in ("--model.n_kv_heads", "--model.ffn_dim") for item in (key, value)]  # fmt: skip
+    result = subprocess.run(
+        ["scripts/launch_local.sh", *tiny, "--job.output_dir", str(tmp_path / "out"), "--training.steps", "2",
+         "--parallel.shard_modules", "NoSuchBlock"],
+        cwd=project, env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("train.py: error: parallel.shard_modules: no module of class NoSuchBlock in the model")
+    assert "restart" not in result.stderr  # torchrun ran once
