@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from schema import MAX_COUNT, Rule, setting
 from sharded_init import fill_by_blocks
 
 if TYPE_CHECKING:
@@ -37,21 +38,27 @@ RESUME_MAY_CHANGE = ("init_std",)
 
 @dataclass
 class ModelArgs:
-    vocab_size: int = 512
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    max_seq_len: int = 512
-    init_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+    # Each key's bounds are declared here, once (schema.py); config.py checks them, and MODEL_RULES below.
+    vocab_size: int = setting(512, low=1, high=MAX_COUNT)
+    dim: int = setting(256, low=1, high=MAX_COUNT)
+    n_layers: int = setting(4, low=1, high=4096)  # 4096: building more blocks takes minutes
+    n_heads: int = setting(8, low=1, high=MAX_COUNT)
+    max_seq_len: int = setting(512, low=1, high=MAX_COUNT)
+    init_std: float = setting(0.02, positive=True, high=1)  # above 1 the first logits overflow fp16/bf16
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
         matmul_params = self.n_layers * 12 * self.dim * self.dim + self.dim * self.vocab_size
         return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+
+# The rules between the keys above (config.py checks them after each key's own bounds, in this order).
+MODEL_RULES = [
+    Rule(
+        lambda c: c.model.dim % c.model.n_heads == 0,
+        "model.dim ({c.model.dim}) must be divisible by model.n_heads ({c.model.n_heads}); change one of them",
+    ),
+]
 
 
 # ---- Your model: edit from here ------------------------------------------------------------------------

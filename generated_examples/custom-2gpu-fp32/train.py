@@ -36,7 +36,8 @@ from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_
 from errors import stop
 from metrics import MetricsLog, peak_memory_mib
 from model import block_classes, build_model, initialize, output_logits
-from preflight import PreflightError, preflight, resuming, start_run
+from ownership import die_with_launcher, launch_id
+from preflight import PreflightError, preflight, start_run
 from profiling import Profiler
 
 
@@ -64,7 +65,8 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
         if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
             # One torchrun runs every rank. It keeps one store for all its restarts (--max-restarts), where
             # restarted workers would read the addresses the previous attempt's workers left and fail to
-            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys.
+            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys. (The
+            # launch scripts start a new torchrun, with a new store, per attempt: there the count stays 0.)
             # (With several nodes each torchrun counts only its own restarts, so this would split the ranks;
             # there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a fresh store per attempt, instead.)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -324,12 +326,17 @@ def open_datasets(config: Config) -> tuple[Samples, Samples | None]:
 
 def start_checked_run(config: Config, output_dir: Path) -> str:
     """Run preflight.py's checks on rank 0 (the launch scripts ran them before torchrun; `torchrun train.py`
-    alone did not) and make job.output_dir this run's. Every rank gets the run id, or stops with rank 0's error."""
+    alone did not) and make job.output_dir this run's: rank 0 locks it until it exits. Every rank gets the run
+    id, or stops with rank 0's error (another run holding the folder, too: exit code 2, never retried)."""
+    # Each node's launcher may have its own launch id: run.json records them all, so that a restart whose rank 0
+    # is on another node still continues this run.
+    launch_ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(launch_ids, launch_id())
     shared: list = [None, None]  # run id, error
     if dist.get_rank() == 0:
         try:
             preflight(config, dist.get_world_size())
-            shared[0] = start_run(output_dir, config)
+            shared[0] = start_run(output_dir, config, sorted(set(launch_ids)))
         except PreflightError as exc:
             shared[1] = str(exc)
     dist.broadcast_object_list(shared, src=0)
@@ -370,6 +377,7 @@ def run_on_every_rank(
 ) -> NoReturn:
     """Parse the config, join the process group, run work(config, device, mesh) and exit with the code it
     returns (None: 0), every rank leaving the process group together: also when stop() ends the work."""
+    die_with_launcher()  # a killed torchrun or launch script leaves no rank behind
     config = parse_args(args)
     device, mesh = init_distributed(config)
     try:
@@ -408,10 +416,11 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
     checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
-    if resuming(config):
-        resumed_from = checkpoint_load(state, checkpointer)
-        if resumed_from and dist.get_rank() == 0:
-            print(f"resumed from {resumed_from} at step {state.step}", flush=True)
+    # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without
+    # one, and finds only its own when its launch restarts it (preflight.check_run_folder).
+    resumed_from = checkpoint_load(state, checkpointer)
+    if resumed_from and dist.get_rank() == 0:
+        print(f"resumed from {resumed_from} at step {state.step}", flush=True)
 
     train_samples, val_samples = open_datasets(config)
     samples = ShuffledEpochs(train_samples, training.seed)

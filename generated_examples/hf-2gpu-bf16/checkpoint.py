@@ -12,20 +12,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as WriteFuture
 
 from checkpoint_common import (
     TrainState,
+    check_room,
     checkpoint_info,
     checkpoint_to_resume,
     publish,
     rng_state,
+    save_failed,
     set_rng_state,
 )
 from config import Config
 from errors import stop, stop_if_rank0_failed
-from preflight import unreadable
+from preflight import file_record, unreadable
 
 
 class DcpState(Stateful):
@@ -62,6 +69,41 @@ class DcpState(Stateful):
             set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
 
 
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's file writer, which also records the size and SHA-256 of every file (checkpoint.json's "files").
+
+    Each rank hashes the files it wrote as soon as they are written, all ranks in parallel (with dcp-async, in the
+    save's background thread); its records travel to rank 0 with its write results, which DCP gathers there for
+    finish().
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.files: dict[str, dict] = {}  # every file's record, on rank 0 once the save is complete
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> WriteFuture[list[WriteResult]]:
+        written = super().write_data(plan, planner)  # complete: FileSystemWriter writes before it returns
+        results = written.wait()
+        names = sorted({result.storage_data.relative_path for result in results})
+        if results:
+            # WriteResult is a frozen dataclass: the records ride on the first one as an extra attribute, which
+            # pickles with it.
+            object.__setattr__(results[0], "files", {name: file_record(self.path / name) for name in names})
+        return written
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)  # writes .metadata, which is hashed too
+        for rank_results in results:
+            self.files |= getattr(rank_results[0], "files", {}) if rank_results else {}
+        self.files[".metadata"] = file_record(self.path / ".metadata")
+
+
+def abandon_save(staging: Path, exc: BaseException) -> None:
+    """Every rank, once a save failed on all of them together: rank 0 removes step-N.tmp/ and says why, in one
+    line; every rank stops."""
+    stop(save_failed(staging, exc) if dist.get_rank() == 0 else "")
+
+
 def start_staging(checkpoint_dir: Path, step: int) -> Path:
     """step-N.tmp/, once rank 0 has deleted what crashed saves left behind (no save is in flight now)."""
     if dist.get_rank() == 0:
@@ -88,21 +130,27 @@ class Checkpointer:
         config = self.config
         staging = start_staging(self.checkpoint_dir, state.step)
         model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        check_room(self.checkpoint_dir, state, model_only)
         if model_only:
             # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
             app_state = {"train": {"model": get_model_state_dict(state.model)}}
         else:
             app_state = {"train": DcpState(state)}
         info = checkpoint_info(state, config, model_only)
-        # Every rank writes its own shards in parallel; dcp.save returns on every rank once all of them
-        # and the .metadata (written last, by rank 0) are on disk.
-        dcp.save(app_state, checkpoint_id=staging)
+        # Every rank writes (and hashes) its own shards in parallel; dcp.save returns on every rank once all of
+        # them and the .metadata (written last, by rank 0) are on disk.
+        writer = ChecksummedWriter(staging)
+        try:
+            dcp.save(app_state, storage_writer=writer)
+        except dcp.CheckpointException as exc:
+            # DCP gathers every rank's write errors (a full disk, ...), so all ranks raise here together.
+            abandon_save(staging, exc)
         error = None
         if dist.get_rank() == 0:
             try:
-                publish(staging, info, config.checkpoint.keep_last)
+                publish(staging, info | {"files": writer.files}, config.checkpoint.keep_last)
             except OSError as exc:
-                error = f"could not finish checkpoint {staging}: {exc}"
+                error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
     def load(self, state: TrainState) -> Path | None:

@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from errors import stop
+from schema import Rule, setting
 
 if TYPE_CHECKING:
     from config import Config, ParallelConfig
@@ -50,15 +51,16 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 # weights were first filled no longer matters once they are trained.
 RESUME_MAY_CHANGE = ("pretrained",)
 
+# The rules between the model's keys: none beyond path's bounds (transformers checks the shapes in config.json).
+MODEL_RULES: list[Rule] = []
+
 
 @dataclass
 class ModelArgs:
-    path: str = ""  # a local folder with config.json and *.safetensors, or a hub id
+    # A local folder with config.json and *.safetensors, or a hub id. Bounds: schema.py; the model's own shapes
+    # are checked by transformers when preflight.py loads its config.
+    path: str = setting("", nonempty="set it to a model folder (config.json + *.safetensors) or a hub id")
     pretrained: bool = True  # false: the model's own random initialisation instead of the weights
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("model.path is empty; set it to a model folder (config.json + *.safetensors) or a hub id")
 
     @cached_property
     def folder(self) -> Path:

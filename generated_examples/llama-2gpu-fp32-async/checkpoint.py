@@ -13,21 +13,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as WriteFuture
 
 from checkpoint_common import (
     TrainState,
+    check_room,
     checkpoint_info,
     checkpoint_to_resume,
     publish,
     rng_state,
+    save_failed,
     set_rng_state,
 )
 from config import Config
 from errors import stop, stop_if_rank0_failed
-from preflight import unreadable
+from preflight import file_record, unreadable
 
 
 class DcpState(Stateful):
@@ -62,6 +69,41 @@ class DcpState(Stateful):
         state.step = saved["step"]
         if self.with_rng:
             set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's file writer, which also records the size and SHA-256 of every file (checkpoint.json's "files").
+
+    Each rank hashes the files it wrote as soon as they are written, all ranks in parallel (with dcp-async, in the
+    save's background thread); its records travel to rank 0 with its write results, which DCP gathers there for
+    finish().
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.files: dict[str, dict] = {}  # every file's record, on rank 0 once the save is complete
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> WriteFuture[list[WriteResult]]:
+        written = super().write_data(plan, planner)  # complete: FileSystemWriter writes before it returns
+        results = written.wait()
+        names = sorted({result.storage_data.relative_path for result in results})
+        if results:
+            # WriteResult is a frozen dataclass: the records ride on the first one as an extra attribute, which
+            # pickles with it.
+            object.__setattr__(results[0], "files", {name: file_record(self.path / name) for name in names})
+        return written
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)  # writes .metadata, which is hashed too
+        for rank_results in results:
+            self.files |= getattr(rank_results[0], "files", {}) if rank_results else {}
+        self.files[".metadata"] = file_record(self.path / ".metadata")
+
+
+def abandon_save(staging: Path, exc: BaseException) -> None:
+    """Every rank, once a save failed on all of them together: rank 0 removes step-N.tmp/ and says why, in one
+    line; every rank stops."""
+    stop(save_failed(staging, exc) if dist.get_rank() == 0 else "")
 
 
 def start_staging(checkpoint_dir: Path, step: int) -> Path:
@@ -103,6 +145,7 @@ class Checkpointer:
         config = self.config
         staging = start_staging(self.checkpoint_dir, state.step)
         model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        check_room(self.checkpoint_dir, state, model_only)
         if model_only:
             # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
             app_state = {"train": {"model": get_model_state_dict(state.model)}}
@@ -111,8 +154,9 @@ class Checkpointer:
         info = checkpoint_info(state, config, model_only)
         # A gloo group of its own: the writer thread runs the save's collectives while the training loop runs
         # its own on the default group, and the two must never interleave on one group.
-        future = dcp.async_save(app_state, checkpoint_id=staging, process_group=self.group, async_stager=self.stager)
-        self.in_flight = BackgroundSave(future, staging, info, config.checkpoint.keep_last, self.stager)
+        writer = ChecksummedWriter(staging)
+        future = dcp.async_save(app_state, storage_writer=writer, process_group=self.group, async_stager=self.stager)
+        self.in_flight = BackgroundSave(future, writer, info, config.checkpoint.keep_last, self.stager)
 
     def load(self, state: TrainState) -> Path | None:
         """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
@@ -177,9 +221,12 @@ def staging_options(device: torch.device, cpu_offload: bool = False) -> StagingO
 class BackgroundSave:
     """The one dcp.async_save in flight, and its publication as step-N/ once it is complete."""
 
-    def __init__(self, future: Future, staging: Path, info: dict, keep_last: int, stager: DefaultStager) -> None:
-        self.future, self.staging, self.info, self.keep_last = future, staging, info, keep_last
-        self.stager = stager
+    def __init__(
+        self, future: Future, writer: ChecksummedWriter, info: dict, keep_last: int, stager: DefaultStager
+    ) -> None:
+        # The writer writes step-N.tmp/ (its path) and has the files' checksums once the save is complete.
+        self.future, self.writer, self.staging, self.info = future, writer, writer.path, info
+        self.keep_last, self.stager = keep_last, stager
         self.published = False
         self.error: str | None = None  # rank 0's failure to publish, reported by finish() on every rank
 
@@ -195,10 +242,10 @@ class BackgroundSave:
             return
         if self.future.done() and self.future.exception() is None:
             try:
-                publish(self.staging, self.info, self.keep_last)
+                publish(self.staging, self.info | {"files": self.writer.files}, self.keep_last)
                 self.published = True
             except OSError as exc:
-                self.error = f"could not finish checkpoint {self.staging}: {exc}"
+                self.error = save_failed(self.staging, exc)
 
     def finish(self) -> None:
         """Wait for the save on every rank, then publish it (if publish_if_done has not yet).
@@ -206,13 +253,16 @@ class BackgroundSave:
         If it failed, every rank stops here together, after closing the stager (its buffers go with it).
         """
         try:
-            # result() on every rank: each waits for its own writes, and all raise if any rank failed.
-            self.future.result()
+            try:
+                # result() on every rank: each waits for its own writes, and all raise if any rank failed.
+                self.future.result()
+            except dcp.CheckpointException as exc:
+                abandon_save(self.staging, exc)
             if dist.get_rank() == 0 and not self.published and self.error is None:
                 try:
-                    publish(self.staging, self.info, self.keep_last)
+                    publish(self.staging, self.info | {"files": self.writer.files}, self.keep_last)
                 except OSError as exc:
-                    self.error = f"could not finish checkpoint {self.staging}: {exc}"
+                    self.error = save_failed(self.staging, exc)
             self.published = self.error is None
             stop_if_rank0_failed(self.error)
         except BaseException:

@@ -1,15 +1,17 @@
 """Training configuration: `config.toml` plus `--section.key VALUE` overrides.
 
 Every section is a dataclass, so a key that does not exist, or a value of the
-wrong type, is an error before any process group or model is created.
+wrong type, is an error before any process group or model is created. Each key
+declares its bounds at its field (schema.py), and RULES below (with model.py's
+MODEL_RULES) tie keys together: load_config checks them all, for every key.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
+import stat
 import tomllib
 import types
 import typing
@@ -17,146 +19,85 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from model import ModelArgs
+from model import MODEL_RULES, ModelArgs
+from schema import MAX_COUNT, Rule, SchemaError, setting, total_memory, validate
 
 
 @dataclass
 class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    output_dir: str = "outputs"
-    log_every: int = 10
-    timeout_minutes: float = 10  # config.toml sets 60 for full checkpoints (rank 0 writes, the others wait)
-
-    def __post_init__(self) -> None:
-        if not self.output_dir:
-            raise ValueError("job.output_dir is empty; name a folder, e.g. --job.output_dir outputs")
-        if self.log_every < 1:
-            raise ValueError(f"job.log_every must be at least 1, got {self.log_every}")
-        if not 0 < self.timeout_minutes < math.inf:
-            raise ValueError(f"job.timeout_minutes must be a positive number, got {self.timeout_minutes}")
+    output_dir: str = setting("outputs", nonempty="name a folder, e.g. --job.output_dir outputs")
+    log_every: int = setting(10, low=1, high=MAX_COUNT)
+    # config.toml sets 60 for full checkpoints (rank 0 writes, the others wait). At most ~2 years: the process
+    # group's timeout is a timedelta, which overflows near 1e12 minutes.
+    timeout_minutes: float = setting(10, low=1, high=1_000_000)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 1000
-    seed: int = 0
-    global_batch_size: int = 32
-    seq_len: int = 256
-    lr: float = 3e-4
-    lr_min_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_accum_steps: int = 1
+    steps: int = setting(1000, low=1, high=MAX_COUNT)
+    seed: int = setting(0, low=0, high=2**32 - 2)  # numpy seeds below 2**32; validation uses seed + 1
+    global_batch_size: int = setting(32, low=1, high=MAX_COUNT)
+    seq_len: int = setting(256, low=1, high=MAX_COUNT)
+    lr: float = setting(3e-4, positive=True, high=10)
+    lr_min_ratio: float = setting(0.1, low=0, high=1)
+    warmup_steps: int = setting(100, low=0, high=MAX_COUNT)
+    weight_decay: float = setting(0.1, low=0)
+    grad_accum_steps: int = setting(1, low=1, high=MAX_COUNT)
     # When gradients are reduce-scattered with grad_accum_steps > 1: "every_micro_batch" keeps only sharded
     # gradients (1/N of the model per rank) at the cost of one reduce-scatter per micro-batch;
     # "last_micro_batch" reduces once per step but every rank holds the whole model's unsharded gradients
     # (in reduce_dtype) from the first micro-batch until the last one's backward.
     grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
-    max_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        at_least_one = ("steps", "global_batch_size", "seq_len", "grad_accum_steps")
-        for key in at_least_one:
-            if getattr(self, key) < 1:
-                raise ValueError(f"training.{key} must be at least 1, got {getattr(self, key)}")
-        # NaN compares false with everything, so each range is written to fail for it too.
-        if not 0 < self.lr < math.inf:
-            raise ValueError(f"training.lr must be a positive number, got {self.lr}")
-        if not 0 <= self.lr_min_ratio <= 1:
-            raise ValueError(f"training.lr_min_ratio must be between 0 and 1, got {self.lr_min_ratio}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"training.weight_decay must be 0 or more, got {self.weight_decay}")
-        if not 0 <= self.max_norm < math.inf:
-            raise ValueError(f"training.max_norm must be 0 (no clipping) or more, got {self.max_norm}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"training.warmup_steps must be 0 or more, got {self.warmup_steps}")
-        if self.seed < 0:
-            raise ValueError(f"training.seed must be 0 or more, got {self.seed}")
+    max_norm: float = setting(1.0, low=0, zero="no clipping")
 
 
 @dataclass
 class DataConfig:
     # "" = synthetic tokens; a folder written by scripts/prepare_data.py; or a flat file of token ids.
-    path: str = ""
+    path: str = setting("")
     # tokenizer.json (path, folder or hub id) of scripts/prepare_data.py and scripts/generate.py; model.vocab_size
     # follows its vocabulary unless set.
-    tokenizer: str = ""
-    synthetic_samples: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.synthetic_samples < 1:
-            raise ValueError(f"data.synthetic_samples must be at least 1, got {self.synthetic_samples}")
+    tokenizer: str = setting("")
+    synthetic_samples: int = setting(4096, low=1, high=MAX_COUNT)
 
 
 @dataclass
 class EvalConfig:
-    every: int = 100  # validation loss every N steps and after the last one; 0 = never
-    batches: int = 4  # of training.global_batch_size samples each, the same samples every time
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"eval.every must be 0 (off) or more, got {self.every}")
-        if self.batches < 1:
-            raise ValueError(f"eval.batches must be at least 1, got {self.batches}")
+    every: int = setting(100, low=1, high=MAX_COUNT, zero="off")  # validation loss every N steps and after the last
+    batches: int = setting(4, low=1, high=MAX_COUNT)  # of global_batch_size samples each, the same ones every time
 
 
 @dataclass
 class ProfileConfig:
     # torch.profiler traces of `steps` steps from step `start` (1-based; 0 = off), one Chrome trace per rank
     # in output_dir/profile/ (open in https://ui.perfetto.dev).
-    start: int = 0
-    steps: int = 2
+    start: int = setting(0, low=1, high=MAX_COUNT, zero="off")
+    steps: int = setting(2, low=1, high=MAX_COUNT)
     # On CUDA, a memory snapshot (https://pytorch.org/memory_viz) of the allocations up to this step; 0 = off.
-    memory_snapshot_step: int = 0
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.memory_snapshot_step < 0:
-            raise ValueError(
-                f"profile.start and profile.memory_snapshot_step must be 0 (off) or more, got "
-                f"{self.start}, {self.memory_snapshot_step}"
-            )
-        if self.steps < 1:
-            raise ValueError(f"profile.steps must be at least 1, got {self.steps}")
+    memory_snapshot_step: int = setting(0, low=1, high=MAX_COUNT, zero="off")
 
 
 @dataclass
 class ParallelConfig:
     # HSDP: shard over groups of dp_shard ranks, replicate across dp_replicate groups (-1: the rest).
-    dp_replicate: int = 2
-    dp_shard: int = -1
+    dp_replicate: int = setting(2, low=1, high=MAX_COUNT)
+    dp_shard: int = setting(-1, low=1, high=MAX_COUNT, also=(-1,), words="-1 (the rest) or at least 1")
     # true, false, or the size of the groups that keep parameters sharded between forward and backward.
-    reshard_after_forward: bool | int = 8
+    reshard_after_forward: bool | int = setting(8, low=1, high=MAX_COUNT, words="true, false or at least 1")
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     output_dtype: Literal["float32", "compute"] = "float32"
-    activation_checkpoint_every: int = 1
+    # Every Nth block recomputes its activations in backward instead of keeping them; 0 = none.
+    activation_checkpoint_every: int = setting(1, low=1, high=MAX_COUNT, zero="off")
     compile: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dp_replicate < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
-            raise ValueError(
-                f"parallel.dp_replicate must be >= 1 and dp_shard >= 1 or -1, not {self.dp_replicate}, {self.dp_shard}"
-            )
-        if not isinstance(self.reshard_after_forward, bool) and self.reshard_after_forward < 1:
-            raise ValueError(
-                f"parallel.reshard_after_forward must be true, false or >= 1, not {self.reshard_after_forward}"
-            )
-        if self.activation_checkpoint_every < 0:
-            every = self.activation_checkpoint_every
-            raise ValueError(f"parallel.activation_checkpoint_every must be 0 (off) or more, got {every}")
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 100
-    keep_last: int = 2
+    interval: int = setting(100, low=1, high=MAX_COUNT)
+    keep_last: int = setting(2, low=1, high=MAX_COUNT)
     model_only_final: bool = False
     resume: Literal["auto", "never"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"checkpoint.interval must be at least 1, got {self.interval}")
-        if self.keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
 
 
 @dataclass
@@ -169,6 +110,25 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# The rules between keys of the config, after each key's own bounds (model.py's MODEL_RULES come first). Each
+# message is formatted with the config as `c` and this machine's memory as `ram`.
+RULES = [
+    *MODEL_RULES,
+    Rule(
+        lambda c: c.training.lr * c.training.weight_decay <= 1,
+        "training.lr x training.weight_decay = {c.training.lr} x {c.training.weight_decay} is above 1: AdamW "
+        "multiplies the weights by 1 - lr x weight_decay each step, which would flip their sign; lower "
+        "--training.weight_decay",
+    ),
+    # ShuffledEpochs draws a permutation of the sample indices (8 bytes each) on every rank.
+    Rule(
+        lambda c: c.data.path or 8 * c.data.synthetic_samples <= total_memory(),
+        "data.synthetic_samples = {c.data.synthetic_samples} takes 8 bytes each to shuffle, more than this "
+        "machine's {ram} of memory; use fewer, e.g. --data.synthetic_samples 4096",
+    ),
+]
 
 
 class ConfigError(ValueError):
@@ -213,6 +173,11 @@ def _convert(value: object, expected: typing.Any, key: str) -> object:
 
 def load_config(path: str | Path, overrides: dict[str, str] | None = None) -> Config:
     """Read `path`, apply `{"section.key": "value"}` overrides, and return a typed Config."""
+    # Only a regular file: opening a FIFO would wait for a writer forever, a device could be read forever.
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise ConfigError(f"config file {path} is {kind}; pass --config PATH of a TOML file")
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     sections = _field_types(Config)
@@ -241,7 +206,12 @@ def load_config(path: str | Path, overrides: dict[str, str] | None = None) -> Co
                 raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(types)}")
             values[section][key] = _convert(value, types[key], f"{section}.{key}")
         kwargs[section] = section_cls(**values[section])
-    return Config(**kwargs)
+    config = Config(**kwargs)
+    try:
+        validate(config, RULES)
+    except SchemaError as error:
+        raise ConfigError(str(error)) from None
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

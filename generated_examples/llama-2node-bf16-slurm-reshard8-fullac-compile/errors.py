@@ -12,6 +12,10 @@ import torch.distributed as dist
 # The exit code of every mistake in the input, here and in preflight.py: the launch scripts stop on it without
 # retrying.
 USAGE_ERROR = 2
+# A folder the launch scripts make for each launch (scripts/restarts.sh). torchrun reports any failed rank with
+# exit code 1, so a rank that stops on a usage error also leaves a file there: the script then exits with
+# USAGE_ERROR instead of restarting the ranks, which would only fail the same way.
+USAGE_ERROR_MARKERS = "TRAIN_USAGE_ERRORS"
 
 
 def stop(message: str) -> NoReturn:
@@ -22,6 +26,12 @@ def stop(message: str) -> NoReturn:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     if rank == 0:
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    if os.environ.get(USAGE_ERROR_MARKERS):
+        # Every rank: on several nodes each node's launch script looks in its own folder.
+        try:
+            (Path(os.environ[USAGE_ERROR_MARKERS]) / "usage-error").write_text(message + "\n")
+        except OSError:
+            pass  # at worst the launch script retries, and the ranks stop here again
     raise SystemExit(USAGE_ERROR)
 
 

@@ -20,10 +20,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpoint_common import TrainState, checkpoint_info, checkpoint_to_resume, publish, rng_state, set_rng_state
+from checkpoint_common import (
+    TrainState,
+    check_room,
+    checkpoint_info,
+    checkpoint_to_resume,
+    publish,
+    rng_state,
+    save_failed,
+    set_rng_state,
+)
 from config import Config
 from errors import stop_if_rank0_failed
-from preflight import unreadable
+from preflight import file_record, unreadable
 
 
 class Checkpointer:
@@ -39,10 +48,12 @@ class Checkpointer:
         """Gather full tensors on rank 0, which writes step-N.tmp/ and renames it to step-N/.
 
         model.safetensors holds the weights; train_state.pt the optimizer, scheduler, step and every rank's
-        RNG states. A crash mid-save leaves only a .tmp folder, which resume ignores.
+        RNG states. A crash mid-save leaves only a .tmp folder, which resume ignores; a failed write (a full disk)
+        removes it and stops every rank in one line.
         """
         config, checkpoint_dir = self.config, self.checkpoint_dir
         model_only = config.checkpoint.model_only_final and state.step == config.training.steps
+        check_room(checkpoint_dir, state, model_only)
         # Collectives, so every rank calls them; with cpu_offload only rank 0 receives the full tensors, in
         # CPU memory (the others get empty dicts), so no GPU ever holds the whole model.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -70,11 +81,15 @@ class Checkpointer:
                 save_file(unshared(model_state), staging / "model.safetensors")
                 if train_state is not None:
                     # Right away: the `step` entries of the gathered optimizer state are the optimizer's own
-                    # (live) tensors, which the next optimizer step changes.
-                    torch.save(train_state, staging / "train_state.pt")
-                publish(staging, checkpoint_info(state, config, model_only), config.checkpoint.keep_last)
+                    # (live) tensors, which the next optimizer step changes. Through a Python file: a failed
+                    # write then keeps its OSError (a full disk), which torch.save's own error does not name.
+                    with open(staging / "train_state.pt", "wb") as file:
+                        torch.save(train_state, file)
+                files = {path.name: file_record(path) for path in sorted(staging.iterdir())}
+                info = checkpoint_info(state, config, model_only) | {"files": files}
+                publish(staging, info, config.checkpoint.keep_last)
             except Exception as exc:
-                error = f"could not write checkpoint {staging} on rank 0: {type(exc).__name__}: {exc}"
+                error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
     def load(self, state: TrainState) -> Path | None:

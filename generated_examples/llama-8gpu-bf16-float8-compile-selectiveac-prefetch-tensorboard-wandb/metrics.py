@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from dataclasses import asdict
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from config import Config
+from config import Config, WandbConfig
 from errors import stop
 
 if TYPE_CHECKING:
@@ -154,9 +155,19 @@ def open_wandb(config: Config, output_dir: Path, run_id: str) -> WandbRun | None
         project=settings.project,
         name=settings.name or output_dir.resolve().name,
         tags=settings.tags,
-        mode=settings.mode,
+        mode=wandb_mode(settings),
         dir=output_dir,
         id=run_id,
         resume="allow",
         config=asdict(config),
     )
+
+
+# WANDB_MODE's values, with wandb's old aliases.
+WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "run": "online", "dryrun": "offline"}
+
+
+def wandb_mode(settings: WandbConfig) -> str:
+    """wandb.mode, or when it is "" (the default) the WANDB_MODE environment variable, else "online".
+    (preflight.py refuses a WANDB_MODE outside WANDB_MODES.)"""
+    return settings.mode or WANDB_MODES.get(os.environ.get("WANDB_MODE", "") or "online", "online")

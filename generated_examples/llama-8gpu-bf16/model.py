@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from schema import MAX_COUNT, Rule, setting
 from sharded_init import fill_by_blocks
 
 if TYPE_CHECKING:
@@ -39,32 +40,35 @@ SIZES = {
 }  # fmt: skip
 
 
+# model.size's value for a key left at 0.
+PRESET = "the value of model.size"
+
+
 @dataclass
 class ModelArgs:
     size: Literal["debug", "125m", "1b", "8b"] = "debug"
-    # 0: the value of `size`; any other value overrides it.
-    dim: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    vocab_size: int = 0
-    ffn_dim: int = 0
-    max_seq_len: int = 0
-    rope_theta: float = 0.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    # 0: the value of `size`; any other value overrides it. The bounds (schema.py) hold for the value in use.
+    dim: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    n_layers: int = setting(0, low=1, high=4096, zero=PRESET)  # 4096: building more blocks takes minutes
+    n_heads: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    n_kv_heads: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    vocab_size: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    ffn_dim: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    max_seq_len: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
+    # Below 1 the rotary frequencies theta**(-i/d) grow past float32's range: the tables become NaN.
+    rope_theta: float = setting(0.0, low=1, zero=PRESET)
+    norm_eps: float = setting(1e-5, positive=True, high=1)
+    init_std: float = setting(0.02, positive=True, high=1)  # above 1 the first logits overflow fp16/bf16
     tie_embeddings: bool = False  # the output layer reuses the token embedding matrix
 
     def __post_init__(self) -> None:
         for key, value in SIZES[self.size].items():
             if not getattr(self, key):
                 setattr(self, key, value)
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
-            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
@@ -73,6 +77,25 @@ class ModelArgs:
         mlp = 3 * self.dim * self.ffn_dim
         matmul_params = self.n_layers * (attention + mlp) + self.dim * self.vocab_size
         return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+
+# The rules between the keys above (config.py checks them after each key's own bounds, in this order).
+MODEL_RULES = [
+    Rule(
+        lambda c: c.model.dim % c.model.n_heads == 0,
+        "model.dim ({c.model.dim}) must be divisible by model.n_heads ({c.model.n_heads}); change one of them",
+    ),
+    Rule(
+        lambda c: c.model.n_heads % c.model.n_kv_heads == 0,
+        "model.n_heads ({c.model.n_heads}) must be divisible by model.n_kv_heads ({c.model.n_kv_heads}); change "
+        "one of them",
+    ),
+    Rule(
+        lambda c: c.model.head_dim % 2 == 0,
+        "model.dim / model.n_heads = {c.model.dim} / {c.model.n_heads} = {c.model.head_dim} is odd, but rotary "
+        "embeddings turn pairs of values; choose an even head size",
+    ),
+]
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ disk, and the point to prove is that the step does not include the write, whatev
 stager: runs train() itself, recording every DefaultStager its Checkpointer makes, what each save staged and when
 the stager is closed, and whether the staged copies are pinned. One line per rank.
 
-publish-fails: rank 0 cannot publish a background save (a file already holds its step-N name). Checkpointer.after_step
+publish-fails: rank 0 cannot publish a background save (it cannot write its checkpoint.json). Checkpointer.after_step
 (publish_if_done, which only rank 0 runs) must not raise; every rank must stop together at the next save, with one
 line.
 """
@@ -169,8 +169,8 @@ def check_publish_fails(config, device, mesh) -> None:
     run.step()
     checkpointer.save(run.state)
     if rank == 0:
-        # A file where the checkpoint folder is to go: the rename that publishes step-1.tmp/ fails.
-        (checkpoint_dir / f"step-{run.state.step}").write_text("not a checkpoint\n")
+        # A folder where publish writes checkpoint.json, which then fails.
+        (checkpoint_dir / f"step-{run.state.step}.tmp" / "checkpoint.json").mkdir(parents=True)
         while not checkpointer.in_flight.future.done():
             time.sleep(0.01)
         # What the training loop does between saves (publish_if_done): it must neither raise nor wait for the

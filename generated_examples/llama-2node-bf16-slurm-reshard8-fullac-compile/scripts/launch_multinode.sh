@@ -4,6 +4,7 @@
 # Extra arguments are config overrides (--section.key VALUE) passed to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/restarts.sh
 
 : "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of node 0}"
 : "${MASTER_PORT:?set MASTER_PORT to a free TCP port on node 0, e.g. 29500}"
@@ -12,12 +13,23 @@ NNODES="${NNODES:-2}"
 NPROC="${NPROC:-8}"
 DEVICE="${DEVICE:-auto}"
 CONFIG="${CONFIG:-config.toml}"
+# If training fails, every node starts its ranks again (they meet at MASTER_ADDR:MASTER_PORT), up to
+# MAX_RESTARTS times, and they resume from the newest complete checkpoint. Mistakes in the input are never
+# retried (exit code 2).
+MAX_RESTARTS="${MAX_RESTARTS:-1}"
+
+# A launch id per node (run.json records those of all nodes: a restart continues this launch's run whichever
+# node its rank 0 lands on); the ranks of this node die with this script.
+start_launch "$(python -c 'import uuid; print(uuid.uuid4().hex)')" "$(mktemp -d)"
+trap 'rm -rf "$TRAIN_USAGE_ERRORS"' EXIT
+watch_this_script
 
 # Mistakes in the config, the data or the output folder stop here, once per node, with one line and exit
 # code 2, before torchrun starts any rank (so they are neither printed per rank nor retried).
 python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.device "$DEVICE" "$@"
 
-# c10d rendezvous: node 0 hosts the store; every node must reach MASTER_ADDR:MASTER_PORT.
-exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
+# One torchrun per attempt. c10d rendezvous: node 0 hosts the store; every node must reach
+# MASTER_ADDR:MASTER_PORT.
+train_with_restarts "$MAX_RESTARTS" torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-llama-2node-bf16-slurm-reshard8-fullac-compile}" \
-  train.py --config "$CONFIG" --job.device "$DEVICE" "$@"
+  --max-restarts 0 train.py --config "$CONFIG" --job.device "$DEVICE" "$@"

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from model import ModelArgs, Transformer  # noqa: E402
-from preflight import complete_checkpoints  # noqa: E402
+from preflight import complete_checkpoints, corrupt_file  # noqa: E402
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 # checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
@@ -84,10 +84,16 @@ def open_checkpoint(checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable[
     Raises CheckpointError, or CheckpointMismatch when the weights are not those of the model it names.
     """
     try:
-        config = json.loads((checkpoint / "checkpoint.json").read_text())["config"]
+        info = json.loads((checkpoint / "checkpoint.json").read_text())
+        config = info["config"]
         model_config = config["model"]
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint ({error})") from None
+    # Every file against the size and checksum recorded at save (checkpoints of older projects have none).
+    files = info.get("files", {})
+    problem = corrupt_file(checkpoint, files, sorted(files)) if isinstance(files, dict) else "files: not a table"
+    if problem is not None:
+        raise CheckpointError(f"{checkpoint} is corrupt ({problem}); export an older checkpoint")
     # Names and shapes the weights must have: the model built on the meta device, which allocates nothing.
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in Transformer(ModelArgs(**model_config)).state_dict().items()}

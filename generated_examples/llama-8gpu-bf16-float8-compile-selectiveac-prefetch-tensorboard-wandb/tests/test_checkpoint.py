@@ -151,13 +151,17 @@ def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tm
 
 
 def test_a_corrupt_checkpoint_stops_with_a_clear_error(straight: Path, tmp_path: Path) -> None:
-    for name in ("step-5", "step-10"):
-        shutil.copytree(straight / "checkpoints" / name, tmp_path / "checkpoints" / name)
+    # The run's only checkpoint. (Were there an older one, resume would set the corrupt one aside, say so, and
+    # resume from the older one.)
+    shutil.copytree(straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
     newest = tmp_path / "checkpoints" / "step-10"
     truncated = newest / "__1_0.distcp"
     intact = truncated.read_bytes()
     truncated.write_bytes(intact[: len(intact) // 2])
     refused_with(tmp_path, newest, "(ValueError: ")
+    # The same size, 64 bytes inverted: only the checksum recorded at save tells.
+    truncated.write_bytes(intact[:-64] + bytes(byte ^ 0xFF for byte in intact[-64:]))
+    refused_with(tmp_path, newest, f"({truncated.name}: checksum mismatch)", before_build=False)
     truncated.write_bytes(intact)
     # DCP's index of the checkpoint, missing or garbage: the same one line, not DCP's traceback.
     metadata = newest / ".metadata"
@@ -171,18 +175,20 @@ def test_a_corrupt_checkpoint_stops_with_a_clear_error(straight: Path, tmp_path:
     refused_with(tmp_path, newest, "(JSONDecodeError: ")
 
 
-def refused_with(output_dir: Path, newest: Path, reason: str) -> None:
-    """Resuming from `newest` stops with one line that names it, the reason and the fix, before any training."""
+def refused_with(output_dir: Path, newest: Path, reason: str, before_build: bool = True) -> None:
+    """Resuming from `newest` stops with one line that names it, the reason and the fix, before any training (and,
+    unless the ranks found it verifying checksums at the load, before the model is built)."""
     result = launch("train.py", output_dir, "--training.steps", "12", nproc=1, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"train.py: error: checkpoint {newest} cannot be loaded {reason}"), result.stderr
     assert result.stderr.endswith(
-        f"Delete it (rm -r {newest}) to resume from the previous checkpoint, or start a new run in another "
+        "and no older checkpoint is left to resume from; restore it from a copy, or start a new run in another "
         "--job.output_dir\n"
     ), result.stderr
-    # Never a silent fresh start: nothing was built or trained.
-    assert "parameters" not in result.stdout and not (output_dir / "metrics.jsonl").exists()
+    # Never a silent fresh start: nothing was trained (or even built).
+    assert not (output_dir / "metrics.jsonl").exists()
+    assert "parameters" not in result.stdout or not before_build
 
 
 def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path) -> None:
@@ -228,7 +234,9 @@ def test_a_new_run_never_mixes_with_another_runs_files(keep_last: int, tmp_path:
     assert {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()} == before
     # In its own folder the new run gets its own id; the old run resumes as itself, and every row and
     # checkpoint says which run it belongs to.
-    other = train(tmp_path / "other", "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1)
+    # (Beside it, not inside: a folder inside another run's folder is refused, that run may prune it.)
+    other = train(tmp_path.with_name(f"{tmp_path.name}-other"), "--training.steps", "2", "--checkpoint.resume",
+                  "never", *steps, nproc=1)  # fmt: skip
     resumed = train(tmp_path, "--training.steps", "6", *steps, nproc=1)
     run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
     assert {row["run_id"] for row in resumed} == {run_id} != {row["run_id"] for row in other}

@@ -6,20 +6,27 @@
 # Extra arguments are config overrides (--section.key VALUE) passed to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/restarts.sh
 
 NPROC="${NPROC:-8}"
 DEVICE="${DEVICE:-auto}"
 CONFIG="${CONFIG:-config.toml}"
-# If any rank dies, torchrun stops the others and starts them all again, up to MAX_RESTARTS times; they
-# resume from the newest complete checkpoint. One restart by default: it rescues a long run from a
-# one-off failure (a killed process, a GPU or network hiccup) at the cost of at most one checkpoint
-# interval. Mistakes in the input never get that far: see below.
+# If a rank dies, every rank is stopped and started again, up to MAX_RESTARTS times; they resume from the
+# newest complete checkpoint. One restart by default: it rescues a long run from a one-off failure (a killed
+# process, a GPU or network hiccup) at the cost of at most one checkpoint interval. Mistakes in the input are
+# never retried (exit code 2).
 MAX_RESTARTS="${MAX_RESTARTS:-1}"
+
+# A launch of its own: its restarts continue the run it starts, never another; its ranks die with this script.
+start_launch "$(python -c 'import uuid; print(uuid.uuid4().hex)')" "$(mktemp -d)"
+trap 'rm -rf "$TRAIN_USAGE_ERRORS"' EXIT
+watch_this_script
 
 # Mistakes in the config, the data or the output folder stop here, once, with one line and exit code 2,
 # before torchrun starts any rank (so they are neither printed per rank nor retried).
 python preflight.py --world-size "$NPROC" --config "$CONFIG" --job.device "$DEVICE" "$@"
 
-# --standalone: a private rendezvous on a free local port, so several runs can share a machine.
-exec torchrun --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+# One torchrun per attempt. --standalone: a private rendezvous on a free local port, so several runs can share
+# a machine.
+train_with_restarts "$MAX_RESTARTS" torchrun --standalone --nproc-per-node "$NPROC" --max-restarts 0 \
   train.py --config "$CONFIG" --job.device "$DEVICE" "$@"
