@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -1018,6 +1019,7 @@ def test_bad_input_obeys_the_contract(case: Case, tmp_path: Path) -> None:
     assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
     assert re.fullmatch("fsdp2gen: error: " + case.pattern(tmp_path), stderr[:-1]), stderr
     assert snapshot(tmp_path) == before  # nothing written, touched, removed or re-created
+    OBSERVED[case.id] = stderr[:-1].replace(str(tmp_path), "<tmp>")
 
 
 def test_case_ids_are_unique() -> None:
@@ -1125,7 +1127,58 @@ def test_dependency_names_are_refused_as_project_names() -> None:
         assert "is the name of a package" in validate({"project_name": normal}).get("project_name", ""), name
 
 
-def test_doc_lists_every_case() -> None:
-    """docs/bad-inputs-generator.md has one row per case, by test id."""
-    rows = re.findall(r"^\| `([^`]+)` \|", DOC.read_text(), flags=re.M)
-    assert rows == [case.id for case in CASES]
+# case id -> the line it printed (<tmp> for its folder), as test_bad_input_obeys_the_contract saw it: the table in
+# docs/ shows these lines (FSDP2GEN_UPDATE_DOCS=1 writes them there).
+OBSERVED: dict[str, str] = {}
+TABLE_HEAD = "| Test id | Command | Given | stderr (the one line) | Exit |\n|---|---|---|---|---|\n"
+
+
+def shell_word(word: str) -> str:
+    """`word` as the table shows it in a command line: quoted where a shell needs it, long ones shortened."""
+    if len(word) > 40:
+        return f"'{word[:12]}…({len(word)} chars)'"
+    if "\n" in word:
+        return "$'" + word.replace("\n", "\\n") + "'"
+    return word if word and word.isascii() and shlex.quote(word) == word else f"'{word}'"
+
+
+def shown_command(case: Case) -> str:
+    command = "fsdp2gen " + " ".join(map(shell_word, case.argv))
+    if case.stdin is CLOSED:
+        return f"{command} <&-"
+    if case.stdin:
+        return f"printf {shell_word(case.stdin)} | {command}"
+    return f"{command} < /dev/null" if "--interactive" in case.argv else command
+
+
+def row_start(case: Case) -> str:
+    """The table row of `case` up to its line: id, command, what the folder holds ('|' escaped for Markdown)."""
+    given = "; ".join(getattr(setup, "what", setup.__name__) for setup in case.setup)
+    return f"| `{case.id}` | `{markdown(shown_command(case))}` | {markdown(given)} | "
+
+
+def markdown(cell: str) -> str:
+    return cell.replace("|", "\\|")
+
+
+def test_the_doc_is_the_table_of_cases() -> None:
+    """docs/bad-inputs-generator.md has one row per case, in order, each made from the case: its command, what the
+    folder holds, and the line it prints (for a regex case, a line its pattern matches). With
+    FSDP2GEN_UPDATE_DOCS=1, in a run of the whole file (every case records its line), the table and its count
+    are written from the cases."""
+    text = DOC.read_text()
+    head, _, rest = text.partition(TABLE_HEAD)
+    rows, _, tail = rest.partition("\n\n")
+    if os.environ.get("FSDP2GEN_UPDATE_DOCS") == "1":
+        assert len(OBSERVED) == len(CASES), "run the whole file, so that every case records its line"
+        table = "\n".join(f"{row_start(case)}{markdown(OBSERVED[case.id])} | 2 |" for case in CASES)
+        head = re.sub(r"\d+ cases\.", f"{len(CASES)} cases.", head)
+        DOC.write_text(f"{head}{TABLE_HEAD}{table}\n" + (f"\n{tail}" if tail else ""))
+        return
+    assert f"{len(CASES)} cases." in head
+    lines = rows.splitlines()
+    assert [re.match(r"\| `([^`]+)`", line)[1] for line in lines] == [case.id for case in CASES]
+    for case, row in zip(CASES, lines, strict=True):
+        assert row.startswith(row_start(case)) and row.endswith(" | 2 |"), (row_start(case), row)
+        line = row[len(row_start(case)) : -len(" | 2 |")].replace("\\|", "|")
+        assert re.fullmatch("fsdp2gen: error: " + case.pattern(Path("<tmp>")), line), (case.id, line)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -402,12 +403,6 @@ def test_each_mistake_is_one_line_and_exit_code_2(case: str, inputs: dict, resul
     assert results[case] == [2, "", f"preflight.py: error: {expected}\n"]
 
 
-def test_the_report_lists_every_case() -> None:
-    report = (REPO / "docs" / "bad-inputs.md").read_text()
-    listed = re.findall(r"^\| `([\w-]+)` \|", report.split("## Run time")[1].split("\n## ")[0], flags=re.M)
-    assert listed == list(CASES)
-
-
 LAUNCHER_CASES = ["unknown-key", "steps-0", "data-id-above-vocab-after-1M-tokens", "new-run-in-a-folder-with-a-run"]
 
 
@@ -593,3 +588,37 @@ def test_torchrun_without_the_launcher_refuses_them_too(
     assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {expected}"]
     assert "exitcode  : 2" in result.stderr
     assert "parameters" not in result.stdout
+
+
+REPORT = REPO / "docs" / "bad-inputs.md"
+TABLE_HEAD = "| case | arguments | the line after `error: ` |\n|---|---|---|\n"
+TABLE = r"^\| case \| arguments.*\n(?:\|.*\n)+"  # a table of cases: its head and rows, up to a blank line
+
+
+def report_table(cases: dict[str, tuple[list[str], str]]) -> str:
+    """The Markdown rows of `cases` as docs/bad-inputs.md shows them: T is the folder of inputs, OUT the run's
+    output folder, ID its run id, N a size that varies."""
+    shown = {"out": "OUT", "tmp": "T", "run_id": "ID", "shard_size": "N"}
+    rows = []
+    for case, (args, line) in cases.items():
+        arguments = shlex.join(arg.format(**shown) for arg in args) or "(the run folder as the case leaves it)"
+        rows.append(f"| `{case}` | `{arguments}` | {line.format(**shown)} |")
+    return TABLE_HEAD + "\n".join(rows) + "\n"
+
+
+def test_the_report_is_made_from_the_cases() -> None:
+    """docs/bad-inputs.md's run-time tables are CASES and SCHEMA_CASES, row for row, with their counts;
+    FSDP2GEN_UPDATE_DOCS=1 writes them from the tables here."""
+    report = REPORT.read_text()
+    tables = re.findall(TABLE, report, flags=re.M)
+    made = [report_table(CASES), report_table(SCHEMA_CASES)]
+    counts = [f"{len(CASES)} cases", f"{len(SCHEMA_CASES)} cases"]
+    if os.environ.get("FSDP2GEN_UPDATE_DOCS") == "1":
+        assert len(tables) == len(made)
+        report = re.sub(TABLE, lambda _: made.pop(0), report, flags=re.M)
+        report = re.sub(r"\d+ cases( through `preflight.py`)", rf"{counts[0]}\1", report)
+        report = re.sub(r"\d+ cases( through `launch_local.sh`)", rf"{counts[1]}\1", report)
+        REPORT.write_text(report)
+        return
+    assert tables == made
+    assert f"{counts[0]} through `preflight.py`" in report and f"{counts[1]} through `launch_local.sh`" in report
