@@ -225,6 +225,14 @@ def _update_in_place(dest: Path, staging: Path, *, dry_run: bool) -> dict[str, s
     paths = sorted(set(_files(new)) | set(_files(base) if base else ()))
     _check_collisions(dest, [path for path in paths if (new / path).is_file()])
     merged_dir = staging / "merged"
+    changes = _three_way(dest, new, base, paths, merged_dir)
+    if not dry_run:
+        _apply(dest, changes, new, merged_dir)
+    return changes
+
+
+def _three_way(dest: Path, new: Path, base: Path | None, paths: list[str], merged_dir: Path) -> dict[str, str]:
+    """What `new --force` does with each file of `paths` (see _update_in_place); merged ones staged in merged_dir."""
     changes: dict[str, str] = {}
     for path in paths:
         theirs = _read(new / path)
@@ -249,8 +257,11 @@ def _update_in_place(dest: Path, staging: Path, *, dry_run: bool) -> dict[str, s
             staged.write_bytes(content)
             shutil.copymode(new / path, staged)
             changes[path] = MERGED if clean else CONFLICT
-    if dry_run:
-        return changes
+    return changes
+
+
+def _apply(dest: Path, changes: dict[str, str], new: Path, merged_dir: Path) -> None:
+    """Write, merge and remove in DEST what _three_way decided."""
     writes = [path for path, change in changes.items() if change in (WRITTEN, MERGED, CONFLICT)]
     with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=dest) as tmp:
         # Every file is copied onto DEST's file system first (a full disk fails here, DEST unchanged) ...
@@ -264,7 +275,6 @@ def _update_in_place(dest: Path, staging: Path, *, dry_run: bool) -> dict[str, s
         if change == REMOVED:
             (dest / path).unlink()
             _remove_empty_parents(dest, dest / path)
-    return changes
 
 
 def _render_base(staging: Path, name: str, recorded: dict[str, Any]) -> Path | None:

@@ -63,14 +63,14 @@ def template_model_defaults() -> dict[str, Any]:
     for node in _template_model().body:
         if isinstance(node, ast.ClassDef) and node.name == "ModelArgs":
             return {
-                field.target.id: ast.literal_eval(_default_of(field.value))
+                field.target.id: ast.literal_eval(field_default(field.value))
                 for field in node.body
                 if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and field.value is not None
             }
     raise LookupError(f"no ModelArgs in the template's {LLAMA_MODEL}")
 
 
-def _default_of(value: ast.expr) -> ast.expr:
+def field_default(value: ast.expr) -> ast.expr:
     """A field's default: `value` itself, or the first argument of `setting(default, bounds...)` (schema.py)."""
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "setting":
         return value.args[0]

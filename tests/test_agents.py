@@ -78,8 +78,9 @@ def test_answers_file_errors(tmp_path: Path) -> None:
         "gpus: 0\n": "gpus in {path}: must be at least 1, e.g. --gpus 8",
         "colour: red\n": "colour in {path}: unknown question; known: project_name, family, hf_model, pretrained, gpus, "
         "nodes, precision, checkpoint, launcher",
-        "- gpus\n": "answers file {path} must be a mapping like 'gpus: 8', got list",
-        "gpus: [\n": "answers file {path} is not valid YAML: ",
+        "- gpus\n": "answers file {path} must be a mapping of answers like 'gpus: 8', got a list; pass a YAML file "
+        "of answers like 'gpus: 8'",
+        "gpus: [\n": "answers file {path} is not valid YAML (",
     }
     for content, message in cases.items():
         path = tmp_path / "answers.yml"
@@ -90,7 +91,8 @@ def test_answers_file_errors(tmp_path: Path) -> None:
     missing = fsdp2gen("new", str(tmp_path / "run"), "--answers-file", str(tmp_path / "nope.yml"))
     assert (
         missing.stderr
-        == f"fsdp2gen: error: cannot read answers file {tmp_path / 'nope.yml'}: No such file or directory\n"
+        == f"fsdp2gen: error: cannot read answers file {tmp_path / 'nope.yml'}: No such file or directory; pass a YAML "
+        "file of answers like 'gpus: 8'\n"
     )
     assert not (tmp_path / "run").exists()
 

@@ -118,6 +118,11 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly_fr
         ), step
 
 
+def run_files(run: Path) -> dict[Path, bytes]:
+    """Every file of the run folder and its content, but run.lock: each launch writes who holds the folder there."""
+    return {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file() and path.name != "run.lock"}
+
+
 def test_a_run_whose_only_checkpoint_is_corrupt_stops_with_one_line(
     style: str, project: Path, straight: Path, tmp_path: Path
 ) -> None:
@@ -125,14 +130,14 @@ def test_a_run_whose_only_checkpoint_is_corrupt_stops_with_one_line(
     newest = run / "checkpoints" / "step-6"
     intact = (newest / DAMAGED[style]).read_bytes()
     flip_64_bytes(newest / DAMAGED[style])
-    before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
+    before = run_files(run)
     result = launch(project, run, "--training.steps", "8", nproc=1)
     assert (result.returncode, result.stderr) == (2, (
         f"train.py: error: checkpoint {newest} cannot be loaded ({DAMAGED[style]}: checksum mismatch), and no older "
         "checkpoint is left to resume from; restore it from a copy, or start a new run in another --job.output_dir\n"
     ))  # fmt: skip
     # Never a silent fresh start: nothing trained, renamed or written.
-    assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
+    assert run_files(run) == before
     # Checkpoints of older projects record no checksums: they load as before.
     (newest / DAMAGED[style]).write_bytes(intact)
     info = json.loads((newest / "checkpoint.json").read_text())

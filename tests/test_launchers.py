@@ -67,11 +67,15 @@ def test_a_node_local_output_dir_stops_the_run(tmp_path: Path) -> None:
     node0, node1 = tmp_path / "node0-outputs", tmp_path / "node1-outputs"
     nodes = launch_two_nodes(project, (node0, node1), 2, "--training.steps", "2")
     assert all(code != 0 for code, _ in nodes), nodes
-    message = (
-        f"train.py: error: job.output_dir {node0} is not shared by all nodes: 2 rank(s) do not see the file rank 0 "
+    # The c10d rendezvous numbers the nodes in the order they join, so rank 0 may be on either launcher: the one
+    # line comes from the node of rank 0 and names its folder.
+    lines = [line for _, output in nodes for line in re.findall(r"^train\.py: error: .*$", output, flags=re.M)]
+    messages = [
+        f"train.py: error: job.output_dir {folder} is not shared by all nodes: 2 rank(s) do not see the file rank 0 "
         "wrote there; put it on a filesystem every node mounts (NFS, Lustre, ...)"
-    )
-    assert re.findall(r"^train\.py: error: .*$", nodes[0][1], flags=re.M) == [message], nodes[0][1][-3000:]
+        for folder in (node0, node1)
+    ]
+    assert len(lines) == 1 and lines[0] in messages, [output[-3000:] for _, output in nodes]
     assert not (node0 / "metrics.jsonl").exists() and not (node1 / "metrics.jsonl").exists()
 
 

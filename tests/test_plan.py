@@ -30,6 +30,7 @@ from fsdp2gen.plan import (
     parameter_count,
     parameter_shapes,
 )
+from fsdp2gen.sizes import field_default
 from tests.conftest import REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
@@ -56,7 +57,7 @@ def dataclass_defaults(path: Path, class_name: str) -> dict[str, object]:
     tree = ast.parse(path.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     return {
-        n.target.id: ast.literal_eval(n.value)
+        n.target.id: ast.literal_eval(field_default(n.value))
         for n in cls.body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None
     }
@@ -92,13 +93,15 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     """Names, order and shapes equal Transformer.named_parameters() of the template's model.py (on meta)."""
     torch = pytest.importorskip("torch")
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
-    # It imports sharded_init, its sibling in the template, which is loaded the same way for the while.
-    sharded_init = load_template_module("sharded_init", TEMPLATE / '{% if family != "hf" %}sharded_init.py{% endif %}')
-    sys.modules["sharded_init"] = sharded_init
+    # It imports sharded_init and schema, its siblings in the template, which are loaded the same way for the while.
+    siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py"}
+    for name, file in siblings.items():
+        sys.modules[name] = load_template_module(name, TEMPLATE / file)
     try:
         template_model = load_template_module("fsdp2gen_template_model", LLAMA_MODEL)
     finally:
-        del sys.modules["sharded_init"]
+        for name in siblings:
+            del sys.modules[name]
     ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
     shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
     for tied in (True, False):
