@@ -29,6 +29,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from preflight_driver import run_case  # tests/ is on the path: both run as scripts from there
 
 # Draws per key, then draws of two keys together.
 PROFILES = {"ci": (2, 30), "nightly": (20, 300)}
@@ -77,21 +78,6 @@ def values_for(key: str, declared: typing.Any, default: typing.Any) -> st.Search
 
 def sum_lists(lists: list[list]) -> list:
     return [item for part in lists for item in part]
-
-
-def run_preflight(argv: list[str]) -> list:
-    """preflight.main() as `python preflight.py ARGV` would run it: [exit code, stdout, stderr]."""
-    import preflight
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    sys.argv = ["preflight.py", *argv]
-    code = 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            preflight.main()
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 1
-    return [code, stdout.getvalue(), stderr.getvalue()]
 
 
 class FirstStep(Exception):
@@ -171,7 +157,7 @@ def main() -> None:
         report["draws"] += 1
         drawn.update(key for key, _ in draw)
         started = time.monotonic()
-        code, stdout, stderr = run_preflight(["--world-size", "1", *argv])
+        code, stdout, stderr = run_case(["--world-size", "1", *argv])
         report["preflight_s"] += time.monotonic() - started
         if code == 2:
             assert stdout == "" and stderr.startswith("preflight.py: error: "), (draw, stdout, stderr)
