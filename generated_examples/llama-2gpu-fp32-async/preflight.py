@@ -42,6 +42,9 @@ SCAN_TOKENS = 1 << 24  # token ids checked per read of data.path: 32-64 MiB at a
 # Kept free on the disk beyond a checkpoint's estimated size: 5% of it plus this (checkpoint.json, and what the
 # run writes meanwhile: metrics, logs).
 SPARE_BYTES = 1 << 20
+# data.py addresses samples as step x global_batch_size windows of seq_len + 1 tokens: a resume that changed
+# either would re-read or skip data.
+DATA_POSITION_KEYS = ("global_batch_size", "seq_len")
 
 
 class PreflightError(Exception):
@@ -120,10 +123,8 @@ def model_limits(config: Config) -> tuple[int, int]:
         return config.model.vocab_size, config.model.max_seq_len
     except Exception as exc:  # whatever the model's loader raises: a missing folder, a bad hub id, no network
         settings = ", ".join(f"{key}={value!r}" for key, value in asdict(config.model).items())
-        reason = next((line for line in str(exc).splitlines() if line.strip()), "")
-        raise PreflightError(
-            f"the model ({settings}) cannot be loaded ({type(exc).__name__}: {reason}); fix the [model] section"
-        ) from None
+        message = f"the model ({settings}) cannot be loaded ({reason(exc)}); fix the [model] section"
+        raise PreflightError(message) from None
 
 
 def meta_model(config: Config) -> torch.nn.Module:
@@ -132,10 +133,7 @@ def meta_model(config: Config) -> torch.nn.Module:
         with torch.device("meta"):
             return build_model(config)
     except Exception as exc:  # a shape the model's own code refuses
-        reason = next((line for line in str(exc).splitlines() if line.strip()), "")
-        raise PreflightError(
-            f"the model cannot be built ({type(exc).__name__}: {reason}); fix the [model] section"
-        ) from None
+        raise PreflightError(f"the model cannot be built ({reason(exc)}); fix the [model] section") from None
 
 
 def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
@@ -396,13 +394,9 @@ def check_run_settings(output_dir: Path, config: Config) -> None:
         return  # no run.json; an unreadable one is reported by run_id_of
     if not isinstance(recorded, dict) or "model" not in recorded:
         return
-    changed = [
-        f"model.{key} {recorded['model'].get(key)!r} -> {value!r}"
-        for key, value in asdict(config.model).items()
-        if key not in RESUME_MAY_CHANGE and recorded["model"].get(key) != value
-    ] + [
+    changed = changed_model(recorded["model"], config) + [
         f"training.{key} {recorded['training'].get(key)!r} -> {getattr(config.training, key)!r}"
-        for key in ("global_batch_size", "seq_len")
+        for key in DATA_POSITION_KEYS
         if recorded["training"].get(key) != getattr(config.training, key)
     ]
     if changed:
@@ -437,8 +431,8 @@ def start_run(output_dir: Path, config: Config, launch_ids: list[str]) -> str:
     if not run_file.exists():
         started = datetime.now(UTC).isoformat(timespec="seconds")
         # What a resume of this run must keep (check_run_settings), for as long as it has no checkpoint.
-        settings = {"model": asdict(config.model), "training": {"global_batch_size": config.training.global_batch_size,
-                                                                 "seq_len": config.training.seq_len}}  # fmt: skip
+        settings = {"model": asdict(config.model), "training": {key: getattr(config.training, key)
+                                                                 for key in DATA_POSITION_KEYS}}  # fmt: skip
         record = {"run_id": run_id, "started": started, "launch": launch_ids, **settings}
         staging = run_file.with_suffix(".json.tmp")
         staging.write_text(json.dumps(record) + "\n")
@@ -651,20 +645,13 @@ def check_resumable(path: Path, info: dict, config: Config, run_id: str | None) 
         )
     new_run = "start a new run in another --job.output_dir"
     saved = info["config"]
-    # Every model setting must match, except those model.py lists as free to change on resume.
-    changed = [
-        f"model.{key} {saved['model'].get(key)!r} -> {value!r}"
-        for key, value in asdict(config.model).items()
-        if key not in RESUME_MAY_CHANGE and saved["model"].get(key) != value
-    ]
+    changed = changed_model(saved["model"], config)
     if changed:
         raise PreflightError(
             f"{path} holds a different model ({', '.join(changed)}); resume with the model settings in "
             f"{path / 'checkpoint.json'}, or {new_run}"
         )
-    # data.py addresses samples as step x global_batch_size windows of seq_len + 1 tokens: changing either
-    # would make the resumed run re-read or skip data.
-    for key in ("global_batch_size", "seq_len"):
+    for key in DATA_POSITION_KEYS:
         before, now = saved["training"][key], getattr(config.training, key)
         if before != now:
             raise PreflightError(
@@ -677,6 +664,16 @@ def check_resumable(path: Path, info: dict, config: Config, run_id: str | None) 
             f"{info['step']}: it cannot continue training to step {config.training.steps}. Delete it "
             f"(rm -r {path}) to resume from the previous checkpoint, or {new_run}"
         )
+
+
+def changed_model(saved_model: dict, config: Config) -> list[str]:
+    """The model settings of `config` that differ from `saved_model` (a checkpoint's or run.json's), as
+    "model.KEY before -> now": every one must match, except those model.py lists as free to change on resume."""
+    return [
+        f"model.{key} {saved_model.get(key)!r} -> {value!r}"
+        for key, value in asdict(config.model).items()
+        if key not in RESUME_MAY_CHANGE and saved_model.get(key) != value
+    ]
 
 
 def unreadable(path: Path, exc: BaseException) -> str:
