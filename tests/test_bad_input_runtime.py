@@ -134,8 +134,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "replicas-not-dividing-ranks": (
         ["--parallel.dp_replicate", "3"],
-        "parallel.dp_replicate x dp_shard x tp = 3 x -1 x 1 does not match the 2 ranks; choose dp_replicate (and tp) "
-        "whose product divides 2 (dp_shard = -1 takes the rest)",
+        # The project has no tp: the message names only the dimensions its config has.
+        "parallel.dp_replicate x dp_shard = 3 x -1 does not match the 2 ranks; choose dp_replicate that divides 2 "
+        "(dp_shard = -1 takes the rest)",
     ),
     "reshard-not-dividing-shard": (
         ["--world-size", "8", "--parallel.reshard_after_forward", "3"],
