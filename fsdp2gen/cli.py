@@ -609,12 +609,13 @@ def _checkable_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-# The options `plan` shares with `new` (a project's answers): the question's flag, type and help; a generated
-# project's own answer is the default under --config.
-PLAN_ANSWERS = ["family", "gpus", "nodes", "precision", "tp"]
+# The options `plan` shares with `new` (a project's answers): the question's flag, choices, type and help; a
+# generated project's own answer is the default under --config. (Activation checkpointing and CPU offload are
+# what-ifs: planned off unless given, whatever the project's answer.)
+PLAN_ANSWERS = ["gpus", "nodes", "precision", "tp"]
 PLAN_OPTIONS = [
     _option(QUESTIONS[name], shown_default=f"{QUESTIONS[name].default}, or the project's") for name in PLAN_ANSWERS
-]
+] + [_option(QUESTIONS[name]) for name in ("activation_checkpointing", "cpu_offload")]
 
 
 def _size_names() -> str:
@@ -624,7 +625,7 @@ def _size_names() -> str:
 
 
 @app.command()
-@answer_options(PLAN_OPTIONS, after={"family": ("size", "config"), "precision": ("offload", "ac")})
+@answer_options(PLAN_OPTIONS)
 def plan(
     *,
     size: Annotated[
@@ -635,15 +636,13 @@ def plan(
         Path | None,
         typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
     ] = None,
-    offload: Annotated[bool, typer.Option("--offload", help="Keep parameters, gradients, optimizer on CPU.")] = False,
-    ac: Annotated[str, typer.Option("--ac", help="Activation checkpointing: none, selective or full.")] = "none",
     batch: Annotated[
         int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
     ] = None,
     seq: Annotated[
         int | None, typer.Option(help="Sequence length. [default: the size's max_seq_len, or the project's]")
     ] = None,
-    gpu: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
+    gpu_type: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
     grad_sync: Annotated[
         str | None,
         typer.Option(
@@ -661,7 +660,7 @@ def plan(
 
     try:
         request = planner.build_request(
-            size=size, config=config, offload=offload, ac=ac, batch=batch, seq=seq, gpu=gpu, grad_sync=grad_sync,
+            size=size, config=config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
             **_given_answers(answers),
         )  # fmt: skip
     except planner.PlanError as error:

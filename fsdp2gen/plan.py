@@ -24,20 +24,25 @@ The generator must not import torch, so everything here is arithmetic on shapes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 import tomllib
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from fsdp2gen.files import FileInputError, read_text, read_yaml_mapping
-from fsdp2gen.questions import questions
+from fsdp2gen.files import FileInputError, read_text
+from fsdp2gen.questions import questions, read_answers, template_dir
 from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
 
 FP32 = 4
 INT64 = 8
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# activation_checkpointing's choices (copier.yml), from the least recomputation to the most.
 AC_MODES = ("none", "selective", "full")
 # training.grad_sync of the generated config: when gradients are reduce-scattered under accumulation.
 GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
@@ -101,6 +106,28 @@ GPUS = {
 }
 
 
+# The generated project's layout.py: the one place that lays ranks out on the mesh. Loaded by path (it imports no
+# torch at import time), so that plan splits the model and the batch exactly as the project's train.py does.
+LAYOUT_FILE = Path("project") / "layout.py"
+
+
+@cache
+def layout_module() -> ModuleType:
+    """The template's layout.py as a module (ParallelLayout, LayoutError)."""
+    spec = importlib.util.spec_from_file_location("fsdp2gen_project_layout", template_dir() / LAYOUT_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while they build the class
+    spec.loader.exec_module(module)
+    return module
+
+
+def parallel_layout(world_size: int, tp: int) -> Any:
+    """The ParallelLayout of a project with parallel.tp = `tp` on `world_size` ranks, FSDP over the rest."""
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp)
+    return layout_module().ParallelLayout.of(parallel, world_size)
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     model: LlamaShape
@@ -124,7 +151,8 @@ class PlanRequest:
 
     @property
     def fsdp_ranks(self) -> int:
-        return self.world_size // self.tp
+        """The ranks a parameter is sharded over, and that read different samples (layout.py's data_ranks)."""
+        return parallel_layout(self.world_size, self.tp).data_ranks
 
     @property
     def batch(self) -> int:
@@ -344,9 +372,9 @@ def _levers(plan: Plan) -> list[Lever]:
     options: list[tuple[str, PlanRequest]] = []
     for mode in ("full", "selective"):
         if AC_MODES.index(mode) > AC_MODES.index(request.ac):
-            options.append((f"--ac {mode}", replace(request, ac=mode)))
+            options.append((f"--activation-checkpointing {mode}", replace(request, ac=mode)))
     if not request.offload:
-        options.append(("--offload", replace(request, offload=True)))
+        options.append(("--cpu-offload", replace(request, offload=True)))
     every = replace(request, grad_sync="every_micro_batch")
     if request.defers_gradients:
         options.append(("--grad-sync every_micro_batch", every))
@@ -448,7 +476,7 @@ def _read_answers(answers_file: Path) -> dict[str, Any]:
     if not answers_file.is_file():
         return {}
     try:
-        answers = read_yaml_mapping(answers_file, "answers file", "fix or delete it")
+        answers = read_answers(answers_file, "fix or delete it")
     except FileInputError as error:
         raise PlanError(str(error)) from None
     for key in ("gpus", "nodes"):
@@ -474,18 +502,17 @@ def _project_tp(path: Path, answers: dict[str, Any]) -> int:
 
 def build_request(
     *,
-    family: str | None = None,
     size: str | None = None,
     config: Path | None = None,
     gpus: int | None = None,
     nodes: int | None = None,
     precision: str | None = None,
-    offload: bool = False,
-    ac: str = "none",
+    cpu_offload: bool | None = None,
+    activation_checkpointing: str | None = None,
     tp: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
-    gpu: str = "h100-80gb",
+    gpu_type: str = "h100-80gb",
     grad_sync: str | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
@@ -494,22 +521,23 @@ def build_request(
         raise PlanError("--size and --config both given; the model comes from one of them")
     for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
         _positive(name, value, LIMITS[name])
+    ac = activation_checkpointing or "none"
     if ac not in AC_MODES:
-        raise PlanError(f"--ac {ac}: choose one of {', '.join(AC_MODES)}")
-    if gpu not in GPUS:
-        raise PlanError(f"--gpu {gpu}: unknown GPU; choose one of {', '.join(GPUS)}")
+        raise PlanError(f"--activation-checkpointing {ac}: choose one of {', '.join(AC_MODES)}")
+    if gpu_type not in GPUS:
+        raise PlanError(f"--gpu-type {gpu_type}: unknown GPU; choose one of {', '.join(GPUS)}")
     if precision is not None and precision not in COMPUTE_BYTES:
         raise PlanError(f"--precision {precision}: choose one of {', '.join(COMPUTE_BYTES)}")
     if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
     if config is not None:
-        request = _project_request(config, family, tp, seq)
+        request = _project_request(config, tp, seq)
     elif size is not None:
-        request = _size_request(size, family, seq)
+        request = _size_request(size, seq)
     else:
         raise PlanError(f"no model to plan; give --size ({', '.join(SIZES)}) or --config PATH/config.toml")
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "micro_batch": batch}
-    given |= {"grad_sync": grad_sync, "offload": offload, "ac": ac, "gpu": gpu}
+    given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
     _check_request(request, config)
     return request
@@ -520,13 +548,11 @@ def _default(name: str, answers: dict[str, Any]) -> Any:
     return answers.get(name, questions()[name].default)
 
 
-def _project_request(config: Path, family: str | None, tp: int | None, seq: int | None) -> PlanRequest:
+def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
     """The model, batch and setup of a generated project's config.toml and recorded answers."""
     model_keys, training, answers = _read_config(config)
-    if answers.get("family", "llama") != "llama" or (family or "llama") != "llama":
-        raise PlanError(
-            f"family {answers.get('family', family)}: only llama is planned; plan a llama of similar shape with --size"
-        )
+    if answers.get("family", "llama") != "llama":
+        raise PlanError(f"family {answers['family']}: only llama is planned; plan a llama of similar shape with --size")
     return PlanRequest(
         model=shape_of(model_keys),
         label=str(config),
@@ -541,12 +567,10 @@ def _project_request(config: Path, family: str | None, tp: int | None, seq: int 
     )
 
 
-def _size_request(size: str, family: str | None, seq: int | None) -> PlanRequest:
+def _size_request(size: str, seq: int | None) -> PlanRequest:
     """A size's model at its context length (or --seq's) with the template's default setup. The number of
     micro-batches is not known: None (a grad_sync of last_micro_batch then assumes accumulation, the only case
     where it matters)."""
-    if (family or "llama") != "llama":
-        raise PlanError(f"--family {family}: only llama is planned; drop --family, or plan a llama of similar shape")
     if size.lower() not in SIZES:
         raise PlanError(f"--size {size}: unknown size; choose one of {', '.join(SIZES)}")
     model = SIZES[size.lower()]
@@ -575,22 +599,36 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
         )
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
-    if request.world_size % tp:
-        raise PlanError(f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor")
-    if model.n_kv_heads % tp or model.ffn_dim % tp:
-        raise PlanError(
-            f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim}); choose a --tp "
-            "that divides both"
-        )
-    if seq_len % tp:
+    # layout.py's checks, as preflight.py runs them, worded with plan's options.
+    layout = parallel_layout(request.world_size, tp)
+    training = SimpleNamespace(
+        seq_len=seq_len, global_batch_size=request.global_batch_size, grad_accum_steps=request.grad_accum_steps
+    )
+    try:
+        if layout.tp != tp:  # one rank has no mesh (layout.py gives it tp 1): tp > 1 needs as many GPUs
+            raise layout_module().LayoutError("", "ranks")
+        layout.check_product()
+        layout.check_tensor_parallel(training, model)
+        if request.micro_batch is None and request.global_batch_size is not None:
+            layout.check_batch(training)
+    except layout_module().LayoutError as error:
+        raise PlanError(_plan_wording(error.problem, request)) from None
+
+
+def _plan_wording(problem: str, request: PlanRequest) -> str:
+    """layout.py's `problem` with plan's options as the fix."""
+    model, tp = request.model, request.tp
+    return {
+        "ranks": f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor",
+        # n_heads is a multiple of n_kv_heads (checked above): tp divides both when it divides n_kv_heads.
+        "tp_shape": f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim}); choose a "
+        "--tp that divides both",
         # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
-        raise PlanError(f"--tp {tp} must divide the sequence length ({seq_len}); change --seq or --tp")
-    global_batch, accum = request.global_batch_size, request.grad_accum_steps
-    if request.micro_batch is None and global_batch is not None and global_batch % (request.fsdp_ranks * accum):
-        raise PlanError(
-            f"training.global_batch_size ({global_batch}) is not divisible by {request.fsdp_ranks} data-parallel "
-            f"ranks x grad_accum_steps ({accum}); change the config or pass --batch"
-        )
+        "tp_seq_len": f"--tp {tp} must divide the sequence length ({request.seq_len}); change --seq or --tp",
+        "batch": f"training.global_batch_size ({request.global_batch_size}) is not divisible by "
+        f"{request.fsdp_ranks} data-parallel ranks x grad_accum_steps ({request.grad_accum_steps}); change the "
+        "config or pass --batch",
+    }[problem]
 
 
 def _size(count: int) -> str:

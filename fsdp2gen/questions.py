@@ -222,6 +222,13 @@ def project_name_from_folder(folder_name: str) -> str:
     return _jinja().from_string(questions()["project_name"].default).render(_folder_name=folder_name)
 
 
+def read_answers(path: Path, fix: str) -> dict[str, Any]:
+    """The mapping in an answers file: a project's .copier-answers.yml (`_`-keys included: copier's own) or the
+    file of `new --answers-file`. The one reader of answers files (plan, update, `new --force` and
+    load_answers_file use it); FileInputError names the file and the problem, and ends with `fix`."""
+    return read_yaml_mapping(path, "answers file", fix)
+
+
 def load_answers_file(path: Path) -> dict[str, Any]:
     """Answers from a YAML file with the keys of `.copier-answers.yml` (`_`-keys are ignored).
 
@@ -230,7 +237,7 @@ def load_answers_file(path: Path) -> dict[str, Any]:
     with the flags and defaults, so that the messages speak of the answers that will be used.
     """
     try:
-        loaded = read_yaml_mapping(path, "answers file", "pass a YAML file of answers like 'gpus: 8'")
+        loaded = read_answers(path, "pass a YAML file of answers like 'gpus: 8'")
     except FileInputError as error:
         raise ValueError(str(error)) from None
     all_questions = questions()

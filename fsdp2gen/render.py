@@ -26,8 +26,8 @@ from typing import Any
 import yaml
 
 from fsdp2gen import __version__
-from fsdp2gen.files import FileInputError, read_yaml_mapping
-from fsdp2gen.questions import questions, template_dir, validate
+from fsdp2gen.files import FileInputError
+from fsdp2gen.questions import questions, read_answers, template_dir, validate
 
 # Where `copier update` fetches newer template versions from. The packaged template is
 # rendered offline, so the answers file is stamped with this repository and the version tag.
@@ -216,9 +216,7 @@ def _update_in_place(dest: Path, staging: Path, *, dry_run: bool) -> dict[str, s
     new = staging / dest.name
     recorded_path = dest / ANSWERS_FILE
     try:
-        recorded = read_yaml_mapping(
-            recorded_path, "answers file", f"restore it (git log -- {ANSWERS_FILE}) or choose another DEST"
-        )
+        recorded = read_answers(recorded_path, f"restore it (git log -- {ANSWERS_FILE}) or choose another DEST")
     except FileInputError as error:
         raise DestinationError(str(error)) from None
     base = _render_base(staging / "base", dest.name, recorded)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdp2gen.files import FileInputError, read_yaml_mapping
+from fsdp2gen.files import FileInputError
+from fsdp2gen.questions import read_answers
 from fsdp2gen.render import ANSWERS_FILE
 
 # PEP 440 release tags as copier reads them: v0.2.0, 1.0, 2.0.0rc1 ...
@@ -75,7 +76,7 @@ def _read_answers(path: Path) -> dict[str, Any]:
     # The project is a clean checkout, so `git checkout` would restore the same file: an older commit may not.
     restore = f"restore it from an earlier commit (git log -- {ANSWERS_FILE}) or fix it by hand"
     try:
-        return read_yaml_mapping(path, "answers file", restore)
+        return read_answers(path, restore)
     except FileInputError as error:
         raise UpdateError(str(error)) from None
 

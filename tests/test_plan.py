@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fsdp2gen.plan import (
+    AC_MODES,
     GPUS,
     GRAD_SYNC_MODES,
     LLAMA_SIZES,
@@ -30,6 +31,7 @@ from fsdp2gen.plan import (
     parameter_count,
     parameter_shapes,
 )
+from fsdp2gen.questions import questions
 from fsdp2gen.sizes import field_default
 from tests.conftest import REPO, generate, invoke, torchrun_env
 
@@ -262,7 +264,7 @@ def test_plan_matches_the_measured_peak_with_and_without_accumulation(
 
 
 def test_last_micro_batch_adds_the_whole_models_unsharded_gradients() -> None:
-    args = ["--size", "8b", "--gpus", "8", "--precision", "bf16", "--ac", "full", "--batch", "1"]
+    args = ["--size", "8b", "--gpus", "8", "--precision", "bf16", "--activation-checkpointing", "full", "--batch", "1"]
     every = plan_json(*args)
     last = plan_json(*args, "--grad-sync", "last_micro_batch")
     params = 8_030_261_248
@@ -276,7 +278,7 @@ def test_last_micro_batch_adds_the_whole_models_unsharded_gradients() -> None:
     assert "unsharded gradients (whole model fp32 - shards)" in text
     assert "unsharded gradients" not in invoke("plan", *args).stdout
     # With offload the shards live on the CPU, the unsharded gradients on the GPU.
-    offloaded = plan_json(*args, "--grad-sync", "last_micro_batch", "--offload")["per_gpu_bytes"]
+    offloaded = plan_json(*args, "--grad-sync", "last_micro_batch", "--cpu-offload")["per_gpu_bytes"]
     assert offloaded["gradients"] == 0 and offloaded["deferred_gradients"] == 4 * params
 
 
@@ -286,14 +288,15 @@ def test_accumulation_is_a_memory_lever_only_with_every_micro_batch(tmp_path: Pa
         '[model]\nsize = "8b"\n[training]\nseq_len = 8192\nglobal_batch_size = 64\ngrad_accum_steps = 4\n'
         'grad_sync = "last_micro_batch"\n'
     )
-    last = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", "--ac", "selective")
+    ac = ["--activation-checkpointing", "selective"]
+    last = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", *ac)
     assert last["setup"]["grad_sync"] == "last_micro_batch" and not last["fits"]
     options = [lever["option"] for lever in last["levers"]]
     assert "--grad-sync every_micro_batch" in options
     # Halving the micro-batch doubles the accumulation: offered only together with every_micro_batch.
     batch = [option for option in options if option.startswith("--batch")]
     assert batch == ["--batch 1 (twice the grad_accum_steps) --grad-sync every_micro_batch"]
-    every = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", "--ac", "selective",
+    every = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", *ac,
                       "--grad-sync", "every_micro_batch")  # fmt: skip
     assert "--batch 1 (twice the grad_accum_steps)" in [lever["option"] for lever in every["levers"]]
     assert last["per_gpu_bytes"]["total"] > every["per_gpu_bytes"]["total"]
@@ -315,16 +318,16 @@ def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
     assert per_gpu["total"] == sum(v for k, v in per_gpu.items() if k != "total")
     assert plan["activations_bytes"]["full"] < plan["activations_bytes"]["selective"] < per_gpu["activations"]
     assert not plan["fits"]
-    assert plan["levers"][0]["option"] == "--ac full" and plan["levers"][0]["fits"]
+    assert plan["levers"][0]["option"] == "--activation-checkpointing full" and plan["levers"][0]["fits"]
     savings = [lever["saves_bytes"] for lever in plan["levers"]]
     assert savings == sorted(savings, reverse=True)
-    with_ac = plan_json("--size", "8b", "--gpus", "8", "--ac", "full")
+    with_ac = plan_json("--size", "8b", "--gpus", "8", "--activation-checkpointing", "full")
     assert with_ac["fits"] and with_ac["levers"] == []
     assert with_ac["per_gpu_bytes"]["total"] == plan["levers"][0]["total_bytes"]
 
 
 def test_text_table_names_every_part_and_the_verdict() -> None:
-    result = invoke("plan", "--size", "8b", "--gpus", "8", "--gpu", "h100-80gb")
+    result = invoke("plan", "--size", "8b", "--gpus", "8", "--gpu-type", "h100-80gb")
     assert result.exit_code == 0 and result.stderr == ""
     text = result.stdout
     for row in (
@@ -339,12 +342,12 @@ def test_text_table_names_every_part_and_the_verdict() -> None:
     ):
         assert row in text, row
     assert "h100-80gb: " in text and "does NOT fit" in text
-    assert "largest lever: --ac full saves " in text and "fits)" in text
+    assert "largest lever: --activation-checkpointing full saves " in text and "fits)" in text
 
 
 def test_offload_moves_the_state_off_the_gpu() -> None:
-    on_gpu = plan_json("--size", "70b", "--gpus", "8", "--ac", "full")
-    offloaded = plan_json("--size", "70b", "--gpus", "8", "--ac", "full", "--offload")
+    on_gpu = plan_json("--size", "70b", "--gpus", "8", "--activation-checkpointing", "full")
+    offloaded = plan_json("--size", "70b", "--gpus", "8", "--activation-checkpointing", "full", "--cpu-offload")
     state = ("parameters", "gradients", "optimizer_state")
     assert all(offloaded["per_gpu_bytes"][part] == 0 for part in state)
     assert offloaded["host_bytes_per_gpu"] == sum(on_gpu["per_gpu_bytes"][part] for part in state)
@@ -403,9 +406,12 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
         (["--size", "8b", "--tp", "8", "--seq", "8196"],
          "--tp 8 must divide the sequence length (8196); change --seq or --tp"),
-        (["--size", "8b", "--gpu", "tpu-v5"], "--gpu tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
+        (["--size", "8b", "--gpu-type", "tpu-v5"], "--gpu-type tpu-v5: unknown GPU; choose one of " + ", ".join(GPUS)),
         (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0; give --batch 1 or more"),
-        (["--size", "8b", "--ac", "some"], "--ac some: choose one of none, selective, full"),
+        # The choices are the question's (copier.yml), checked by the option itself, as in `new`.
+        (["--size", "8b", "--activation-checkpointing", "some"],
+         "Invalid value for '--activation-checkpointing': 'some' is not one of 'none', 'full', 'selective'."),
+        (["--size", "8b", "--gpus", "1", "--tp", "2"], "--tp 2 does not divide 1 GPUs; choose a divisor"),
         (
             ["--size", "8b", "--grad-sync", "never"],
             "--grad-sync never: choose one of every_micro_batch, last_micro_batch",
@@ -422,6 +428,19 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
 def test_bad_input_is_one_line_on_stderr_and_exit_2(args: list[str], message: str) -> None:
     result = invoke("plan", *args)
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
+
+
+@pytest.mark.parametrize("option", ["--ac", "--offload", "--gpu", "--family"])
+def test_plan_options_are_named_as_new_names_them(option: str) -> None:
+    # --activation-checkpointing, --cpu-offload, --gpus as in `new` (--gpu-type: the GPU model); no --family: only
+    # llama is planned, so plan offered an option it always refused.
+    result = invoke("plan", "--size", "8b", option, "x")
+    assert result.exit_code == 2 and result.stderr.startswith(f"fsdp2gen: error: No such option: {option}")
+    help_text = invoke("plan", "--help").stdout
+    for name in ("--activation-checkpointing", "--cpu-offload", "--gpus", "--nodes", "--precision", "--tp"):
+        assert name in help_text
+    assert "none|full|selective" in help_text  # activation_checkpointing's choices, from copier.yml
+    assert set(AC_MODES) == set(questions()["activation_checkpointing"].choice_values)
 
 
 def test_bad_input_under_json_is_a_json_error() -> None:

@@ -33,7 +33,13 @@ SAME_DATA_DIMS = ("cp", "tp")
 
 
 class LayoutError(ValueError):
-    """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix."""
+    """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix.
+    `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "batch", "reshard") for callers that word it
+    their own way (`fsdp2gen plan` names its options)."""
+
+    def __init__(self, message: str, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -125,20 +131,24 @@ class ParallelLayout:
             choose = named[0] + others
             raise LayoutError(
                 f"parallel.{' x '.join(self.configured)} = {' x '.join(given)} does not match the {self.world_size} "
-                f"ranks; choose {choose} {self.world_size} (dp_shard = -1 takes the rest)"
+                f"ranks; choose {choose} {self.world_size} (dp_shard = -1 takes the rest)",
+                "ranks",
             )
 
     def check_tensor_parallel(self, training: Any, model: Any) -> None:
         tp = self.tp
         for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_dim", model.ffn_dim)):
             if value % tp:
-                raise LayoutError(f"model.{name} = {value} must be divisible by parallel.tp = {tp}; change one of them")
+                raise LayoutError(
+                    f"model.{name} = {value} must be divisible by parallel.tp = {tp}; change one of them", "tp_shape"
+                )
         if training.seq_len % tp:
             # Sequence parallelism gives each tp rank an equal share of every sample's tokens.
             fitting = max(tp, training.seq_len // tp * tp)
             raise LayoutError(
                 f"training.seq_len ({training.seq_len}) must be divisible by parallel.tp ({tp}), which splits each "
-                f"sample's tokens; e.g. --training.seq_len {fitting}"
+                f"sample's tokens; e.g. --training.seq_len {fitting}",
+                "tp_seq_len",
             )
 
     def check_batch(self, training: Any) -> None:
@@ -148,7 +158,8 @@ class ParallelLayout:
             raise LayoutError(
                 f"training.global_batch_size ({training.global_batch_size}) must be divisible by data-parallel ranks "
                 f"x grad_accum_steps ({self.data_ranks} x {training.grad_accum_steps}); e.g. "
-                f"--training.global_batch_size {fitting}"
+                f"--training.global_batch_size {fitting}",
+                "batch",
             )
 
     def check_reshard(self) -> None:
@@ -157,5 +168,6 @@ class ParallelLayout:
         if not isinstance(reshard, bool) and reshard < shard and shard % reshard:
             raise LayoutError(
                 f"parallel.reshard_after_forward = {reshard} must divide the {shard} ranks each parameter is sharded "
-                "over; use true, false or a divisor (e.g. the GPUs per node)"
+                "over; use true, false or a divisor (e.g. the GPUs per node)",
+                "reshard",
             )
