@@ -12,7 +12,7 @@ Generates a project (`fsdp2gen new --gpus 2 --fp32`) into a temporary folder and
 
 Memory, per rank, as multiples of the rank's gradient shard (= its fp32 parameter shard), max over ranks:
 - held: bytes of the tensors alive at the start of the last micro-batch (what earlier micro-batches left:
-  the gradients), counted op by op (tests/plan_measure.py's LiveTensorBytes: CPU has no allocator statistics);
+  the gradients), counted op by op (tests/helpers/plan_measure.py's LiveTensorBytes: CPU has no allocator statistics);
 - peak: the peak of those tensors during forward and backward (before optimizer.step);
 - rss: growth of the process's peak RSS (VmHWM, reset before the step) over its RSS before the step, with
   MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB so that freed tensors go back to the OS. RSS includes everything the
@@ -75,7 +75,7 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
     from data import ShuffledEpochs, SyntheticTokens, micro_batches
     from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
-    from tests.plan_measure import local_bytes, measure_train_step
+    from tests.helpers.plan_measure import local_bytes, measure_train_step
 
     config = parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *overrides])
     base = config.training

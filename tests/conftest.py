@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from fsdp2gen.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
+HELPERS = REPO / "tests" / "helpers"  # probes and reference loops, run by path inside generated projects
 
 
 def fsdp2gen(*args: str, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.conftest import HELPERS, REPO, TINY, generate, metrics, torchrun_env
 
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
@@ -387,7 +387,7 @@ def results(inputs: dict) -> dict[str, list]:
     cases_file = tmp / "cases.json"
     cases_file.write_text(json.dumps(argvs))
     driver = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "preflight_driver.py"), str(cases_file)],
+        [sys.executable, str(HELPERS / "preflight_driver.py"), str(cases_file)],
         cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"])},
         capture_output=True, text=True,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Every key of every family's config is checked by one schema: for values drawn (hypothesis) across types, signs,
 NaN/inf, huge and tiny magnitudes, strings and empty ones, preflight refuses with one line and exit code 2, or
 the run trains its first step with a finite loss. The keys are enumerated from each rendered project's dataclasses
-(tests/config_property.py runs inside the project; every accepted draw is trained there, in one process).
+(tests/helpers/config_property.py runs inside the project; every accepted draw is trained there, in one process).
 
 HYPOTHESIS_PROFILE=nightly draws more (about 20 per key and 300 pairs of keys, instead of 2 and 30).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, generate, save_tiny_llama, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, save_tiny_llama, torchrun_env
 
 BASE = ["--job.device", "cpu", "--training.steps", "1"]
 HF_BASE = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
@@ -44,7 +44,7 @@ def test_every_key_is_refused_in_one_line_or_trains(family: str, tmp_path: Path)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "config_property.py"), str(project), str(tmp_path / "base.json"),
+        [sys.executable, str(HELPERS / "config_property.py"), str(project), str(tmp_path / "base.json"),
          str(tmp_path / "report.json")],
         cwd=scratch, env={**torchrun_env(), "PYTHONPATH": str(project), "HF_HUB_OFFLINE": "1"},
         capture_output=True, text=True, timeout=1800,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
-from tests.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable
+from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable
 
 
 def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate, metrics, save_tiny_llama, torchrun
+from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun
 
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "0",
          "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0",
@@ -37,7 +37,7 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, tmp_path: Path) -> None:
     env = {"PROBE_OUT": str(tmp_path / "probe.json")}
-    torchrun(lora["project"], str(REPO / "tests" / "lora_probe.py"), *TRAIN, "--job.output_dir", str(lora["out"]),
+    torchrun(lora["project"], str(HELPERS / "lora_probe.py"), *TRAIN, "--job.output_dir", str(lora["out"]),
              env=env)  # fmt: skip
     report = json.loads((tmp_path / "probe.json").read_text())
     # Every pretrained weight is still the file's, bit for bit.

@@ -6,12 +6,12 @@ redesign (issue 17). fp32 is exact enough across CPUs: forcing this suite's fp32
 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2) on an AMX host moves them by at
 most 1e-6 relative, 200x below the tolerance.
 
-Reduced precision (bf16, fp16, float8) is never compared with numbers recorded on another CPU: bf16 kernels
-differ between CPUs with and without AVX512-BF16/AMX (1.5e-2 relative after 4 steps). Their reference is
-computed here, on this machine, by tests/mixed_precision_reference.py: plain PyTorch in one process doing by hand
-what FSDP2's mixed precision does on 2 ranks (measured: within 3e-7 of the projects). The tolerance still catches
-a precision change: each test measures, in the same run, the reference with the next precision (fp32 instead of
-bf16/fp16, bf16 instead of float8; 4e-3 to 3e-2 apart here) and requires it to be at least 10x the tolerance away.
+Reduced precision (bf16, fp16, float8) is never compared with numbers recorded on another CPU: bf16 kernels differ
+between CPUs with and without AVX512-BF16/AMX (1.5e-2 relative after 4 steps). Their reference is computed here, on
+this machine, by tests/helpers/mixed_precision_reference.py: plain PyTorch in one process doing by hand what FSDP2's
+mixed precision does on 2 ranks (measured: within 3e-7 of the projects). The tolerance still catches a precision
+change: each test measures, in the same run, the reference with the next precision (fp32 instead of bf16/fp16, bf16
+instead of float8; 4e-3 to 3e-2 apart here) and requires it to be at least 10x the tolerance away.
 FSDP2GEN_RECORD_LOSSES=1 rewrites the fp32 records (only ever from a template known to be right).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama, torchrun, torchrun_env
 
 HISTORY = Path(__file__).parent / "data" / "loss_history.json"
 RECORD = os.environ.get("FSDP2GEN_RECORD_LOSSES") == "1"
@@ -80,8 +80,8 @@ def train(project: Path, output_dir: Path, *overrides: str) -> list[list[float]]
 
 
 def reference(project: Path, out: Path, compute: str, *overrides: str) -> list[list[float]]:
-    """tests/mixed_precision_reference.py in `project`: 2 ranks emulated in one plain PyTorch process."""
-    script = str(REPO / "tests" / "mixed_precision_reference.py")
+    """tests/helpers/mixed_precision_reference.py in `project`: 2 ranks emulated in one plain PyTorch process."""
+    script = str(HELPERS / "mixed_precision_reference.py")
     result = subprocess.run([sys.executable, script, str(out), compute, "2", *TINY, *overrides, *STEPS],
                             cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
                             text=True, timeout=600)  # fmt: skip

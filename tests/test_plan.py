@@ -33,7 +33,7 @@ from fsdp2gen.plan import (
 )
 from fsdp2gen.questions import questions
 from fsdp2gen.sizes import field_default
-from tests.conftest import REPO, generate, invoke, torchrun_env
+from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
 LLAMA_MODEL = TEMPLATE / '{% if family == "llama" %}model.py{% endif %}'
@@ -135,9 +135,9 @@ def test_llama_presets_match_published_parameter_counts(size: str, published: in
 
 
 def measure(project: Path, config: Path, ranks: int, out: Path) -> dict:
-    """Run tests/plan_measure.py under torchrun with `ranks` gloo processes; its per-rank measurements."""
+    """Run tests/helpers/plan_measure.py under torchrun with `ranks` gloo processes; its per-rank measurements."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [str(REPO / "tests" / "plan_measure.py"), str(project), str(config), str(out)]
+    command += [str(HELPERS / "plan_measure.py"), str(project), str(config), str(out)]
     result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())

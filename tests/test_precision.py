@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, torchrun, torchrun_env
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64", "--training.seq_len", "32",
@@ -17,7 +17,7 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
 
 
 def probe(project: Path, mode: str, out: Path, *overrides: str) -> list[dict]:
-    torchrun(project, str(REPO / "tests" / "precision_probe.py"), mode, *TINY, *overrides, env={"PROBE_OUT": str(out)})
+    torchrun(project, str(HELPERS / "precision_probe.py"), mode, *TINY, *overrides, env={"PROBE_OUT": str(out)})
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
 
 
 def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_init_check_catches_blocks_left_uninitialised(projects: dict[str, Path],
 
 def test_peak_memory_is_the_largest_ranks(projects: dict[str, Path]) -> None:
     # Rank 1 holds 200 MiB more than rank 0; both must report rank 1's peak (the rank that runs out first).
-    result = torchrun(projects["fp32"], str(REPO / "tests" / "peak_memory_probe.py"))
+    result = torchrun(projects["fp32"], str(HELPERS / "peak_memory_probe.py"))
     found = re.findall(r"rank (\d): own (\S+) reported (\S+) largest (\S+)", result.stdout)
     peaks = {int(rank): [float(value) for value in values] for rank, *values in found}
     assert sorted(peaks) == [0, 1], result.stdout

@@ -1,7 +1,7 @@
 """Training options, proven numerically on CPU ranks with real torchrun processes.
 
 - Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4
-  accumulated micro-batches) equal plain single-process PyTorch (tests/reference_loop.py, no FSDP) step by
+  accumulated micro-batches) equal plain single-process PyTorch (tests/helpers/reference_loop.py, no FSDP) step by
   step and in their final parameters, with clipping active on every step.
 - A project generated with every memory/speed option passes its own tests, which check that each option
   (activation checkpointing full and selective, CPU offload, explicit prefetch, no resharding) leaves the
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import REPO, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
 
 STEPS = 10
 # max_norm far below the gradient norms (~1): every step is clipped, so clipping must be right everywhere.
@@ -28,9 +28,9 @@ TOLERANCE = 1e-5
 
 
 def reference_run(project: Path, out: Path, options: list[str]) -> tuple[list[dict], dict]:
-    """tests/reference_loop.py (plain PyTorch, one process) with the run's options: metrics and final weights."""
+    """tests/helpers/reference_loop.py (plain PyTorch, one process) with the run's options: metrics, final weights."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "reference_loop.py"), str(out), *RUN, *options],
+        [sys.executable, str(HELPERS / "reference_loop.py"), str(out), *RUN, *options],
         cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
         capture_output=True, text=True,
     )  # fmt: skip

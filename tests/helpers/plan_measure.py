@@ -1,6 +1,7 @@
 """Measure what `fsdp2gen plan` estimates, in a real FSDP2 run of a generated project (torchrun, gloo on CPU).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/plan_measure.py PROJECT CONFIG OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node N \
+        tests/helpers/plan_measure.py PROJECT CONFIG OUT.json
 
 Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
 then the root, to_empty, init_weights, AdamW), runs its train_step on one micro-batch, and writes per

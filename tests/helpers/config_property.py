@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from preflight_driver import run_case  # tests/ is on the path: both run as scripts from there
+from preflight_driver import run_case  # tests/helpers/ is on the path: both run as scripts from there
 
 # Draws per key, then draws of two keys together.
 PROFILES = {"ci": (2, 30), "nightly": (20, 300)}
