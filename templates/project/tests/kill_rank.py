@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import train
 from config import parse_args
-from preflight import complete_checkpoints
+from checkpoint_files import complete_checkpoints
 
 
 def main() -> None:
