@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 import train
-from config import parse_args
 from checkpoint_files import complete_checkpoints
+from config import parse_args
 
 
 def main() -> None:
