@@ -193,7 +193,8 @@ def space_needed(project: Path) -> int:
     code = (
         "import sys\n"
         "from config import parse_args\n"
-        "from preflight import checkpoint_bytes, meta_model, space_needed\n"
+        "from checkpoint_files import checkpoint_bytes, space_needed\n"
+        "from preflight import meta_model\n"
         "model = meta_model(parse_args(sys.argv[1:]))\n"
         "print(space_needed(checkpoint_bytes([*model.parameters(), *model.buffers()])))\n"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 TRAIN = REPO / "templates" / "project" / "train.py.jinja"
+GOLDEN_PROJECTS = sorted(path for path in (REPO / "generated_examples").iterdir() if path.is_dir())
 CONTROL = re.compile(r"^\s*\{%")
 CONDITIONAL = re.compile(r"^\s*\{%-?\s*if\b")  # one per if/elif/else chain
 
@@ -67,3 +68,43 @@ def test_no_function_in_the_generator_is_longer_than_50_lines() -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     }
     assert max(lengths.values()) <= 50, sorted(lengths.items(), key=lambda item: -item[1])[:3]
+
+
+def rendered_python(project: Path) -> dict[str, str]:
+    return {str(path.relative_to(project)): path.read_text() for path in sorted(project.rglob("*.py"))}
+
+
+def test_preflight_orchestrates_in_at_most_200_lines_in_every_golden() -> None:
+    # Issue 25: the checks' own work lives in the modules whose files they check (data.py, checkpoint_files.py,
+    # run_folder.py, ...); preflight.py orders them (808 template lines, 441 rendered, before).
+    lengths = {golden.name: len((golden / "preflight.py").read_text().splitlines()) for golden in GOLDEN_PROJECTS}
+    assert lengths and max(lengths.values()) <= 200, lengths
+
+
+def test_export_generate_and_preflight_share_one_checkpoint_reader_in_every_golden() -> None:
+    # Issue 25: checkpoint_tensors was copied into each export.py variant; now one module reads checkpoints.
+    for golden in GOLDEN_PROJECTS:
+        files = rendered_python(golden)
+        for function in ("checkpoint_tensors", "open_checkpoint", "write_safetensors", "complete_checkpoints"):
+            owners = [name for name, text in files.items() if re.search(rf"^def {function}\(", text, re.M)]
+            assert len(owners) <= 1 and (owners or function == "write_safetensors"), (golden.name, function, owners)
+        assert "def checkpoint_tensors(" in files["checkpoint_reader.py"], golden.name
+        for user in ("scripts/export.py", "scripts/generate.py"):
+            assert "from checkpoint_reader import" in files[user], (golden.name, user)
+        # The folder format has one reader too: none of them imports it from preflight.py.
+        assert not [
+            name
+            for name, text in files.items()
+            if "from preflight import" in text and name != "train.py" and not name.startswith("ray_train")
+        ], golden.name
+
+
+def test_no_family_test_in_generate_check_init_and_the_checkpoint_reader() -> None:
+    names = [
+        "scripts/generate.py.jinja",
+        'tests/{% if family != "hf" %}check_init.py{% endif %}.jinja',
+        "checkpoint_reader.py.jinja",
+        'scripts/{% if family != "hf" %}export.py{% endif %}.jinja',
+    ]
+    templates = REPO / "templates" / "project"
+    assert not [name for name in names if "family" in (templates / name).read_text()]
