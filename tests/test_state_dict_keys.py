@@ -63,12 +63,11 @@ dist.destroy_process_group()
 """
 
 # Small models of each family (two blocks: a renumbered index shows); hf: the tiny Llama the tests make.
-OVERRIDES = {
-    "llama": TINY,
-    "custom": ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
-               "--model.max_seq_len", "64", "--training.seq_len", "32"],  # fmt: skip
-    "hf": ["--training.seq_len", "32"],
-}
+CUSTOM_TINY = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
+    "--model.max_seq_len", "64", "--training.seq_len", "32",
+]  # fmt: skip
+OVERRIDES = {"llama": TINY, "custom": CUSTOM_TINY, "hf": ["--training.seq_len", "32"]}
 
 
 def key_lists(project: Path, family: str) -> str:
