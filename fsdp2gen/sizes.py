@@ -1,8 +1,9 @@
-"""The llama family's model shapes `fsdp2gen plan` knows: the template's own, read from its model.py, and the
+"""The llama family's model shapes `fsdp2gen plan` knows: the template's own, read from its model_args.py, and the
 larger published Llama 3 shapes the template does not offer.
 
-model.py's `SIZES` (the `model.size` presets) and `ModelArgs` defaults are read with ast from the file the wheel
-ships (model.py imports torch, which the generator must not), so they are written down in one place only.
+model_args.py's `SIZES` (the `model.size` presets) and `ModelArgs` defaults are read with ast from the file the
+wheel ships (it imports the project's schema.py, which the generator does not have), so they are written down in one
+place only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 
 from fsdp2gen import questions
 
-# The llama family's model.py in the template (a file-name conditional: only family llama renders it).
-LLAMA_MODEL = Path("project") / '{% if family == "llama" %}model.py{% endif %}'
+# The llama family's model_args.py in the template (a file-name conditional: only family llama renders it).
+LLAMA_MODEL = Path("project") / '{% if family == "llama" %}model_args.py{% endif %}'
 LLAMA3_VOCAB = 128256
 
 
@@ -51,7 +52,7 @@ def _template_model() -> ast.Module:
 
 
 def template_sizes() -> dict[str, dict[str, Any]]:
-    """model.py's SIZES: {model.size: {ModelArgs field: value}}, in the template's order."""
+    """model_args.py's SIZES: {model.size: {ModelArgs field: value}}, in the template's order."""
     for node in _template_model().body:
         if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["SIZES"]:
             return ast.literal_eval(node.value)
@@ -59,7 +60,7 @@ def template_sizes() -> dict[str, dict[str, Any]]:
 
 
 def template_model_defaults() -> dict[str, Any]:
-    """model.py's ModelArgs defaults, in field order: what a config.toml's [model] leaves out."""
+    """model_args.py's ModelArgs defaults, in field order: what a config.toml's [model] leaves out."""
     for node in _template_model().body:
         if isinstance(node, ast.ClassDef) and node.name == "ModelArgs":
             return {

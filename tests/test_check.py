@@ -89,7 +89,7 @@ ROOT_SHARD = "    fully_shard(model, **root_options)\n"
 PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     # train_step's call (evaluate's, indented deeper, stays right).
     "FSDP003": (
-        [("\n        logits = output_logits(model(inputs", "\n        logits = output_logits(model.forward(inputs")],
+        [("\n        output = model(inputs", "\n        output = model.forward(inputs")],
         "model.forward(inputs",
     ),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),
@@ -147,7 +147,7 @@ def build_optimizer(model):
     return torch.optim.AdamW(model.parameters())
 
 def shard_model(model):
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block)
     fully_shard(model)
 

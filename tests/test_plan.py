@@ -37,6 +37,7 @@ from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
 LLAMA_MODEL = TEMPLATE / '{% if family == "llama" %}model.py{% endif %}'
+LLAMA_ARGS = TEMPLATE / '{% if family == "llama" %}model_args.py{% endif %}'
 # A tiny model, quick on 2 CPU cores. vocab_size 130 is not divisible by 4: FSDP2 pads the 4-rank shards.
 TINY_CONFIG = """
 [model]
@@ -66,14 +67,14 @@ def dataclass_defaults(path: Path, class_name: str) -> dict[str, object]:
 
 
 def test_template_defaults_are_the_ones_plan_assumes() -> None:
-    assert dataclass_defaults(LLAMA_MODEL, "ModelArgs") == TEMPLATE_MODEL
+    assert dataclass_defaults(LLAMA_ARGS, "ModelArgs") == TEMPLATE_MODEL
     # config.py is a jinja template; its TrainingConfig is the same in every rendering (a golden's, here).
     training = dataclass_defaults(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.py", "TrainingConfig")
     assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
     # training.grad_sync: its choices and default, from the template itself (the goldens may lag behind it).
     modes = ", ".join(f'"{mode}"' for mode in GRAD_SYNC_MODES)
     assert f'grad_sync: Literal[{modes}] = "{TEMPLATE_GRAD_SYNC}"\n' in (TEMPLATE / "config.py.jinja").read_text()
-    sizes = next(n for n in ast.parse(LLAMA_MODEL.read_text()).body if isinstance(n, ast.Assign)
+    sizes = next(n for n in ast.parse(LLAMA_ARGS.read_text()).body if isinstance(n, ast.Assign)
                  and n.targets[0].id == "SIZES")  # fmt: skip
     assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
 
@@ -96,7 +97,8 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     torch = pytest.importorskip("torch")
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
     # It imports sharded_init and schema, its siblings in the template, which are loaded the same way for the while.
-    siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py"}
+    siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
+                "data": "data.py", "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
     for name, file in siblings.items():
         sys.modules[name] = load_template_module(name, TEMPLATE / file)
     try:

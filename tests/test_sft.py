@@ -120,9 +120,11 @@ def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=chat["project"], capture_output=True, text=True)
     assert json.loads(result.stdout) == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], result.stderr
-    # ...and train.py's train_step computes the loss exactly that way.
+    # ...and train.py's train_step computes the loss exactly that way (model.py's loss, summed).
     source = (chat["project"] / "train.py").read_text()
-    assert 'ignore_index=IGNORE, reduction="sum"' in source
+    assert 'model_loss(output, targets, reduction="sum")' in source
+    model = (chat["project"] / "model.py").read_text()
+    assert "F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)" in model
 
 
 def test_sft_trains_and_the_validation_loss_falls(chat: dict, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from checkpoint_files import newest_checkpoint, newest_intact_checkpoint, read_checkpoint_info
-from model import RESUME_MAY_CHANGE
+from model_args import RESUME_MAY_CHANGE
 from ownership import LOCK_FILE, describe_holder, launch_id, lock_holder, run_folder_above, take_run_lock
 
 if TYPE_CHECKING:

@@ -34,7 +34,8 @@ loss_scale = 2.0**16 if compute == "fp16" else 1.0  # ShardedGradScaler's init_s
 torch.manual_seed(training.seed)
 model = Transformer(config.model)
 model.init_weights(seed=training.seed)
-blocks = [module for module in model.modules() if type(module).__name__ in block_classes(model, config.parallel)]
+classes = block_classes(model, config.parallel.shard_modules)
+blocks = [module for module in model.modules() if type(module).__name__ in classes]
 for block in blocks:
     # FSDP2 casts the floating-point inputs of every module it shards (the rotary tables too) to the compute dtype.
     block.register_forward_pre_hook(

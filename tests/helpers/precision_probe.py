@@ -34,9 +34,9 @@ if sys.argv[1] == "bf16":
         # Inside forward FSDP2 has all-gathered the block: these are the compute parameters.
         seen["dtype"] = str(module.wq.weight.dtype)
 
-    model.layers[0].attention.register_forward_pre_hook(record_dtype)
+    model.layers["0"].attention.register_forward_pre_hook(record_dtype)
     logits = model(batches[0][0])
-    report.update(inside_forward=seen["dtype"], master=str(model.layers[0].attention.wq.weight.dtype),
+    report.update(inside_forward=seen["dtype"], master=str(model.layers["0"].attention.wq.weight.dtype),
                   logits=str(logits.dtype))  # fmt: skip
 else:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -44,7 +44,7 @@ else:
     class InfOnRankOne(ShardedGradScaler):
         def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
             if rank == 1:  # one element of one local shard: only rank 1 can see the overflow
-                model.layers[0].feed_forward.w1.weight.grad.to_local().view(-1)[0] = math.inf
+                model.layers["0"].feed_forward.w1.weight.grad.to_local().view(-1)[0] = math.inf
             super().unscale_(optimizer)
 
     scaler = InfOnRankOne(device.type)
