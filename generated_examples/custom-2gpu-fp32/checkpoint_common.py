@@ -1,4 +1,5 @@
-"""What every checkpoint style shares: the step-N/ folders and their checkpoint.json, and the RNG states.
+"""What every checkpoint style shares at train time: the state a resume needs, the RNG states, publishing and
+resuming step-N/ folders (their format, checkpoint.json and checks: checkpoint_files.py).
 
 checkpoint.py saves and loads the tensors in this project's style; the folders around them work the same in
 every style. A save writes step-N.tmp/ and publish() renames it to step-N/ once it is complete, so a crash
@@ -33,18 +34,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from config import Config
-from errors import stop, stop_if_rank0_failed
-from preflight import (
+from checkpoint_files import (
     checkpoint_bytes,
     complete_checkpoints,
     corrupt_file,
     load_checkpoint_info,
     newest_checkpoint,
     no_intact_checkpoint,
-    reason,
     short_of_space,
 )
+from config import Config
+from errors import reason, stop, stop_if_rank0_failed
 
 
 @dataclass(eq=False)

@@ -1,4 +1,7 @@
-"""How a run stops on a mistake in its input: one line from rank 0, the same exit code on every rank."""
+"""How a run stops on a mistake in its input: one line from rank 0, the same exit code on every rank.
+
+Imports no torch at import time (torch.distributed only when a rank stops): the torch-free modules use reason().
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import os
 import sys
 from pathlib import Path
 from typing import NoReturn
-
-import torch.distributed as dist
 
 # The exit code of every mistake in the input, here and in preflight.py: the launch scripts stop on it without
 # retrying.
@@ -23,6 +24,8 @@ def stop(message: str) -> NoReturn:
 
     The exit code is USAGE_ERROR, as for the mistakes preflight.py finds: the cause is in the input.
     """
+    import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     if rank == 0:
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
@@ -38,7 +41,15 @@ def stop(message: str) -> NoReturn:
 def stop_if_rank0_failed(error: str | None) -> None:
     """Share rank 0's error (or None) with every rank, so that all stop together instead of the others
     waiting for rank 0 in their next collective."""
+    import torch.distributed as dist
+
     shared = [error]
     dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
         stop(shared[0])
+
+
+def reason(exc: BaseException) -> str:
+    """An exception as a short reason: its type and the first line of its message."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}"

@@ -1,6 +1,6 @@
 """Your model. train.py shards, trains and checkpoints whatever this file defines, as long as:
 
-- `Model(args)` builds it from `ModelArgs` (the [model] section of config.toml) without reading its
+- `Model(args)` builds it from `ModelArgs` (model_args.py: the [model] section of config.toml) without reading its
   parameters: train.py builds it under `torch.device("meta")`, where nothing is allocated;
 - `model(tokens)` maps token ids (batch, seq) to logits (batch, seq, vocab_size);
 - `init_weights(seed)` fills every parameter and buffer: train.py calls it after `to_empty`, on the
@@ -8,57 +8,33 @@
 - the class names of its repeated blocks are listed in config.toml's `parallel.shard_modules`: each such
   module becomes one FSDP unit, the rest of the model (embeddings, final norm, output) the root's.
 
-train.py reaches the model only through the four functions at the end of this file (every model family's
-model.py has them); they need no change unless the constructor, init_weights or the output above do.
+train.py reaches the model only through the functions at the end of this file (every model family's model.py
+has them: AGENTS.md lists the interface); they need no change unless the constructor, init_weights or the output
+above do.
 
 The default is a small GPT-style decoder so that everything runs as generated. Edit the part between the
-two `Your model` lines; keep ModelArgs.flops_per_token roughly right if you want MFU to mean something.
+two `Your model` lines; keep ModelArgs.flops_per_token (model_args.py) roughly right if you want MFU to mean something.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from schema import MAX_COUNT, Rule, setting
+from data import IGNORE
+from model_args import MODEL_RULES, RESUME_MAY_CHANGE, ModelArgs
 from sharded_init import fill_by_blocks
 
-if TYPE_CHECKING:
-    from config import Config, ParallelConfig
+if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
+    from config import Config
 
-# Model settings a resume may change (preflight.py compares the others with the checkpoint): the
-# initialisation scale, which a loaded checkpoint does not depend on.
-RESUME_MAY_CHANGE = ("init_std",)
-
-
-@dataclass
-class ModelArgs:
-    # Each key's bounds are declared here, once (schema.py); config.py checks them, and MODEL_RULES below.
-    vocab_size: int = setting(512, low=1, high=MAX_COUNT)
-    dim: int = setting(256, low=1, high=MAX_COUNT)
-    n_layers: int = setting(4, low=1, high=4096)  # 4096: building more blocks takes minutes
-    n_heads: int = setting(8, low=1, high=MAX_COUNT)
-    max_seq_len: int = setting(512, low=1, high=MAX_COUNT)
-    init_std: float = setting(0.02, positive=True, high=1)  # above 1 the first logits overflow fp16/bf16
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
-        matmul_params = self.n_layers * 12 * self.dim * self.dim + self.dim * self.vocab_size
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
-
-
-# The rules between the keys above (config.py checks them after each key's own bounds, in this order).
-MODEL_RULES = [
-    Rule(
-        lambda c: c.model.dim % c.model.n_heads == 0,
-        "model.dim ({c.model.dim}) must be divisible by model.n_heads ({c.model.n_heads}); change one of them",
-    ),
-]
+# The names train.py, preflight.py and the scripts import from every family's model.py (AGENTS.md lists them).
+__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "Model", "ModelArgs", "block_classes", "build_model", "initialize",
+           "loss", "output_logits"]  # fmt: skip
 
 
 # ---- Your model: edit from here ------------------------------------------------------------------------
@@ -91,7 +67,10 @@ class Model(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        # Keyed by the layer index: a pipeline stage that deletes other stages' blocks keeps each block's
+        # parameter names (layers.7.*), where a ModuleList would renumber them.
+        blocks = [Block(args) for _ in range(args.n_layers)]
+        self.layers = nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
         self.norm = nn.LayerNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Tied: the output layer reuses the token embedding matrix. Both stay in the root's FSDP group.
@@ -100,7 +79,7 @@ class Model(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h)
         return self.output(self.norm(h))
 
@@ -128,7 +107,7 @@ class Model(nn.Module):
 
 # ---- Your model: end -----------------------------------------------------------------------------------
 
-# ---- What train.py calls: every family's model.py provides these four -------------------------------------
+# ---- What train.py calls: every family's model.py provides these names (AGENTS.md: the model interface) ------
 
 
 def build_model(config: Config) -> Model:
@@ -136,9 +115,9 @@ def build_model(config: Config) -> Model:
     return Model(config.model)
 
 
-def block_classes(model: Model, parallel: ParallelConfig) -> list[str]:
+def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
     """The classes of the repeated blocks (parallel.shard_modules): each such module is fully_shard-ed on its own."""
-    return parallel.shard_modules
+    return shard_modules
 
 
 def initialize(model: Model, config: Config, device: torch.device) -> None:
@@ -149,3 +128,11 @@ def initialize(model: Model, config: Config, device: torch.device) -> None:
 def output_logits(output: torch.Tensor) -> torch.Tensor:
     """The logits (batch, seq, vocab_size) of model(tokens): its output itself."""
     return output
+
+
+def loss(output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The cross-entropy of model(tokens) against `targets` (batch, seq), in fp32 whatever the compute dtype;
+    targets equal to IGNORE are not counted. Change it if your model's loss is not plain cross-entropy (e.g. add an
+    auxiliary loss that forward returns beside the logits)."""
+    logits = output_logits(output).flatten(0, 1).float()
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -30,9 +29,9 @@ from checkpoint_common import (
     save_failed,
     set_rng_state,
 )
+from checkpoint_files import file_record, unreadable
 from config import Config
 from errors import stop, stop_if_rank0_failed
-from preflight import file_record, unreadable
 
 
 class DcpState(Stateful):
@@ -119,7 +118,7 @@ class Checkpointer:
     # What checkpoint_save prints: the loop waited for the whole save.
     SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
 
-    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
         self.checkpoint_dir, self.config = checkpoint_dir, config
 
     def save(self, state: TrainState) -> None:

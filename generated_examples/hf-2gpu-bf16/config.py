@@ -2,7 +2,7 @@
 
 Every section is a dataclass, so a key that does not exist, or a value of the
 wrong type, is an error before any process group or model is created. Each key
-declares its bounds at its field (schema.py), and RULES below (with model.py's
+declares its bounds at its field (schema.py), and RULES below (with model_args.py's
 MODEL_RULES) tie keys together: load_config checks them all, for every key.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from model import MODEL_RULES, ModelArgs
+# model_args.py, not model.py: reading a config imports no torch.
+from model_args import MODEL_RULES, ModelArgs
 from schema import MAX_COUNT, Rule, SchemaError, setting, total_memory, validate
 
 
@@ -110,7 +111,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-# The rules between keys of the config, after each key's own bounds (model.py's MODEL_RULES come first). Each
+# The rules between keys of the config, after each key's own bounds (model_args.py's MODEL_RULES come first). Each
 # message is formatted with the config as `c` and this machine's memory as `ram`.
 RULES = [
     *MODEL_RULES,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -35,9 +34,9 @@ from checkpoint_common import (
     save_failed,
     set_rng_state,
 )
+from checkpoint_files import file_record, unreadable
 from config import Config
 from errors import stop, stop_if_rank0_failed
-from preflight import file_record, unreadable
 
 # LoRA checkpoints: the trainable adapters (and their optimizer state), not the frozen pretrained weights, which
 # come from the pretrained files on every start. strict=False lets a load leave those frozen weights alone (DCP
@@ -134,7 +133,7 @@ class Checkpointer:
     # What checkpoint_save prints: the loop waited for the whole save.
     SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
 
-    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
         self.checkpoint_dir, self.config = checkpoint_dir, config
 
     def save(self, state: TrainState) -> None:

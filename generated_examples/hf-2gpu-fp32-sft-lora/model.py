@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from huggingface_hub import snapshot_download
+import torch.nn.functional as F
 from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
@@ -35,70 +33,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from data import IGNORE
 from errors import stop
-from schema import Rule, setting
+from model_args import HUB_FILES, MODEL_RULES, RESUME_MAY_CHANGE, ModelArgs
 
-if TYPE_CHECKING:
-    from config import Config, ParallelConfig
+if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
+    from config import Config
 
-# The files of a hub model that training, scripts/export.py and scripts/prepare_data.py read.
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
-
-# Model settings a resume may change (preflight.py compares the others with the checkpoint): how the
-# weights were first filled no longer matters once they are trained.
-RESUME_MAY_CHANGE = ("pretrained",)
-
-# The rules between the model's keys: none beyond path's bounds (transformers checks the shapes in config.json).
-MODEL_RULES: list[Rule] = []
-
-
-@dataclass
-class ModelArgs:
-    # A local folder with config.json and *.safetensors, or a hub id. Bounds: schema.py; the model's own shapes
-    # are checked by transformers when preflight.py loads its config.
-    path: str = setting("", nonempty="set it to a model folder (config.json + *.safetensors) or a hub id")
-    pretrained: bool = True  # false: the model's own random initialisation instead of the weights
-
-    @cached_property
-    def folder(self) -> Path:
-        """The model's local folder: `path` itself, or the hub's download of it (HF_HUB_OFFLINE=1: cache only)."""
-        local = Path(self.path).expanduser()
-        if local.is_dir():
-            return local
-        return Path(snapshot_download(self.path, allow_patterns=HUB_FILES))
-
-    @cached_property
-    def hf_config(self) -> PretrainedConfig:
-        return AutoConfig.from_pretrained(self.folder)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        # Models without a position limit (none in config.json) accept any length.
-        return getattr(self.hf_config, "max_position_embeddings", None) or 2**31
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config)
-        # Every 2-D weight outside the embeddings multiplies activations (the output layer too, even when
-        # it is tied to the input embedding).
-        matmul_params = sum(
-            param.numel()
-            for module in model.modules()
-            if not isinstance(module, nn.Embedding)
-            for param in module.parameters(recurse=False)
-            if param.ndim == 2
-        )
-        config = self.hf_config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 6 * matmul_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+# The names train.py, preflight.py and the scripts import from every family's model.py (AGENTS.md lists them);
+# HUB_FILES: the files of a hub model, which scripts/export.py copies.
+__all__ = ["HUB_FILES", "MODEL_RULES", "RESUME_MAY_CHANGE", "Model", "ModelArgs", "block_classes", "build_model",
+           "initialize", "loss", "output_logits"]  # fmt: skip
 
 
 class PretrainedLoadError(Exception):
@@ -328,7 +276,10 @@ def share_from_rank0(value: Any, error: str | None) -> Any:
     return shared[0]
 
 
-# ---- What train.py calls: every family's model.py provides these four -------------------------------------
+# ---- What train.py calls: every family's model.py provides these names (AGENTS.md: the model interface) ------
+
+# The model's class, under the name every family gives it: whichever transformers class config.json names.
+Model = PreTrainedModel
 
 
 def build_model(config: Config) -> PreTrainedModel:
@@ -345,10 +296,10 @@ def build_model(config: Config) -> PreTrainedModel:
     return model
 
 
-def block_classes(model: PreTrainedModel, parallel: ParallelConfig) -> list[str]:
+def block_classes(model: PreTrainedModel, shard_modules: list[str]) -> list[str]:
     """The decoder layers, each fully_shard-ed on its own: the classes the model lists in _no_split_modules,
     unless parallel.shard_modules names others."""
-    return parallel.shard_modules or sorted(model._no_split_modules)
+    return shard_modules or sorted(model._no_split_modules)
 
 
 def initialize(model: PreTrainedModel, config: Config, device: torch.device) -> None:
@@ -367,3 +318,10 @@ def initialize(model: PreTrainedModel, config: Config, device: torch.device) -> 
 def output_logits(output: CausalLMOutputWithPast) -> torch.Tensor:
     """The logits (batch, seq, vocab_size) of model(tokens)."""
     return output.logits
+
+
+def loss(output: CausalLMOutputWithPast, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The cross-entropy of model(tokens)'s logits against `targets` (batch, seq), in fp32 whatever the compute
+    dtype; targets equal to IGNORE are not counted. (train.py shifts the targets itself: the model gets no labels.)"""
+    logits = output_logits(output).flatten(0, 1).float()
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)

@@ -6,7 +6,7 @@
   the line that refuses a second run.
 - The launch id: the launch scripts give every rank of one launch the same TRAIN_LAUNCH_ID (a new uuid per
   launch; the SLURM job id, which a requeue keeps). run.json records it, and a restart continues the run in
-  job.output_dir only if it was started by its own launch (preflight.resuming).
+  job.output_dir only if it was started by its own launch (run_folder.resuming).
 - Ranks die with their launcher: a rank exits when torchrun (its parent) or the launch script is gone, so a
   killed launcher leaves nothing training.
 

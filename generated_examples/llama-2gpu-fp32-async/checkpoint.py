@@ -32,9 +32,9 @@ from checkpoint_common import (
     save_failed,
     set_rng_state,
 )
+from checkpoint_files import file_record, unreadable
 from config import Config
 from errors import stop, stop_if_rank0_failed
-from preflight import file_record, unreadable
 
 
 class DcpState(Stateful):
@@ -125,12 +125,13 @@ class Checkpointer:
     # What checkpoint_save prints: the loop waited only for the save to start (the copy into CPU memory).
     SAVE_LINE = "checkpoint step-{step} started: training paused {seconds:.2f} s"
 
-    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
         self.checkpoint_dir, self.config = checkpoint_dir, config
         # Background saves run their collectives on this gloo group, never on the training group.
         self.group = dist.new_group(backend="gloo")
-        # One stager for the whole run: every save copies into the same CPU buffers (see staging_options).
-        self.stager = DefaultStager(staging_options(device))
+        # One stager for the whole run, made by the first save (which knows the state's device): every save copies
+        # into the same CPU buffers (see staging_options).
+        self.stager: DefaultStager | None = None
         self.in_flight: BackgroundSave | None = None
 
     def save(self, state: TrainState) -> None:
@@ -154,6 +155,8 @@ class Checkpointer:
         info = checkpoint_info(state, config, model_only)
         # A gloo group of its own: the writer thread runs the save's collectives while the training loop runs
         # its own on the default group, and the two must never interleave on one group.
+        if self.stager is None:
+            self.stager = DefaultStager(staging_options(state.device))
         writer = ChecksummedWriter(staging)
         future = dcp.async_save(app_state, storage_writer=writer, process_group=self.group, async_stager=self.stager)
         self.in_flight = BackgroundSave(future, writer, info, config.checkpoint.keep_last, self.stager)
@@ -191,7 +194,8 @@ class Checkpointer:
             # Exiting now would leave the last checkpoint half written (an empty folder): wait on every rank.
             self.in_flight.finish()
         # Frees the staging buffers (and unpins them) now, not when the process ends.
-        self.stager.close()
+        if self.stager is not None:
+            self.stager.close()
 
 
 def staging_options(device: torch.device, cpu_offload: bool = False) -> StagingOptions:

@@ -2,7 +2,7 @@
 
 Every section is a dataclass, so a key that does not exist, or a value of the
 wrong type, is an error before any process group or model is created. Each key
-declares its bounds at its field (schema.py), and RULES below (with model.py's
+declares its bounds at its field (schema.py), and RULES below (with model_args.py's
 MODEL_RULES) tie keys together: load_config checks them all, for every key.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from model import MODEL_RULES, ModelArgs
+# model_args.py, not model.py: reading a config imports no torch.
+from model_args import MODEL_RULES, ModelArgs
 from schema import MAX_COUNT, Rule, SchemaError, setting, total_memory, validate
 
 
@@ -90,6 +91,11 @@ class ParallelConfig:
     # Every Nth block recomputes its activations in backward instead of keeping them; 0 = none.
     activation_checkpoint_every: int = setting(1, low=1, high=MAX_COUNT, zero="off")
     compile: bool = True
+    # Classes of model.py to fully_shard one module at a time (its repeated blocks).
+    shard_modules: list[str] = setting(
+        ["TransformerBlock"],
+        nonempty="name model.py's repeated block classes, e.g. TransformerBlock",
+    )
 
 
 @dataclass
@@ -112,7 +118,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-# The rules between keys of the config, after each key's own bounds (model.py's MODEL_RULES come first). Each
+# The rules between keys of the config, after each key's own bounds (model_args.py's MODEL_RULES come first). Each
 # message is formatted with the config as `c` and this machine's memory as `ram`.
 RULES = [
     *MODEL_RULES,
@@ -155,6 +161,12 @@ def _convert(value: object, expected: typing.Any, key: str) -> object:
         if value not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
+    if expected == list[str]:
+        # On the command line a comma-separated list: --parallel.shard_modules Block,Embedding
+        items = [item for item in value.split(",") if item] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        return items
     if isinstance(value, str) and expected is not str:
         if expected is bool:
             if value.lower() not in ("true", "false"):

@@ -30,9 +30,9 @@ from checkpoint_common import (
     save_failed,
     set_rng_state,
 )
+from checkpoint_files import file_record, unreadable
 from config import Config
 from errors import stop_if_rank0_failed
-from preflight import file_record, unreadable
 
 
 class Checkpointer:
@@ -41,7 +41,7 @@ class Checkpointer:
     # What checkpoint_save prints: the loop waited for the whole save.
     SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
 
-    def __init__(self, checkpoint_dir: Path, config: Config, device: torch.device) -> None:
+    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
         self.checkpoint_dir, self.config = checkpoint_dir, config
 
     def save(self, state: TrainState) -> None:

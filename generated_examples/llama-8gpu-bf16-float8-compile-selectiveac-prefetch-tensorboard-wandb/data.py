@@ -145,3 +145,143 @@ def micro_batches(
         tokens = torch.from_numpy(rows)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     return batches
+
+
+# ---- The checks preflight.py runs on data.path before a run (each mistake: one line naming it and the fix) ----
+
+SCAN_TOKENS = 1 << 24  # token ids checked per read of data.path: 32-64 MiB at a time, whatever the file size
+
+
+class DataError(Exception):
+    """data.path cannot feed the run: the message is one line that names why and the fix."""
+
+
+def check_token_data(path: Path, seq_len: int, vocab_size: int, val_samples: int, chat: bool) -> None:
+    """data.path (a prepared folder or a flat token file) holds enough valid samples for the run, and
+    `val_samples` validation samples (0: no validation)."""
+    if path.is_dir():
+        check_prepared_folder(path, seq_len, vocab_size, chat)
+        found = len(TokenShards(path, "val", seq_len)) if val_samples else 0
+        if found < val_samples:
+            raise DataError(
+                f"data.path {path} has {found} validation samples of training.seq_len + 1 tokens, fewer than "
+                f"eval.batches x training.global_batch_size = {val_samples}; lower --eval.batches, prepare with a "
+                "larger --val-fraction, or set --eval.every 0"
+            )
+        return
+    check_token_file(path, seq_len, vocab_size)
+    if val_samples:
+        raise DataError(
+            f"data.path {path} is a flat token file, which has no validation split; prepare a folder with "
+            "scripts/prepare_data.py, or set --eval.every 0"
+        )
+
+
+def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool) -> None:
+    """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole. `chat`: the
+    project trains on chat data (--task sft), whose shards have a loss mask each; others refuse masked data."""
+    fix = f"prepare it again with scripts/prepare_data.py --output {path}-new and point --data.path there"
+    if not (path / INDEX_FILE).is_file():
+        raise DataError(
+            f"data.path {path} is a folder without {INDEX_FILE}; give a folder written by scripts/prepare_data.py "
+            "(or a flat token file)"
+        )
+    try:
+        index = read_index(path)
+        splits = {split: [(shard["file"], int(shard["tokens"]), int(shard["max_id"])) for shard in index[split]]
+                  for split in ("train", "val")}  # fmt: skip
+        dtype, vocabulary, complete = np.dtype(index["dtype"]), int(index["vocab_size"]), index["complete"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"data.path {path}/{INDEX_FILE} cannot be read ({type(exc).__name__}: {exc}); {fix}") from None
+    if not complete:
+        raise DataError(
+            f"data.path {path} is not finished: scripts/prepare_data.py stopped before the end; run it again with "
+            "the same arguments to finish it"
+        )
+    if index.get("masks") and not chat:
+        raise DataError(
+            f"data.path {path} holds chat data with a loss mask (scripts/prepare_chat.py), which a --task sft "
+            "project trains on; prepare plain text with scripts/prepare_data.py"
+        )
+    if vocabulary > vocab_size:
+        raise DataError(
+            f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "
+            f"but model.vocab_size is {vocab_size}; prepare the data with the model's tokenizer"
+        )
+    for shard in index["train"] + index["val"] if chat else []:
+        mask = path / shard.get("mask_file", "")
+        if "mask_file" in shard and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
+            raise DataError(f"data.path {path}: {mask.name} is missing or not one byte per token; {fix}")
+    for file, tokens, largest in splits["train"] + splits["val"]:
+        shard = path / file
+        if not shard.is_file():
+            raise DataError(f"data.path {path}: shard {file} is missing; {fix}")
+        size = shard.stat().st_size
+        if size != tokens * dtype.itemsize:
+            raise DataError(
+                f"data.path {path}: shard {file} has {size} bytes, but index.json says {tokens} {dtype.name} token "
+                f"ids ({tokens * dtype.itemsize} bytes); it is truncated or was replaced; {fix}"
+            )
+        if largest >= vocab_size:
+            raise DataError(
+                f"data.path {path}: shard {file} holds token id {largest} >= model.vocab_size {vocab_size}; "
+                "prepare the data with the model's tokenizer"
+            )
+        # index.json's max_id is what the shard held when written: a shard changed since (a bad copy, flipped
+        # bits) may hold more. Its ids are read, as in check_token_file (~1 s per GiB of shards, once per launch).
+        actual, position = largest_id(np.memmap(shard, dtype=dtype, mode="r") if size else np.empty(0, dtype), largest)
+        if actual > largest:
+            raise DataError(
+                f"data.path {path}: shard {file} holds token id {actual} (at token {position}), above the largest "
+                f"id {largest} that index.json records for it: it was changed after it was written; {fix}"
+            )
+    if len(TokenShards(path, "train", seq_len)) == 0:
+        raise DataError(
+            f"data.path {path} holds no training sample of training.seq_len + 1 = {seq_len + 1} tokens; give it "
+            "more text or a shorter --training.seq_len"
+        )
+
+
+def check_token_file(path: Path, seq_len: int, vocab_size: int) -> None:
+    """data.path: a flat file of token ids that all fit the model's vocabulary, long enough for one sample."""
+    dtype = np.dtype(token_dtype(vocab_size))
+    fix = (
+        "point --data.path at a folder written by scripts/prepare_data.py or a flat file of token ids, or set "
+        "--data.path '' for synthetic tokens"
+    )
+    if not path.exists():
+        raise DataError(f"data.path {path} does not exist; {fix}")
+    if not path.is_file():
+        raise DataError(f"data.path {path} is not a file; {fix}")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise DataError(
+            f"data.path {path} has {size} bytes, not a whole number of {dtype.name} token ids ({dtype.itemsize} "
+            f"bytes each for model.vocab_size {vocab_size}); it was written for another vocabulary or is truncated"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"data.path {path} holds {len(tokens)} tokens, fewer than training.seq_len + 1 = {seq_len + 1}; "
+            "give it more data or a shorter --training.seq_len"
+        )
+    # Every id, not a sample: an id >= vocab_size fails inside the embedding (on a GPU, a device-side assert
+    # that names nothing).
+    largest, position = largest_id(tokens, vocab_size - 1)
+    if largest >= vocab_size:
+        raise DataError(
+            f"data.path {path} holds token id {largest} >= model.vocab_size {vocab_size} (first at token "
+            f"{position}); tokenize it with the model's tokenizer"
+        )
+
+
+def largest_id(tokens: np.ndarray, limit: int) -> tuple[int, int]:
+    """The largest id of `tokens` (a memmap) and where the first id above `limit` is (-1: none), stopping at the
+    chunk that holds one. Reading in chunks keeps memory flat for files of any size (~1 s per GiB)."""
+    largest = 0
+    for start in range(0, len(tokens), SCAN_TOKENS):
+        chunk = tokens[start : start + SCAN_TOKENS]
+        largest = max(largest, int(chunk.max()))
+        if largest > limit:
+            return largest, start + int(np.argmax(chunk > limit))
+    return largest, -1

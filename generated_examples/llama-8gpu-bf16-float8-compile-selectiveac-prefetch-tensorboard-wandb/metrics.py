@@ -3,8 +3,10 @@ validation line, and the same numbers to TensorBoard and W&B. Rank 0 writes ever
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import netrc
 import os
 import resource
 import time
@@ -12,6 +14,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -171,3 +174,46 @@ def wandb_mode(settings: WandbConfig) -> str:
     """wandb.mode, or when it is "" (the default) the WANDB_MODE environment variable, else "online".
     (preflight.py refuses a WANDB_MODE outside WANDB_MODES.)"""
     return settings.mode or WANDB_MODES.get(os.environ.get("WANDB_MODE", "") or "online", "online")
+
+
+class LoggerError(Exception):
+    """A logger the config asks for cannot log: the message is one line that names why and the fix."""
+
+
+def check_loggers(config: Config) -> None:
+    """The loggers the config turns on can start: found by preflight.py, not by rank 0 after the model is built."""
+    if config.job.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise LoggerError(
+            "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
+            "or run with --job.tensorboard false"
+        )
+    if config.job.wandb and importlib.util.find_spec("wandb") is None:
+        raise LoggerError(
+            "job.wandb = true needs the wandb package: pip install -e '.[wandb]', or run with --job.wandb false"
+        )
+    if config.job.wandb and not config.wandb.mode and os.environ.get("WANDB_MODE", "") not in ("", *WANDB_MODES):
+        raise LoggerError(
+            f"WANDB_MODE={os.environ['WANDB_MODE']} is not a W&B mode; set it to one of {', '.join(WANDB_MODES)}, "
+            "or pass --wandb.mode offline"
+        )
+    if config.job.wandb and wandb_mode(config.wandb) == "online" and not wandb_credentials():
+        # Found here, not by wandb.init on rank 0 after the model is built (a traceback on every rank).
+        raise LoggerError(
+            "W&B logs online (job.wandb = true, wandb.mode / WANDB_MODE) but this machine has no W&B credentials "
+            f"(no WANDB_API_KEY, no {wandb_host()} entry in ~/.netrc); run `wandb login`, set WANDB_API_KEY, or "
+            "run with --wandb.mode offline"
+        )
+
+
+def wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb can log in without asking: WANDB_API_KEY, or the netrc entry `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(wandb_host()) is not None
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one netrc cannot read
+        return False

@@ -47,3 +47,22 @@ class Profiler:
         first = self.profile.start
         self.running.export_chrome_trace(str(self.folder / f"steps-{first}-{self.last_step}-rank-{self.rank}.json"))
         self.running = None
+
+
+class ProfileError(Exception):
+    """[profile] asks for what this run cannot do: the message is one line that names why and the fix."""
+
+
+def check_profile(profile: ProfileConfig, steps: int, device: str) -> None:
+    """[profile] fits the run (`steps` long, on job.device `device`): found by preflight.py, before any rank starts."""
+    if profile.memory_snapshot_step and (device == "cpu" or not torch.cuda.is_available()):
+        raise ProfileError(
+            "profile.memory_snapshot_step records CUDA allocations, but this run has no CUDA device; set "
+            "--profile.memory_snapshot_step 0"
+        )
+    for key in ("start", "memory_snapshot_step"):
+        if getattr(profile, key) > steps:
+            raise ProfileError(
+                f"profile.{key} {getattr(profile, key)} is after the last step (training.steps {steps}); choose a "
+                "step of this run, or 0 for off"
+            )

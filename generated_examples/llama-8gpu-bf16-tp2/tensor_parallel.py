@@ -46,7 +46,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
         # Both layers split the (vocab, dim) matrix by vocabulary rows, so one parameter still serves both; but
         # parallelize_module gave each module a new parameter of its own: tie them again.
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(
             block,
             tp_mesh,

@@ -5,8 +5,9 @@ Launch one process per GPU with torchrun (`scripts/launch_local.sh` does this):
     torchrun --nproc-per-node 8 train.py --config config.toml --training.steps 100
 
 `python train.py` alone runs a single process, which is handy for debugging.
-The six blocks below run in this order in `train()`; their order is what makes
-FSDP2 correct, so keep it when you edit them.
+The six blocks below run in this order: `init_distributed` in `run_on_every_rank()`,
+the other five in `train()`; their order is what makes FSDP2 correct, so keep it
+when you edit them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -34,8 +34,10 @@ from checkpoint_common import seed_everything
 from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
 from errors import stop
+from layout import ParallelLayout
 from metrics import MetricsLog, peak_memory_mib
-from model import block_classes, build_model, initialize, output_logits
+from model import block_classes, build_model, initialize
+from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
 from profiling import Profiler
@@ -82,27 +84,8 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
     else:
         # Started without torchrun: a group of one, no rendezvous needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return device, data_parallel_mesh(config.parallel, device)
-
-
-def data_parallel_mesh(parallel: ParallelConfig, device: torch.device) -> DeviceMesh:
-    """A 1-D mesh (FSDP: every rank holds 1/N of the model), or with dp_replicate > 1 a 2-D one (HSDP).
-
-    HSDP shards within groups of dp_shard ranks (typically one node, over its fast links) and replicates
-    across the dp_replicate groups: parameters are all-gathered inside a node only, and gradients are
-    reduce-scattered in the node, then all-reduced across nodes. Rank r is in replica r // dp_shard.
-    """
-    world_size = dist.get_world_size()
-    if world_size == 1:
-        # A single process (`python train.py`, for debugging) has nothing to replicate or shard.
-        return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
-    # preflight.py made sure that dp_replicate x dp_shard is the world size.
-    replicate = parallel.dp_replicate
-    shard = world_size // replicate if parallel.dp_shard == -1 else parallel.dp_shard
-    sizes = {"dp_replicate": replicate, "dp_shard": shard}
-    # Dimensions of size 1 are left out; dp_shard always stays (fully_shard needs a mesh).
-    sizes = {name: size for name, size in sizes.items() if size > 1 or name == "dp_shard"}
-    return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    # The mesh of config.parallel (layout.py): FSDP over every rank, or HSDP with dp_replicate > 1.
+    return device, ParallelLayout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
 
 
 # fsdp2gen: block build_model_meta
@@ -117,25 +100,17 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = build_model(config)
-    blocks = modules_to_shard(model, block_classes(model, parallel))
+    blocks = modules_to_shard(model, block_classes(model, parallel.shard_modules))
     shard_model(model, [block for _, block in blocks], mesh, parallel)
     materialize(model, config, device)
     return model
 
 
 def modules_to_shard(model: nn.Module, class_names: list[str]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the submodules whose class is named in `class_names`; nested ones first, as
-    fully_shard goes bottom-up."""
+    """(name, module) of the submodules whose class is named in `class_names` (preflight.py checked that each
+    names one); nested ones first, as fully_shard goes bottom-up."""
     found = [(name, module) for name, module in model.named_modules() if name and type(module).__name__ in class_names]
-    found.sort(key=lambda item: -item[0].count("."))
-    unmatched = sorted(set(class_names) - {type(module).__name__ for _, module in found})
-    if unmatched or not found:
-        classes = sorted({type(m).__name__ for _, m in model.named_modules() if not isinstance(m, nn.ModuleList)})
-        stop(
-            f"parallel.shard_modules: no module of class {', '.join(unmatched or class_names) or '(none listed)'} "
-            f"in the model; list the class(es) of its repeated blocks (classes in the model: {', '.join(classes)})"
-        )
-    return found
+    return sorted(found, key=lambda item: -item[0].count("."))
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig) -> None:
@@ -229,11 +204,11 @@ def train_step(state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor
         # every rank) until the last micro-batch, then reduces once (FSDP2 has no no_sync()).
         model.set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)
         # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
-        logits = output_logits(model(inputs.to(device, non_blocking=True))).flatten(0, 1).float()
-        targets = targets.to(device).flatten()
-        # Cross-entropy in fp32 whatever the compute dtype; dividing by the number of micro-batches
-        # makes the accumulated gradient equal to the gradient of one big batch.
-        loss = F.cross_entropy(logits, targets) / len(batches)
+        output = model(inputs.to(device, non_blocking=True))
+        targets = targets.to(device)
+        # Cross-entropy in fp32 whatever the compute dtype (model.py's loss); dividing by the number of
+        # micro-batches makes the accumulated gradient equal to the gradient of one big batch.
+        loss = model_loss(output, targets) / len(batches)
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
@@ -290,9 +265,9 @@ def evaluate(
             for inputs, targets in micro_batches(
                 val_samples, batch, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
             ):
-                logits = output_logits(model(inputs.to(device, non_blocking=True))).flatten(0, 1).float()
-                targets = targets.to(device).flatten()
-                totals[0] += F.cross_entropy(logits, targets, reduction="sum")
+                output = model(inputs.to(device, non_blocking=True))
+                targets = targets.to(device)
+                totals[0] += model_loss(output, targets, reduction="sum")
                 totals[1] += targets.numel()
     model.train()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -442,7 +417,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     optimizer, scheduler = build_optimizer(model, training, device)
     state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
-    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
+    checkpointer = Checkpointer(output_dir / "checkpoints", config)
     # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without
     # one, and finds only its own when its launch restarts it (preflight.check_run_folder).
     resumed_from = checkpoint_load(state, checkpointer)
@@ -451,7 +426,9 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
 
     train_samples, val_samples = open_datasets(config)
     samples = ShuffledEpochs(train_samples, training.seed)
-    data_rank, data_ranks = data_parallel_rank(mesh)
+    # Which slice of each batch this rank reads, of how many (layout.py knows which ranks read the same samples).
+    layout = ParallelLayout.of(config.parallel, dist.get_world_size())
+    data_rank, data_ranks = layout.data_rank(dist.get_rank()), layout.data_ranks
     metrics = MetricsLog(config, output_dir, run_id, device, first_step=state.step)
     # Zero cost when [profile] is off: no profiler exists.
     profiling = config.profile.start or config.profile.memory_snapshot_step
@@ -501,11 +478,6 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
             "fp32; fine for a smoke test, train on GPUs",
             flush=True,
         )
-
-
-def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among the ranks that read different samples, and their number."""
-    return dist.get_rank(), dist.get_world_size()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def check_init(config, device, mesh) -> int:
         for name in expected.keys() & gathered.keys():
             if not torch.equal(gathered[name], expected[name]):
                 mismatches.append(f"{name}: max |diff| {(gathered[name] - expected[name]).abs().max():.3e}")
-    # Buffers are not sharded: every rank holds them whole (non-persistent ones are in no state dict).
+    # Buffers are not sharded: every rank holds them whole (non-persistent ones, like llama's rotary tables, are in
+    # no state dict).
     for name, buffer in eager.named_buffers():
         if not torch.equal(sharded.get_buffer(name).cpu(), buffer.cpu()):
             mismatches.append(f"buffer {name} on rank {dist.get_rank()}")

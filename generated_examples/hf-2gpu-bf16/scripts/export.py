@@ -11,41 +11,22 @@ It holds model.safetensors (the trained fp32 weights, written one tensor at a ti
 in memory; tied weights once, as transformers saves them) and the other files of the original model
 folder: config.json, generation_config.json, the tokenizer.
 
-open_checkpoint, which reads the weights of any checkpoint style one tensor at a time, is scripts/generate.py's too.
+open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
+scripts/generate.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import struct
 import sys
-import warnings
-from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoModelForCausalLM
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
-from model import HUB_FILES, ModelArgs, tensor_names  # noqa: E402
-from preflight import complete_checkpoints, corrupt_file  # noqa: E402
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-# checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
-PREFIX = "train.model."
-
-
-class CheckpointError(Exception):
-    """A step-N folder that cannot be read: not a complete checkpoint, or weight files that cannot be opened."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A step-N folder whose weights are not those of the model in its checkpoint.json."""
+from checkpoint_files import complete_checkpoints  # noqa: E402
+from checkpoint_reader import CheckpointError, CheckpointMismatch, open_checkpoint, write_safetensors  # noqa: E402
+from model_args import HUB_FILES, ModelArgs  # noqa: E402
 
 
 def main() -> None:
@@ -82,92 +63,6 @@ def main() -> None:
             if not source.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copyfile(source, args.output / source.name)
     print(f"exported {checkpoint} -> {args.output} ({len(weights)} tensors; the other files of {model_args.path})")
-
-
-def open_checkpoint(checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable[[str], torch.Tensor]]:
-    """The config of the run that wrote a step-N folder (its checkpoint.json), {name: (dtype, shape)} of the
-    model's weights in it, and a function reading one weight as a whole CPU tensor, so that only one need be in
-    memory at a time. Any checkpoint style. Of the names of a tied tensor only the first is listed (the input
-    embedding), as in transformers' own files.
-
-    Raises CheckpointError, or CheckpointMismatch when the weights are not those of the model it names.
-    """
-    try:
-        info = json.loads((checkpoint / "checkpoint.json").read_text())
-        config = info["config"]
-        model_args = ModelArgs(**config["model"])
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{checkpoint} is not a complete checkpoint ({error})") from None
-    # Every file against the size and checksum recorded at save (checkpoints of older projects have none).
-    files = info.get("files", {})
-    problem = corrupt_file(checkpoint, files, sorted(files)) if isinstance(files, dict) else "files: not a table"
-    if problem is not None:
-        raise CheckpointError(f"{checkpoint} is corrupt ({problem}); export an older checkpoint")
-    # Names and shapes of the weights: the model built on the meta device, which allocates nothing.
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_args.hf_config)
-    except (OSError, ValueError) as error:  # the model folder (or the hub's copy) is gone or damaged
-        raise CheckpointError(
-            f"{checkpoint}: the config of its model {model_args.path} cannot be read ({error})"
-        ) from None
-    state = model.state_dict()
-    order = {name: index for index, name in enumerate(state)}
-    keep = {min(group, key=order.get) for group in tensor_names(model).values()}
-    expected = {name: tuple(tensor.shape) for name, tensor in state.items() if name in keep}
-    try:
-        found, read = checkpoint_tensors(checkpoint)
-    except Exception as error:  # a missing or damaged file: each library raises its own kinds
-        raise CheckpointError(f"{checkpoint}: its weights cannot be read ({type(error).__name__}: {error})") from None
-    missing = sorted(expected.keys() - found.keys())
-    reshaped = sorted(name for name in expected.keys() & found.keys() if tuple(found[name][1]) != expected[name])
-    if missing or reshaped:
-        raise CheckpointMismatch(
-            f"{checkpoint} does not match {model_args.path}: missing {missing}, different shapes {reshaped}"
-        )
-    return config, {name: found[name] for name in expected}, read
-
-
-def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
-    """{name: (dtype, shape)} of the checkpoint's weights, and a function reading one full tensor."""
-    reader = dcp.FileSystemReader(checkpoint)
-    found = {
-        key.removeprefix(PREFIX): (entry.properties.dtype, tuple(entry.size))
-        for key, entry in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(PREFIX) and isinstance(entry, TensorStorageMetadata)
-    }
-    # dcp.load without a process group warns that it assumes a single process, which is the intent here.
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-    def read(name: str) -> torch.Tensor:
-        dtype, shape = found[name]
-        tensor = torch.empty(shape, dtype=dtype)
-        # DCP assembles the full tensor from the shards that every rank wrote.
-        dcp.load({PREFIX + name: tensor}, storage_reader=reader, no_dist=True)
-        return tensor
-
-    return found, read
-
-
-def write_safetensors(path: Path, entries: dict[str, tuple], read: Callable[[str], torch.Tensor]) -> None:
-    """Write the tensors of `entries` ({name: (dtype, shape)}) to `path`, reading and writing one at a time.
-
-    The safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
-    dtype, shape and byte range, then the raw little-endian bytes in that order.
-    """
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, shape) in entries.items():
-        size = torch.Size(shape).numel() * dtype.itemsize
-        span = [offset, offset + size]
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": span}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for name in entries:
-            f.write(read(name).contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     python scripts/generate.py --exported exported --prompt "Once upon a time"   # a folder of scripts/export.py
     python scripts/generate.py --prompt-ids 1,2,3                    # no tokenizer (synthetic data): ids in, ids out
 
-Any checkpoint style loads, read by scripts/export.py's open_checkpoint, into an fp32 model. The tokenizer is
+Any checkpoint style loads, read by checkpoint_reader.py's open_checkpoint (as scripts/export.py reads it), into an
+fp32 model. The tokenizer is
 --tokenizer, else data.tokenizer of the run that wrote the checkpoint (its checkpoint.json holds the run's
 config), else that run's model.path; with --exported, the folder's own (export.py copies it there).
 
@@ -27,14 +28,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 PROJECT = Path(__file__).resolve().parent.parent
-# The project's modules, and export.py beside this script, from any current folder.
-sys.path[:0] = [str(PROJECT), str(PROJECT / "scripts")]
-# Checkpoints are read by export.py's open_checkpoint, shared rather than copied: what generate.py loads is
-# exactly what export.py writes.
-from export import CheckpointError, open_checkpoint  # noqa: E402
+sys.path.insert(0, str(PROJECT))  # the project's modules, from any current folder
+from checkpoint_files import newest_checkpoint  # noqa: E402
 
-from model import ModelArgs  # noqa: E402
-from preflight import newest_checkpoint  # noqa: E402
+# The reader scripts/export.py uses too: what generate.py loads is exactly what export.py writes.
+from checkpoint_reader import CheckpointError, open_checkpoint  # noqa: E402
+from model import ModelArgs, output_logits  # noqa: E402
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer  # noqa: E402
 
 
@@ -181,7 +180,8 @@ def continue_ids(
     while len(new) < args.max_new_tokens:
         # The last max_seq_len ids: the model knows no positions beyond.
         context = torch.tensor([ids[-max_seq_len:]], device=args.device)
-        logits = model(context, use_cache=False).logits[0, -1].float()
+        output = model(context, use_cache=False)  # transformers' KV cache: not used here
+        logits = output_logits(output)[0, -1].float()
         if args.temperature == 0:
             token = int(logits.argmax())
         else:

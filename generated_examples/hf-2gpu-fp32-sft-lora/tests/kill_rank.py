@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 import train
+from checkpoint_files import complete_checkpoints
 from config import parse_args
-from preflight import complete_checkpoints
 
 
 def main() -> None:

@@ -4,7 +4,8 @@
     python scripts/generate.py outputs/checkpoints/step-1000 --prompt "Once upon a time" --temperature 0.8 --top-k 50
     python scripts/generate.py --prompt-ids 1,2,3                    # no tokenizer (synthetic data): ids in, ids out
 
-Any checkpoint style loads, read by scripts/export.py's open_checkpoint, into an fp32 model. The tokenizer is
+Any checkpoint style loads, read by checkpoint_reader.py's open_checkpoint (as scripts/export.py reads it), into an
+fp32 model. The tokenizer is
 --tokenizer, else data.tokenizer of the run that wrote the checkpoint (its checkpoint.json holds the run's
 config).
 
@@ -25,14 +26,12 @@ from pathlib import Path
 import torch
 
 PROJECT = Path(__file__).resolve().parent.parent
-# The project's modules, and export.py beside this script, from any current folder.
-sys.path[:0] = [str(PROJECT), str(PROJECT / "scripts")]
-# Checkpoints are read by export.py's open_checkpoint, shared rather than copied: what generate.py loads is
-# exactly what export.py writes.
-from export import CheckpointError, open_checkpoint  # noqa: E402
+sys.path.insert(0, str(PROJECT))  # the project's modules, from any current folder
+from checkpoint_files import newest_checkpoint  # noqa: E402
 
-from model import ModelArgs, Transformer  # noqa: E402
-from preflight import newest_checkpoint  # noqa: E402
+# The reader scripts/export.py uses too: what generate.py loads is exactly what export.py writes.
+from checkpoint_reader import CheckpointError, open_checkpoint  # noqa: E402
+from model import Model, ModelArgs, output_logits  # noqa: E402
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer  # noqa: E402
 
 
@@ -134,10 +133,11 @@ def prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, vocab_size
     return ids
 
 
-def load_checkpoint(model_args: ModelArgs, weights: dict, read: Callable[[str], torch.Tensor]) -> Transformer:
+def load_checkpoint(model_args: ModelArgs, weights: dict, read: Callable[[str], torch.Tensor]) -> Model:
     """The model of an opened checkpoint in fp32 on the CPU, its weights read one tensor at a time."""
-    model = Transformer(model_args)
-    # Computes the rotary tables, which checkpoints do not hold; every weight is replaced next.
+    model = Model(model_args)
+    # Fills the buffers the model computes (such as rotary tables), which checkpoints do not hold; every weight is
+    # replaced next.
     model.init_weights(seed=0)
     state = model.state_dict()
     with torch.no_grad():
@@ -156,7 +156,8 @@ def continue_ids(
     while len(new) < args.max_new_tokens:
         # The last max_seq_len ids: the model knows no positions beyond.
         context = torch.tensor([ids[-max_seq_len:]], device=args.device)
-        logits = model(context)[0, -1].float()
+        output = model(context)
+        logits = output_logits(output)[0, -1].float()
         if args.temperature == 0:
             token = int(logits.argmax())
         else:

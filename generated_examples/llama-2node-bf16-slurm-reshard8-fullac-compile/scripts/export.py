@@ -5,43 +5,25 @@
 
 The weights then load into a plain, non-distributed model:
 
-    model = Transformer(ModelArgs(**json.loads(Path("exported/config.json").read_text())))
-    model.init_weights(seed=0)  # computes the rotary tables, which are not saved; the weights are replaced next
+    model = Model(ModelArgs(**json.loads(Path("exported/config.json").read_text())))
+    model.init_weights(seed=0)  # fills the buffers the model computes (rotary tables); then the weights
     model.load_state_dict(safetensors.torch.load_file("exported/model.safetensors"))
 
-open_checkpoint, which reads the weights of any checkpoint style one tensor at a time, is scripts/generate.py's too.
+open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
+scripts/generate.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
-import warnings
-from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
-from model import ModelArgs, Transformer  # noqa: E402
-from preflight import complete_checkpoints, corrupt_file  # noqa: E402
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-# checkpoint_save stores the weights under "train" -> "model"; DCP flattens the keys with dots.
-PREFIX = "train.model."
-
-
-class CheckpointError(Exception):
-    """A step-N folder that cannot be read: not a complete checkpoint, or weight files that cannot be opened."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A step-N folder whose weights are not those of the model in its checkpoint.json."""
+from checkpoint_files import complete_checkpoints  # noqa: E402
+from checkpoint_reader import CheckpointError, CheckpointMismatch, open_checkpoint, write_safetensors  # noqa: E402
 
 
 def main() -> None:
@@ -74,87 +56,6 @@ def main() -> None:
     partial.replace(target)
     (args.output / "config.json").write_text(json.dumps(config["model"], indent=2) + "\n")
     print(f"exported {checkpoint} -> {target} ({len(weights)} tensors) + {args.output / 'config.json'}")
-
-
-def open_checkpoint(checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable[[str], torch.Tensor]]:
-    """The config of the run that wrote a step-N folder (its checkpoint.json), {name: (dtype, shape)} of the
-    model's weights in it, and a function reading one weight as a whole CPU tensor, so that only one need be in
-    memory at a time. Any checkpoint style.
-
-    Raises CheckpointError, or CheckpointMismatch when the weights are not those of the model it names.
-    """
-    try:
-        info = json.loads((checkpoint / "checkpoint.json").read_text())
-        config = info["config"]
-        model_config = config["model"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{checkpoint} is not a complete checkpoint ({error})") from None
-    # Every file against the size and checksum recorded at save (checkpoints of older projects have none).
-    files = info.get("files", {})
-    problem = corrupt_file(checkpoint, files, sorted(files)) if isinstance(files, dict) else "files: not a table"
-    if problem is not None:
-        raise CheckpointError(f"{checkpoint} is corrupt ({problem}); export an older checkpoint")
-    # Names and shapes the weights must have: the model built on the meta device, which allocates nothing.
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in Transformer(ModelArgs(**model_config)).state_dict().items()}
-    try:
-        found, read = checkpoint_tensors(checkpoint)
-    except Exception as error:  # a missing or damaged file: each library raises its own kinds
-        raise CheckpointError(f"{checkpoint}: its weights cannot be read ({type(error).__name__}: {error})") from None
-    check_names_and_shapes({name: shape for name, (_, shape) in found.items()}, expected, checkpoint)
-    return config, found, read
-
-
-def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
-    """{name: (dtype, shape)} of the checkpoint's weights, and a function reading one full tensor."""
-    reader = dcp.FileSystemReader(checkpoint)
-    found = {
-        key.removeprefix(PREFIX): (entry.properties.dtype, tuple(entry.size))
-        for key, entry in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(PREFIX) and isinstance(entry, TensorStorageMetadata)
-    }
-    # dcp.load without a process group warns that it assumes a single process, which is the intent here.
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-    def read(name: str) -> torch.Tensor:
-        dtype, shape = found[name]
-        tensor = torch.empty(shape, dtype=dtype)
-        # DCP assembles the full tensor from the shards that every rank wrote.
-        dcp.load({PREFIX + name: tensor}, storage_reader=reader, no_dist=True)
-        return tensor
-
-    return found, read
-
-
-def write_safetensors(path: Path, entries: dict[str, tuple], read: Callable[[str], torch.Tensor]) -> None:
-    """Write the tensors of `entries` ({name: (dtype, shape)}) to `path`, reading and writing one at a time.
-
-    The safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
-    dtype, shape and byte range, then the raw little-endian bytes in that order.
-    """
-    header, offset = {}, 0
-    for name, (dtype, shape) in entries.items():
-        size = torch.Size(shape).numel() * dtype.itemsize
-        span = [offset, offset + size]
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": span}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for name in entries:
-            f.write(read(name).reshape(-1).view(torch.uint8).numpy())
-
-
-def check_names_and_shapes(found: dict[str, tuple], expected: dict[str, tuple], checkpoint: Path) -> None:
-    if found != expected:
-        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-        reshaped = sorted(name for name in found.keys() & expected.keys() if found[name] != expected[name])
-        raise CheckpointMismatch(
-            f"{checkpoint} does not match the model in its checkpoint.json: missing {missing}, "
-            f"unexpected {unexpected}, different shapes {reshaped}"
-        )
 
 
 if __name__ == "__main__":

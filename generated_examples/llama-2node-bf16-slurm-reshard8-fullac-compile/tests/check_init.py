@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from model import Transformer
+from model import Model
 from train import build_model_meta, run_on_every_rank
 
 
@@ -23,7 +23,7 @@ def check_init(config, device, mesh) -> int:
     # on the training device, so that both draw from the same kind of generator (CUDA's differs from the CPU's).
     torch.manual_seed(config.training.seed + 1)
     with torch.device(device):
-        eager = Transformer(config.model)
+        eager = Model(config.model)
     eager.init_weights(seed=config.training.seed)
 
     mismatches = []
@@ -34,8 +34,10 @@ def check_init(config, device, mesh) -> int:
         for name in expected.keys() & gathered.keys():
             if not torch.equal(gathered[name], expected[name]):
                 mismatches.append(f"{name}: max |diff| {(gathered[name] - expected[name]).abs().max():.3e}")
-    for name in ("rope_cos", "rope_sin"):
-        if not torch.equal(getattr(sharded, name).cpu(), getattr(eager, name).cpu()):
+    # Buffers are not sharded: every rank holds them whole (non-persistent ones, like llama's rotary tables, are in
+    # no state dict).
+    for name, buffer in eager.named_buffers():
+        if not torch.equal(sharded.get_buffer(name).cpu(), buffer.cpu()):
             mismatches.append(f"buffer {name} on rank {dist.get_rank()}")
     if mismatches:
         print("MISMATCH " + "; ".join(sorted(mismatches)), flush=True)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from model import ModelArgs, Transformer
+from model import Model, ModelArgs
 from runs import DEVICE, NPROC, PROJECT, launch, metrics, train
 
 TEN_STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
@@ -138,8 +138,8 @@ def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tm
     launch("tests/model_output.py", tmp_path, *TEN_STEPS)
     distributed = torch.load(tmp_path / "model_output.pt", weights_only=True)
 
-    model = Transformer(ModelArgs(**json.loads((exported / "config.json").read_text())))
-    model.init_weights(seed=0)  # computes the rotary tables, which are not saved
+    model = Model(ModelArgs(**json.loads((exported / "config.json").read_text())))
+    model.init_weights(seed=0)  # also computes the non-persistent buffers (e.g. rotary tables), which are not saved
     model.load_state_dict(load_file(exported / "model.safetensors"))
     # Compute as the sharded model does: parameters in bf16 (MixedPrecisionPolicy), buffers as they are.
     for param in model.parameters():

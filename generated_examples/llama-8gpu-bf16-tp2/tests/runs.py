@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,15 +11,20 @@ from pathlib import Path
 
 import torch
 
+from model_args import ModelArgs
+
 PROJECT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # One process per GPU, as training runs; on CPU 2 gloo ranks, or NPROC of them (NPROC=8 lays out an 8-GPU node).
 NPROC = int(os.environ.get("NPROC", torch.cuda.device_count() if DEVICE == "cuda" else 2))
 # Samples per step: divisible by every rank count the tests use (1, 4 and NPROC) times 2 micro-batches.
 GLOBAL_BATCH = 4 * NPROC
+# A model that trains in a second per step on 2 CPU ranks: these shape keys, the ones model_args.py's ModelArgs has.
+TINY_SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "ffn_dim": 172,
+              "max_seq_len": 64}  # fmt: skip
+MODEL_KEYS = {field.name for field in dataclasses.fields(ModelArgs)}
 TINY_MODEL = [
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64",
+    *(item for key, value in TINY_SHAPE.items() if key in MODEL_KEYS for item in (f"--model.{key}", str(value))),
     "--training.seq_len", "32", "--training.global_batch_size", str(GLOBAL_BATCH), "--training.warmup_steps", "2",
     "--job.device", DEVICE, "--job.log_every", "1",
 ]  # fmt: skip

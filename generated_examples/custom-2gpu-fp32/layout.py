@@ -1,0 +1,173 @@
+"""How the ranks are laid out: the one place that turns config.parallel and the world size into a mesh.
+
+Every rank has a coordinate on each parallelism dimension, in this order (torchtitan's ParallelDims):
+
+    pp  x  dp_replicate  x  dp_shard  x  cp  x  tp
+
+tp varies fastest, so a tp group is consecutive ranks (the GPUs of one node, over their fast links). dp_shard
+groups the ranks a parameter is sharded over (FSDP); dp_replicate > 1 makes it HSDP: dp_replicate copies of those
+groups (typically one per node), so parameters are all-gathered inside a group only, and gradients are
+reduce-scattered in the group, then all-reduced across groups. A dimension the project's config does not have
+(parallel.tp only exists in projects generated with --tp) has size 1, and so do the slots for the dimensions not
+built yet:
+
+- pp (pipeline stages) and cp (context parallelism: each rank holds a slice of every sequence) will split the
+  model's layers and the sequence; until then they are 1 and no config key names them.
+- ep (expert parallelism, for mixture-of-experts models) is not a mesh dimension of its own: as in torchtitan
+  it will borrow ranks from dp_shard x cp for the experts only. It is 1 and not in the mesh.
+
+preflight.py calls check() (each mistake is one LayoutError whose message is the line it prints); train.py calls
+build_mesh() and asks data_rank() which samples this rank reads. `fsdp2gen plan` loads this file too, so it
+imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The mesh's dimensions, outermost first; dp_shard is always in the mesh (fully_shard needs one).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Dimensions whose ranks compute on the same samples (they split the model or the sequence, not the batch).
+SAME_DATA_DIMS = ("cp", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix.
+    `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "batch", "reshard") for callers that word it
+    their own way (`fsdp2gen plan` names its options)."""
+
+    def __init__(self, message: str, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1  # a slot: see the module docstring
+    # The dimensions config.parallel has, in MESH_DIMS order: the ones messages name.
+    configured: tuple[str, ...] = ("dp_replicate", "dp_shard")
+    # parallel.dp_shard as configured (-1: the rest), for messages.
+    dp_shard_given: int = -1
+    # parallel.reshard_after_forward: true, false, or the size of the groups that keep parameters sharded.
+    reshard_after_forward: bool | int = True
+    sizes: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", {name: getattr(self, name) for name in MESH_DIMS})
+
+    @classmethod
+    def of(cls, parallel: Any, world_size: int) -> ParallelLayout:
+        """The layout of config.parallel on `world_size` ranks. One process (`python train.py`, for debugging)
+        has every dimension 1. dp_shard = -1 takes the ranks the other dimensions leave (rounded down: check()
+        then says that the product does not match)."""
+        configured = tuple(name for name in MESH_DIMS if hasattr(parallel, name))
+        reshard = getattr(parallel, "reshard_after_forward", True)
+        if world_size == 1:
+            return cls(1, configured=configured, dp_shard_given=parallel.dp_shard, reshard_after_forward=reshard)
+        sizes = {name: getattr(parallel, name, 1) for name in MESH_DIMS}
+        if sizes["dp_shard"] == -1:
+            others = 1
+            for name, size in sizes.items():
+                others *= size if name != "dp_shard" else 1
+            sizes["dp_shard"] = world_size // others
+        return cls(
+            world_size, **sizes, configured=configured, dp_shard_given=parallel.dp_shard, reshard_after_forward=reshard
+        )
+
+    @property
+    def data_ranks(self) -> int:
+        """The number of ranks that read different samples: one per (dp_replicate, dp_shard) coordinate."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the data_ranks slices of each batch `rank` reads. The ranks of one cp x tp group (consecutive
+        ranks) compute on the same samples, and so do the pp stages of one pipeline."""
+        same_data = 1
+        for name in SAME_DATA_DIMS:
+            same_data *= self.sizes[name]
+        return rank // same_data % self.data_ranks
+
+    def holds_loss(self, rank: int) -> bool:
+        """Whether `rank` computes the loss: every rank, except that with pipeline stages only the last one does."""
+        return rank // (self.world_size // self.pp) == self.pp - 1
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh's dimensions and sizes: those of size 1 are left out, except dp_shard."""
+        return {name: size for name, size in self.sizes.items() if size > 1 or name == "dp_shard"}
+
+    def build_mesh(self, device_type: str) -> Any:
+        """The DeviceMesh of this layout (torch.distributed must be initialised); mesh["tp"], mesh["dp_shard"], ...
+        are its named sub-meshes. init_device_mesh is a collective: every rank calls this."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = self.mesh_sizes
+        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+
+    def check(self, training: Any, model: Any) -> None:
+        """Raise LayoutError unless the mesh covers the ranks, the model and batch split over it evenly, and the
+        reshard groups divide the shard group."""
+        self.check_product()
+        if self.tp > 1:
+            self.check_tensor_parallel(training, model)
+        self.check_batch(training)
+        self.check_reshard()
+
+    def check_product(self) -> None:
+        named = [name for name in self.configured if name != "dp_shard"]
+        product = 1
+        for size in self.sizes.values():
+            product *= size
+        if product != self.world_size:
+            given = [str(self.dp_shard_given if name == "dp_shard" else self.sizes[name]) for name in self.configured]
+            others = f" (and {', '.join(named[1:])}) whose product divides" if named[1:] else " that divides"
+            choose = named[0] + others
+            raise LayoutError(
+                f"parallel.{' x '.join(self.configured)} = {' x '.join(given)} does not match the {self.world_size} "
+                f"ranks; choose {choose} {self.world_size} (dp_shard = -1 takes the rest)",
+                "ranks",
+            )
+
+    def check_tensor_parallel(self, training: Any, model: Any) -> None:
+        tp = self.tp
+        for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_dim", model.ffn_dim)):
+            if value % tp:
+                raise LayoutError(
+                    f"model.{name} = {value} must be divisible by parallel.tp = {tp}; change one of them", "tp_shape"
+                )
+        if training.seq_len % tp:
+            # Sequence parallelism gives each tp rank an equal share of every sample's tokens.
+            fitting = max(tp, training.seq_len // tp * tp)
+            raise LayoutError(
+                f"training.seq_len ({training.seq_len}) must be divisible by parallel.tp ({tp}), which splits each "
+                f"sample's tokens; e.g. --training.seq_len {fitting}",
+                "tp_seq_len",
+            )
+
+    def check_batch(self, training: Any) -> None:
+        per_step = self.data_ranks * training.grad_accum_steps
+        if training.global_batch_size % per_step:
+            fitting = max(per_step, training.global_batch_size // per_step * per_step)
+            raise LayoutError(
+                f"training.global_batch_size ({training.global_batch_size}) must be divisible by data-parallel ranks "
+                f"x grad_accum_steps ({self.data_ranks} x {training.grad_accum_steps}); e.g. "
+                f"--training.global_batch_size {fitting}",
+                "batch",
+            )
+
+    def check_reshard(self) -> None:
+        reshard, shard = self.reshard_after_forward, self.dp_shard
+        # Groups at least as large as the shard group (a run on fewer GPUs than configured) reshard fully.
+        if not isinstance(reshard, bool) and reshard < shard and shard % reshard:
+            raise LayoutError(
+                f"parallel.reshard_after_forward = {reshard} must divide the {shard} ranks each parameter is sharded "
+                "over; use true, false or a divisor (e.g. the GPUs per node)",
+                "reshard",
+            )

@@ -1,0 +1,80 @@
+"""The weights of a step-N/ folder, read in one CPU process (no torchrun), in any checkpoint style.
+
+scripts/export.py and scripts/generate.py both read checkpoints through open_checkpoint, so what generate.py
+loads is exactly what export.py writes. The folder itself (checkpoint.json, the files' checksums) is
+checkpoint_files.py's, as for preflight.py and resume.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from checkpoint_files import corrupt_file
+from model import Model, ModelArgs
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+class CheckpointError(Exception):
+    """A step-N folder that cannot be read: not a complete checkpoint, or weight files that cannot be opened."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A step-N folder whose weights are not those of the model in its checkpoint.json."""
+
+
+def open_checkpoint(checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable[[str], torch.Tensor]]:
+    """The config of the run that wrote a step-N folder (its checkpoint.json), {name: (dtype, shape)} of the
+    model's weights in it, and a function reading one weight as a whole CPU tensor, so that only one need be in
+    memory at a time. Any checkpoint style.
+
+    Raises CheckpointError, or CheckpointMismatch when the weights are not those of the model it names.
+    """
+    try:
+        info = json.loads((checkpoint / "checkpoint.json").read_text())
+        config = info["config"]
+        model_args = ModelArgs(**config["model"])
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint ({error})") from None
+    # Every file against the size and checksum recorded at save (checkpoints of older projects have none).
+    files = info.get("files", {})
+    problem = corrupt_file(checkpoint, files, sorted(files)) if isinstance(files, dict) else "files: not a table"
+    if problem is not None:
+        raise CheckpointError(f"{checkpoint} is corrupt ({problem}); export an older checkpoint")
+    expected = expected_weights(checkpoint, model_args)
+    try:
+        found, read = checkpoint_tensors(checkpoint)
+    except Exception as error:  # a missing or damaged file: each library raises its own kinds
+        raise CheckpointError(f"{checkpoint}: its weights cannot be read ({type(error).__name__}: {error})") from None
+    shapes = {name: shape for name, (_, shape) in found.items()}
+    if shapes != expected:
+        missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
+        reshaped = sorted(name for name in shapes.keys() & expected.keys() if shapes[name] != expected[name])
+        raise CheckpointMismatch(
+            f"{checkpoint} does not match the model in its checkpoint.json: missing {missing}, "
+            f"unexpected {unexpected}, different shapes {reshaped}"
+        )
+    return config, found, read
+
+
+def expected_weights(checkpoint: Path, model_args: ModelArgs) -> dict[str, tuple]:
+    """{name: shape} of the weights a checkpoint of `model_args` holds: the model built on the meta device, which
+    allocates nothing."""
+    with torch.device("meta"):
+        return {name: tuple(tensor.shape) for name, tensor in Model(model_args).state_dict().items()}
+
+
+def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
+    """{name: (dtype, shape)} of the checkpoint's model.safetensors, and a function reading one tensor."""
+    weights = safe_open(checkpoint / "model.safetensors", framework="pt")
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    found = {}
+    for name in weights.keys():
+        tensor_slice = weights.get_slice(name)
+        found[name] = (dtypes[tensor_slice.get_dtype()], tuple(tensor_slice.get_shape()))
+    return found, weights.get_tensor
