@@ -19,18 +19,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as WriteFuture
 
-from checkpoint_common import (
-    TrainState,
-    check_room,
-    checkpoint_info,
-    checkpoint_to_resume,
-    publish,
-    rng_state,
-    save_failed,
-    set_rng_state,
-)
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record, unreadable
-from config import Config
 from errors import stop, stop_if_rank0_failed
 
 
@@ -45,16 +35,10 @@ class DcpState(Stateful):
         state = self.state
         # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
-        saved = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": state.scheduler.state_dict(),
-            "step": state.step,
-            "samples_seen": state.step * state.global_batch_size,
-        }
+        saved = {"model": model_state, "optimizer": optimizer_state, **state.progress()}
         if self.with_rng:
             # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
-            saved["rng"] = {f"rank{dist.get_rank()}": rng_state(state.device)}
+            saved["rng"] = {f"rank{dist.get_rank()}": state.rng_state()}
         return saved
 
     def load_state_dict(self, saved: dict) -> None:
@@ -62,10 +46,9 @@ class DcpState(Stateful):
         set_state_dict(
             state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
         )
-        state.scheduler.load_state_dict(saved["scheduler"])
-        state.step = saved["step"]
+        state.restore_progress(saved)
         if self.with_rng:
-            set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
+            state.restore_rng_state(saved["rng"][f"rank{dist.get_rank()}"])
 
 
 class ChecksummedWriter(FileSystemWriter):
@@ -112,14 +95,8 @@ def start_staging(checkpoint_dir: Path, step: int) -> Path:
     return checkpoint_dir / f"step-{step}.tmp"
 
 
-class Checkpointer:
+class Checkpointer(CheckpointerBase):
     """Saves into and resumes from checkpoint_dir/step-N/, one sharded DCP checkpoint per save."""
-
-    # What checkpoint_save prints: the loop waited for the whole save.
-    SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
-
-    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
-        self.checkpoint_dir, self.config = checkpoint_dir, config
 
     def save(self, state: TrainState) -> None:
         """Sharded DCP save into step-N.tmp/, renamed to step-N/ once every rank has finished writing.
@@ -128,8 +105,7 @@ class Checkpointer:
         """
         config = self.config
         staging = start_staging(self.checkpoint_dir, state.step)
-        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
-        check_room(self.checkpoint_dir, state, model_only)
+        model_only = self.model_only_save(state)
         if model_only:
             # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
             app_state = {"train": {"model": get_model_state_dict(state.model)}}
@@ -152,15 +128,8 @@ class Checkpointer:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
-    def load(self, state: TrainState) -> Path | None:
-        """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
-        path, info = checkpoint_to_resume(self.checkpoint_dir)
-        if path is None:
-            return None
-        if info["model_only"]:
-            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
-            state.step = info["step"]
-            return path
+    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
+        """Load the checkpoint `path` into `state` (resharding if the world size changed)."""
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
         same_ranks = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
         try:
@@ -172,10 +141,3 @@ class Checkpointer:
             stop(unreadable(path, next(iter(exc.failures.values()))[0]))
         except Exception as exc:
             stop(unreadable(path, exc))
-        return path
-
-    def after_step(self) -> None:
-        """Nothing to do between saves: each save is complete when save() returns."""
-
-    def close(self) -> None:
-        """Nothing to release: no save outlives save()."""

@@ -22,16 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as WriteFuture
 
-from checkpoint_common import (
-    TrainState,
-    check_room,
-    checkpoint_info,
-    checkpoint_to_resume,
-    publish,
-    rng_state,
-    save_failed,
-    set_rng_state,
-)
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record, unreadable
 from config import Config
 from errors import stop, stop_if_rank0_failed
@@ -48,16 +39,10 @@ class DcpState(Stateful):
         state = self.state
         # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
-        saved = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": state.scheduler.state_dict(),
-            "step": state.step,
-            "samples_seen": state.step * state.global_batch_size,
-        }
+        saved = {"model": model_state, "optimizer": optimizer_state, **state.progress()}
         if self.with_rng:
             # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
-            saved["rng"] = {f"rank{dist.get_rank()}": rng_state(state.device)}
+            saved["rng"] = {f"rank{dist.get_rank()}": state.rng_state()}
         return saved
 
     def load_state_dict(self, saved: dict) -> None:
@@ -65,10 +50,9 @@ class DcpState(Stateful):
         set_state_dict(
             state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
         )
-        state.scheduler.load_state_dict(saved["scheduler"])
-        state.step = saved["step"]
+        state.restore_progress(saved)
         if self.with_rng:
-            set_rng_state(saved["rng"][f"rank{dist.get_rank()}"], state.device)
+            state.restore_rng_state(saved["rng"][f"rank{dist.get_rank()}"])
 
 
 class ChecksummedWriter(FileSystemWriter):
@@ -115,7 +99,7 @@ def start_staging(checkpoint_dir: Path, step: int) -> Path:
     return checkpoint_dir / f"step-{step}.tmp"
 
 
-class Checkpointer:
+class Checkpointer(CheckpointerBase):
     """Saves into and resumes from checkpoint_dir/step-N/, each save written in the background.
 
     Made once per run, on every rank: background saves run their collectives on a gloo group of their own,
@@ -126,7 +110,7 @@ class Checkpointer:
     SAVE_LINE = "checkpoint step-{step} started: training paused {seconds:.2f} s"
 
     def __init__(self, checkpoint_dir: Path, config: Config) -> None:
-        self.checkpoint_dir, self.config = checkpoint_dir, config
+        super().__init__(checkpoint_dir, config)
         # Background saves run their collectives on this gloo group, never on the training group.
         self.group = dist.new_group(backend="gloo")
         # One stager for the whole run, made by the first save (which knows the state's device): every save copies
@@ -145,8 +129,7 @@ class Checkpointer:
             self.in_flight.finish()
         config = self.config
         staging = start_staging(self.checkpoint_dir, state.step)
-        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
-        check_room(self.checkpoint_dir, state, model_only)
+        model_only = self.model_only_save(state)
         if model_only:
             # model_only_final: the weights alone, under the same keys, for scripts/export.py or inference.
             app_state = {"train": {"model": get_model_state_dict(state.model)}}
@@ -161,15 +144,8 @@ class Checkpointer:
         future = dcp.async_save(app_state, storage_writer=writer, process_group=self.group, async_stager=self.stager)
         self.in_flight = BackgroundSave(future, writer, info, config.checkpoint.keep_last, self.stager)
 
-    def load(self, state: TrainState) -> Path | None:
-        """Load the newest complete checkpoint into `state` (resharding if the world size changed)."""
-        path, info = checkpoint_to_resume(self.checkpoint_dir)
-        if path is None:
-            return None
-        if info["model_only"]:
-            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
-            state.step = info["step"]
-            return path
+    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
+        """Load the checkpoint `path` into `state` (resharding if the world size changed)."""
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
         same_ranks = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
         try:
@@ -181,7 +157,6 @@ class Checkpointer:
             stop(unreadable(path, next(iter(exc.failures.values()))[0]))
         except Exception as exc:
             stop(unreadable(path, exc))
-        return path
 
     def after_step(self) -> None:
         """Between saves: rank 0 publishes the save in flight as soon as it is complete (see publish_if_done)."""

@@ -20,29 +20,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpoint_common import (
-    TrainState,
-    check_room,
-    checkpoint_info,
-    checkpoint_to_resume,
-    publish,
-    rng_state,
-    save_failed,
-    set_rng_state,
-)
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record, unreadable
-from config import Config
 from errors import stop_if_rank0_failed
 
 
-class Checkpointer:
+class Checkpointer(CheckpointerBase):
     """Saves into and resumes from checkpoint_dir/step-N/, one full checkpoint per save, written by rank 0."""
-
-    # What checkpoint_save prints: the loop waited for the whole save.
-    SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
-
-    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
-        self.checkpoint_dir, self.config = checkpoint_dir, config
 
     def save(self, state: TrainState) -> None:
         """Gather full tensors on rank 0, which writes step-N.tmp/ and renames it to step-N/.
@@ -52,8 +36,7 @@ class Checkpointer:
         removes it and stops every rank in one line.
         """
         config, checkpoint_dir = self.config, self.checkpoint_dir
-        model_only = config.checkpoint.model_only_final and state.step == config.training.steps
-        check_room(checkpoint_dir, state, model_only)
+        model_only = self.model_only_save(state)
         # Collectives, so every rank calls them; with cpu_offload only rank 0 receives the full tensors, in
         # CPU memory (the others get empty dicts), so no GPU ever holds the whole model.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -62,14 +45,8 @@ class Checkpointer:
         if not model_only:
             optimizer_state = get_optimizer_state_dict(state.model, state.optimizer, options=options)
             rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(rng_state(state.device), rngs, dst=0)
-            train_state = {
-                "optimizer": optimizer_state,
-                "scheduler": state.scheduler.state_dict(),
-                "step": state.step,
-                "samples_seen": state.step * state.global_batch_size,
-                "rng": rngs,
-            }
+            dist.gather_object(state.rng_state(), rngs, dst=0)
+            train_state = {"optimizer": optimizer_state, **state.progress(), "rng": rngs}
         staging = checkpoint_dir / f"step-{state.step}.tmp"
         error = None
         if dist.get_rank() == 0:
@@ -92,19 +69,12 @@ class Checkpointer:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
-    def load(self, state: TrainState) -> Path | None:
-        """Load the newest complete checkpoint into `state`, on any number of ranks.
+    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
+        """Load the checkpoint `path` into `state`, on any number of ranks.
 
         Only rank 0 reads the files; the tensors then go out from it one by one, and every rank keeps
         only its own shards of each (broadcast_from_rank0).
         """
-        path, info = checkpoint_to_resume(self.checkpoint_dir)
-        if path is None:
-            return None
-        if info["model_only"]:
-            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
-            state.step = info["step"]
-            return path
         model_state, train_state, error = {}, {}, None
         if dist.get_rank() == 0:
             try:
@@ -120,18 +90,10 @@ class Checkpointer:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(state.model, model_state, options=options)
         set_optimizer_state_dict(state.model, state.optimizer, train_state.get("optimizer", {}), options=options)
-        state.scheduler.load_state_dict(saved["scheduler"])
-        state.step = saved["step"]
+        state.restore_progress(saved)
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
         if info["world_size"] == dist.get_world_size() and info["device"] == state.device.type:
-            set_rng_state(saved["rng"][dist.get_rank()], state.device)
-        return path
-
-    def after_step(self) -> None:
-        """Nothing to do between saves: each save is complete when save() returns."""
-
-    def close(self) -> None:
-        """Nothing to release: no save outlives save()."""
+            state.restore_rng_state(saved["rng"][dist.get_rank()])
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

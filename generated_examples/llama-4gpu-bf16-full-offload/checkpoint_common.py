@@ -61,6 +61,65 @@ class TrainState:
     # step x global_batch_size samples whatever the number of ranks: no loader state to save.
     step: int = 0
 
+    def progress(self) -> dict:
+        """What a checkpoint saves besides the model, the optimizer and the RNG states, in every style."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.step * self.global_batch_size,
+        }
+
+    def restore_progress(self, saved: dict) -> None:
+        """Continue from `saved` (what progress() returned, as a checkpoint holds it)."""
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step = saved["step"]
+
+    def rng_state(self) -> dict:
+        return rng_state(self.device)
+
+    def restore_rng_state(self, saved: dict) -> None:
+        set_rng_state(saved, self.device)
+
+
+class CheckpointerBase:
+    """What every checkpoint style's Checkpointer shares: its folder, the line checkpoint_save prints, and which
+    step-N/ a resume loads. A style (checkpoint.py) defines save() and load_state(), and after_step() and close()
+    when a save outlives save()."""
+
+    # What checkpoint_save prints: the loop waited for the whole save.
+    SAVE_LINE = "checkpoint step-{step} saved in {seconds:.2f} s"
+
+    def __init__(self, checkpoint_dir: Path, config: Config) -> None:
+        self.checkpoint_dir, self.config = checkpoint_dir, config
+
+    def model_only_save(self, state: TrainState) -> bool:
+        """Whether the save of `state` holds the model alone (checkpoint.model_only_final, at the last step). Stops
+        every rank in one line, before anything is written, if the disk cannot hold it."""
+        model_only = self.config.checkpoint.model_only_final and state.step == self.config.training.steps
+        check_room(self.checkpoint_dir, state, model_only)
+        return model_only
+
+    def load(self, state: TrainState) -> Path | None:
+        """Load the newest intact checkpoint into `state` and return its folder; None if there is none yet."""
+        path, info = checkpoint_to_resume(self.checkpoint_dir)
+        if path is None:
+            return None
+        if info["model_only"]:
+            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+            state.step = info["step"]
+        else:
+            self.load_state(path, info, state)
+        return path
+
+    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """Nothing to do between saves: each save is complete when save() returns."""
+
+    def close(self) -> None:
+        """Nothing to release: no save outlives save()."""
+
 
 def rng_state(device: torch.device) -> dict:
     """This rank's random number generators: torch (and CUDA), numpy, python. As tensors and plain values

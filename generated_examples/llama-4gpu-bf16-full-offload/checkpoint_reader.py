@@ -7,14 +7,16 @@ checkpoint_files.py's, as for preflight.py and resume.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from checkpoint_files import corrupt_file
+from checkpoint_files import complete_checkpoints, corrupt_file
 from model import Model, ModelArgs
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -78,3 +80,38 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[st
         tensor_slice = weights.get_slice(name)
         found[name] = (dtypes[tensor_slice.get_dtype()], tuple(tensor_slice.get_shape()))
     return found, weights.get_tensor
+
+
+def export_parser(description: str) -> argparse.ArgumentParser:
+    """scripts/export.py's command line: a checkpoint (default: the newest) and an output folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
+    parser.add_argument("--checkpoints", type=Path, default=Path("outputs/checkpoints"),
+                        help="where to look for the newest checkpoint (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=Path("exported"), help="output folder (default: %(default)s)")
+    return parser
+
+
+def export_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """The checkpoint export_parser's arguments name; a parser error unless --output is new or an empty folder."""
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        complete = complete_checkpoints(args.checkpoints)
+        if not complete:
+            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
+        checkpoint = complete[-1]
+    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
+        # Never replace what is there: an earlier export may be the only copy of a model.
+        parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
+    return checkpoint
+
+
+def open_for_export(parser: argparse.ArgumentParser, checkpoint: Path) -> tuple[dict, dict[str, tuple], Callable]:
+    """open_checkpoint for scripts/export.py: a checkpoint of another model than its checkpoint.json describes
+    exits with code 1 (the files are wrong), any other problem as a usage error (exit 2)."""
+    try:
+        return open_checkpoint(checkpoint)
+    except CheckpointMismatch as error:
+        sys.exit(str(error))
+    except CheckpointError as error:
+        parser.exit(2, f"{error}\n")

@@ -23,7 +23,7 @@ device, mesh = init_distributed(config)
 model = build_model_meta(config, mesh, device)
 optimizer, scheduler = build_optimizer(model, config.training, device)
 state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="probe")
-checkpointer = Checkpointer(Path(config.job.output_dir) / "checkpoints", config, device)
+checkpointer = Checkpointer(Path(config.job.output_dir) / "checkpoints", config)
 assert checkpoint_load(state, checkpointer) is not None
 checkpointer.close()
 

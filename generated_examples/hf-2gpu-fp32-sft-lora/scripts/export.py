@@ -17,7 +17,6 @@ scripts/generate.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -29,29 +28,16 @@ from transformers import AutoModelForCausalLM
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
-from checkpoint_files import complete_checkpoints  # noqa: E402
-from checkpoint_reader import CheckpointError, checkpoint_tensors  # noqa: E402
+from checkpoint_reader import CheckpointError, checkpoint_tensors, export_checkpoint, export_parser  # noqa: E402
 from model_args import ModelArgs  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face model folder.")
-    parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
-    parser.add_argument("--checkpoints", type=Path, default=Path("outputs/checkpoints"),
-                        help="where to look for the newest checkpoint (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--output", type=Path, default=Path("exported"), help="output folder (default: %(default)s)")
+    parser = export_parser("Export a checkpoint as a Hugging Face model folder.")
     parser.add_argument("--adapter", action="store_true",
                         help="write the LoRA adapter in PEFT's format instead of the merged model")  # fmt: skip
     args = parser.parse_args()
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        complete = complete_checkpoints(args.checkpoints)
-        if not complete:
-            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
-        checkpoint = complete[-1]
-    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
-        # Never replace what is there: an earlier export may be the only copy of a model.
-        parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
+    checkpoint = export_checkpoint(parser, args)
     try:
         export_lora(checkpoint, args.output, adapter_only=args.adapter)
     except CheckpointError as error:

@@ -96,7 +96,7 @@ def check_timing(config, device, mesh) -> None:
     sync_save = time.perf_counter() - started
 
     # As train() makes it: its own gloo group for the saves, one stager for the run.
-    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
+    checkpointer = Checkpointer(output_dir / "checkpoints", config)
     dist.barrier()
     started = time.perf_counter()
     checkpointer.save(run.state)
@@ -165,7 +165,7 @@ def check_publish_fails(config, device, mesh) -> None:
     run, rank = Run(config, device, mesh), dist.get_rank()
     checkpoint_dir = Path(config.job.output_dir) / "checkpoints"
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(checkpoint_dir, config, device)
+    checkpointer = Checkpointer(checkpoint_dir, config)
     run.step()
     checkpointer.save(run.state)
     if rank == 0:

@@ -17,7 +17,7 @@ def save_model_output(config, device, mesh) -> None:
     optimizer, scheduler = build_optimizer(model, config.training, device)
     state = TrainState(model, optimizer, scheduler, config.training.global_batch_size, device, run_id="test")
     output_dir = Path(config.job.output_dir)
-    checkpointer = Checkpointer(output_dir / "checkpoints", config, device)
+    checkpointer = Checkpointer(output_dir / "checkpoints", config)
     assert checkpoint_load(state, checkpointer) is not None, "no checkpoint to load"
     checkpointer.close()
     # The same input on every rank: each rank computes the whole output with the all-gathered weights.

@@ -15,39 +15,20 @@ scripts/generate.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
-from checkpoint_files import complete_checkpoints  # noqa: E402
-from checkpoint_reader import CheckpointError, CheckpointMismatch, open_checkpoint, write_safetensors  # noqa: E402
+from checkpoint_reader import export_checkpoint, export_parser, open_for_export, write_safetensors  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Export a checkpoint as model.safetensors + config.json.")
-    parser.add_argument("checkpoint", nargs="?", type=Path, help="a step-N folder (default: the newest complete one)")
-    parser.add_argument("--checkpoints", type=Path, default=Path("outputs/checkpoints"),
-                        help="where to look for the newest checkpoint (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--output", type=Path, default=Path("exported"), help="output folder (default: %(default)s)")
+    parser = export_parser("Export a checkpoint as model.safetensors + config.json.")
     args = parser.parse_args()
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        complete = complete_checkpoints(args.checkpoints)
-        if not complete:
-            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
-        checkpoint = complete[-1]
-    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
-        # Never replace what is there: an earlier export may be the only copy of a model.
-        parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
-    try:
-        config, weights, read = open_checkpoint(checkpoint)
-    except CheckpointMismatch as error:
-        sys.exit(str(error))
-    except CheckpointError as error:
-        parser.exit(2, f"{error}\n")
+    checkpoint = export_checkpoint(parser, args)
+    config, weights, read = open_for_export(parser, checkpoint)
 
     args.output.mkdir(parents=True, exist_ok=True)
     target = args.output / "model.safetensors"
