@@ -107,9 +107,7 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
     }
     # One per style for the whole run, as in train(): the async one makes its gloo group and its one stager.
     checkpointers = {
-        style: checkpoints[style].Checkpointer(
-            Path(configs[style].job.output_dir) / "checkpoints", configs[style], device
-        )
+        style: checkpoints[style].Checkpointer(Path(configs[style].job.output_dir) / "checkpoints", configs[style])
         for style in STYLES
     }
     samples = ShuffledEpochs(

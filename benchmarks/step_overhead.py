@@ -64,7 +64,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
     # The reference: what one writes by hand from the FSDP2 tutorial, with the same model and hyperparameters.
     with torch.device("meta"):
         reference = Transformer(config.model)
-    for block in reference.layers:
+    for block in reference.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(reference, mesh=mesh)
     reference.to_empty(device=device)

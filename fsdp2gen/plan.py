@@ -294,7 +294,7 @@ class Plan:
     parameters: int  # of the whole model
     per_gpu: dict[str, int]
     activations: dict[str, int]  # by AC mode
-    host_per_gpu: int  # with --offload: the state that lives in CPU memory
+    host_per_gpu: int  # with --cpu-offload: the state that lives in CPU memory
     # checkpoint = "full": rank 0 gathers the whole model and AdamW state in its CPU memory to write them
     full_checkpoint_host: int
     usable_bytes: int

@@ -434,7 +434,7 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
     checkpointer = Checkpointer(output_dir / "checkpoints", config)
     # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without
-    # one, and finds only its own when its launch restarts it (preflight.check_run_folder).
+    # one, and finds only its own when its launch restarts it (run_folder.check_run_folder).
     resumed_from = checkpoint_load(state, checkpointer)
     if resumed_from and dist.get_rank() == 0:
         print(f"resumed from {resumed_from} at step {state.step}", flush=True)
