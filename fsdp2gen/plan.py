@@ -43,7 +43,7 @@ FP32 = 4
 INT64 = 8
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # activation_checkpointing's choices (copier.yml), from the least recomputation to the most.
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "layer", "full")
 # training.grad_sync of the generated config: when gradients are reduce-scattered under accumulation.
 GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 MIB, GIB = 2**20, 2**30
@@ -265,19 +265,43 @@ def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: 
     )
 
 
+def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+    """Bytes one block keeps under op-level selective AC (activation_checkpoint.py, torchtitan's policy): the
+    outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2; wk, wo and w3 are recomputed), attention's
+    output and logsumexp, and with tp > 1 the two reduce-scatters' outputs (wo's and w2's, sequence-split).
+
+    tp > 1: wq/wv/w1 outputs hold this rank's heads or hidden units (1/tp); w2's output is the full-sequence
+    partial sum that the reduce-scatter then splits. (tests/test_op_level_ac.py measures this figure.)
+    """
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    kv = tokens * model.n_kv_heads * model.head_dim
+    ffn = tokens * model.ffn_dim
+    # wq's, wv's and w1's outputs, attention's output and logsumexp.
+    split = compute * (hidden + kv + ffn + hidden) + FP32 * batch * model.n_heads * seq_len
+    if tp > 1:
+        split += 2 * compute * hidden  # the reduce-scatters' outputs
+    return math.ceil(split / tp) + compute * hidden  # + w2's matmul output
+
+
 def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
     full: every block keeps only its input, and backward recomputes one block at a time.
-    selective: every second block is checkpointed (torchtitan's selective_ac_option=2).
+    layer: every second block (index 0, 2, ...) is checkpointed whole (torchtitan's selective_ac_option=2).
+    selective: op-level, every block keeps its input and its expensive ops' outputs (op_level_kept_bytes), and
+    backward recomputes the rest of one block at a time.
     With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
     block = block_activation_bytes(model, batch, seq_len, compute, tp)
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
-    checkpointed = {"none": 0, "selective": model.n_layers // 2, "full": model.n_layers}[ac]
+    head = head_activation_bytes(model, batch, seq_len, compute, tp)
+    if ac == "selective":
+        return model.n_layers * (block_input + op_level_kept_bytes(model, batch, seq_len, compute, tp)) + block + head
+    checkpointed = {"none": 0, "layer": (model.n_layers + 1) // 2, "full": model.n_layers}[ac]
     kept = (model.n_layers - checkpointed) * block + checkpointed * block_input
     recompute = block if checkpointed else 0
-    return kept + recompute + head_activation_bytes(model, batch, seq_len, compute, tp)
+    return kept + recompute + head
 
 
 @dataclass
@@ -370,7 +394,7 @@ def _levers(plan: Plan) -> list[Lever]:
     """Each single change that lowers the per-GPU total, largest saving first."""
     request = plan.request
     options: list[tuple[str, PlanRequest]] = []
-    for mode in ("full", "selective"):
+    for mode in ("full", "layer", "selective"):
         if AC_MODES.index(mode) > AC_MODES.index(request.ac):
             options.append((f"--activation-checkpointing {mode}", replace(request, ac=mode)))
     if not request.offload:
@@ -684,7 +708,13 @@ def format_text(plan: Plan) -> str:
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         lines.append(f"{label:<48}{_size(value):>12}")
-    for mode, label in (("none", "no AC"), ("selective", "selective AC"), ("full", "full AC")):
+    labels = (
+        ("none", "no AC"),
+        ("selective", "selective AC (op-level)"),
+        ("layer", "layer AC (every 2nd)"),
+        ("full", "full AC"),
+    )
+    for mode, label in labels:
         used = " (used)" if mode == request.ac else ""
         lines.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
     lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")

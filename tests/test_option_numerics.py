@@ -150,15 +150,16 @@ ALL_OPTIONS = [
 def test_project_with_every_option_passes_its_own_training_tests(tmp_path: Path) -> None:
     project = generate(tmp_path / "run-options", *ALL_OPTIONS)
     # -q -vv: one line per test. With every option on: 2 ranks == 1 process, meta init == eager init (CPU offload
-    # initialises on CPU); 5 options equal to the run without them (activation checkpointing of every block and of
-    # every 2nd block, CPU offload, prefetch of 2 blocks, no resharding); compiled == eager; TensorBoard. (The
+    # initialises on CPU); 6 options equal to the run without them (op-level selective, layer (every 2nd block) and
+    # full activation checkpointing, CPU offload, prefetch of 2 blocks, no resharding); compiled == eager; TensorBoard. (The
     # other base tests do not depend on options: they run in the fp32 project's own suite.)
     selected = ["-k", "ranks_match_one_process or meta_init or option_changes or compiled or tensorboard"]
     stdout = run_own_tests(project, "-vv", "tests/test_training.py", *selected)
-    assert re.search(r" 9 passed, 2 deselected in ", stdout), stdout[-2000:]
+    assert re.search(r" 10 passed, 2 deselected in ", stdout), stdout[-2000:]
     for test in ("ranks_match_one_process", "meta_init_matches_eager_init",
-                 "option_changes_memory_or_speed_not_numbers[activation_checkpoint_every-1]",
-                 "option_changes_memory_or_speed_not_numbers[activation_checkpoint_every-2]",
+                 "option_changes_memory_or_speed_not_numbers[activation_checkpointing-selective]",
+                 "option_changes_memory_or_speed_not_numbers[activation_checkpointing-layer]",
+                 "option_changes_memory_or_speed_not_numbers[activation_checkpointing-full]",
                  "option_changes_memory_or_speed_not_numbers[cpu_offload-true]",
                  "option_changes_memory_or_speed_not_numbers[prefetch_blocks-2]",
                  "option_changes_memory_or_speed_not_numbers[reshard_after_forward-false]",

@@ -290,7 +290,7 @@ def test_accumulation_is_a_memory_lever_only_with_every_micro_batch(tmp_path: Pa
         '[model]\nsize = "8b"\n[training]\nseq_len = 8192\nglobal_batch_size = 64\ngrad_accum_steps = 4\n'
         'grad_sync = "last_micro_batch"\n'
     )
-    ac = ["--activation-checkpointing", "selective"]
+    ac = ["--activation-checkpointing", "layer"]
     last = plan_json("--config", str(config), "--gpus", "8", "--precision", "bf16", *ac)
     assert last["setup"]["grad_sync"] == "last_micro_batch" and not last["fits"]
     options = [lever["option"] for lever in last["levers"]]
@@ -318,7 +318,8 @@ def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
     assert per_gpu["parameters"] == per_gpu["gradients"] == 4 * params // 8
     assert per_gpu["optimizer_state"] == 2 * 4 * params // 8 + 4 * (2 + 9 * 32 + 1)
     assert per_gpu["total"] == sum(v for k, v in per_gpu.items() if k != "total")
-    assert plan["activations_bytes"]["full"] < plan["activations_bytes"]["selective"] < per_gpu["activations"]
+    activations = plan["activations_bytes"]
+    assert activations["full"] < activations["selective"] < activations["layer"] < per_gpu["activations"]
     assert not plan["fits"]
     assert plan["levers"][0]["option"] == "--activation-checkpointing full" and plan["levers"][0]["fits"]
     savings = [lever["saves_bytes"] for lever in plan["levers"]]
@@ -326,6 +327,19 @@ def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
     with_ac = plan_json("--size", "8b", "--gpus", "8", "--activation-checkpointing", "full")
     assert with_ac["fits"] and with_ac["levers"] == []
     assert with_ac["per_gpu_bytes"]["total"] == plan["levers"][0]["total_bytes"]
+
+
+def test_reference_8b_headline_run_fits_an_h100_with_op_level_ac_only() -> None:
+    # torchtitan's headline run: 8 GPUs, local batch 2, seq 8192, bf16, op-level selective AC. Layer-level AC
+    # (every 2nd block whole, what "selective" meant before issue 26) does not fit an 80 GB H100.
+    args = ("--size", "8b", "--gpus", "8", "--precision", "bf16", "--seq", "8192", "--batch", "2")
+    op = plan_json(*args, "--activation-checkpointing", "selective", "--gpu-type", "h100-80gb")
+    layer = plan_json(*args, "--activation-checkpointing", "layer", "--gpu-type", "h100-80gb")
+    assert op["fits"] and not layer["fits"]
+    assert (
+        round(op["per_gpu_bytes"]["total"] / 2**30, 1) == 64.1
+        and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 92.1
+    )
 
 
 def test_text_table_names_every_part_and_the_verdict() -> None:
@@ -412,7 +426,7 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         (["--size", "8b", "--batch", "0"], "--batch must be at least 1, got 0; give --batch 1 or more"),
         # The choices are the question's (copier.yml), checked by the option itself, as in `new`.
         (["--size", "8b", "--activation-checkpointing", "some"],
-         "Invalid value for '--activation-checkpointing': 'some' is not one of 'none', 'full', 'selective'."),
+         "Invalid value for '--activation-checkpointing': 'some' is not one of 'none', 'selective', 'layer', 'full'."),
         (["--size", "8b", "--gpus", "1", "--tp", "2"], "--tp 2 does not divide 1 GPUs; choose a divisor"),
         (
             ["--size", "8b", "--grad-sync", "never"],
@@ -441,7 +455,7 @@ def test_plan_options_are_named_as_new_names_them(option: str) -> None:
     help_text = invoke("plan", "--help").stdout
     for name in ("--activation-checkpointing", "--cpu-offload", "--gpus", "--nodes", "--precision", "--tp"):
         assert name in help_text
-    assert "none|full|selective" in help_text  # activation_checkpointing's choices, from copier.yml
+    assert "none|selective|layer|full" in help_text  # activation_checkpointing's choices, from copier.yml
     assert set(AC_MODES) == set(questions()["activation_checkpointing"].choice_values)
 
 
