@@ -5,6 +5,9 @@
 #   benchmarks/gpu.sh --device cpu --tiny    # dry run: tiny model, 2 steps, gloo on CPU (what the tests run)
 #   benchmarks/gpu.sh --float8               # also float8 + compile (needs compute capability 8.9+)
 #   STEPS=30 BATCH=8 PEAK_FLOPS=989e12 benchmarks/gpu.sh
+#   benchmarks/gpu.sh --reference-8b         # torchtitan's headline run: Llama 3.1 8B on 8 GPUs, local batch 2,
+#                                            # seq 8192, op-level selective AC; eager, compile, float8+compile,
+#                                            # beside `fsdp2gen plan`'s per-GPU figure
 #
 # Generates a project (`fsdp2gen new --gpus 1 --bf16 --compile [--float8]`), trains it with torchrun (1 process)
 # once per variant and reads outputs/metrics.jsonl. Prints one line per variant: tokens/s/GPU (median after the
@@ -17,15 +20,23 @@ PYTHON="${PYTHON:-python}"
 DEVICE=cuda
 TINY=""
 FLOAT8=""
+NPROC=1
+REFERENCE=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --tiny) TINY=1; shift ;;
     --float8) FLOAT8=1; shift ;;
-    *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8]" >&2; exit 2 ;;
+    --reference-8b) REFERENCE=1; FLOAT8=1; NPROC=8; shift ;;
+    *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8] [--reference-8b]" >&2; exit 2 ;;
   esac
 done
-if [[ -n "$TINY" ]]; then
+AC=none
+if [[ -n "$REFERENCE" ]]; then
+  STEPS="${STEPS:-50}"
+  AC=selective
+  SHAPE=(--model.size 8b --training.seq_len 8192 --training.global_batch_size $((2 * NPROC)))
+elif [[ -n "$TINY" ]]; then
   STEPS="${STEPS:-2}"
   SHAPE=(--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 --model.ffn_dim 172
          --model.vocab_size 128 --model.max_seq_len 64 --training.seq_len 32 --training.global_batch_size "${BATCH:-2}")
@@ -38,7 +49,8 @@ fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 PROJECT="$WORK/llama-1b"
-"$PYTHON" -m fsdp2gen new "$PROJECT" --gpus 1 --bf16 --compile ${FLOAT8:+--float8} --yes >/dev/null
+"$PYTHON" -m fsdp2gen new "$PROJECT" --gpus "$NPROC" --bf16 --compile ${FLOAT8:+--float8} \
+  --activation-checkpointing "$AC" --yes >/dev/null
 
 # Fresh runs only, a short warm-up, and no checkpoint before the last step.
 OVERRIDES=("${SHAPE[@]}" --job.device "$DEVICE" --training.steps "$STEPS" --training.warmup_steps 2
@@ -52,7 +64,7 @@ train() {  # train VARIANT [OVERRIDE...]: a fresh run into $WORK/VARIANT
   local variant="$1"
   shift
   if ! (cd "$PROJECT" && OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run --standalone \
-          --nproc-per-node 1 train.py --config config.toml "${OVERRIDES[@]}" "$@" --job.output_dir "$WORK/$variant") \
+          --nproc-per-node "$NPROC" train.py --config config.toml "${OVERRIDES[@]}" "$@" --job.output_dir "$WORK/$variant") \
           >"$WORK/$variant.log" 2>&1; then
     echo "$variant: FAILED"
     tail -n 30 "$WORK/$variant.log"
@@ -84,7 +96,7 @@ for variant in variants:
         records = [json.loads(line) for line in f]
     # The first steps pay for the CUDA context, allocator growth and (with compile) compilation.
     timed = records[min(10, len(records) - 1):]
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in timed)  # one process: per GPU
+    tokens_per_s = statistics.median(r["tokens_per_s_per_gpu"] for r in timed)
     flops = flops_per_token * tokens_per_s
     if peak:
         mfu = f"MFU {100 * flops / peak:.1f}% of {peak / 1e12:g} TFLOP/s"
@@ -111,5 +123,10 @@ for variant in eager compile ${FLOAT8:+float8+compile}; do
 done
 if [[ ${#variants[@]} -gt 0 ]]; then
   report "${variants[@]}" || status=1
+fi
+if [[ "$AC" != none ]]; then
+  # What the memory plan expects per GPU for the same run (compare with the peaks above).
+  "$PYTHON" -m fsdp2gen plan --config "$PROJECT/config.toml" --gpus "$NPROC" --precision bf16 --batch 2 \
+    --seq 8192 --activation-checkpointing "$AC" | grep -E '^(activations|total|h100|h200)' | sed 's/^/plan: /' || status=1
 fi
 exit "$status"

@@ -150,9 +150,9 @@ ALL_OPTIONS = [
 def test_project_with_every_option_passes_its_own_training_tests(tmp_path: Path) -> None:
     project = generate(tmp_path / "run-options", *ALL_OPTIONS)
     # -q -vv: one line per test. With every option on: 2 ranks == 1 process, meta init == eager init (CPU offload
-    # initialises on CPU); 6 options equal to the run without them (op-level selective, layer (every 2nd block) and
-    # full activation checkpointing, CPU offload, prefetch of 2 blocks, no resharding); compiled == eager; TensorBoard. (The
-    # other base tests do not depend on options: they run in the fp32 project's own suite.)
+    # initialises on CPU); 6 options equal to the run without them (op-level selective, layer (every 2nd block)
+    # and full activation checkpointing, CPU offload, prefetch of 2 blocks, no resharding); compiled == eager;
+    # TensorBoard. (The other base tests do not depend on options: they run in the fp32 project's own suite.)
     selected = ["-k", "ranks_match_one_process or meta_init or option_changes or compiled or tensorboard"]
     stdout = run_own_tests(project, "-vv", "tests/test_training.py", *selected)
     assert re.search(r" 10 passed, 2 deselected in ", stdout), stdout[-2000:]
