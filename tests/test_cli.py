@@ -46,7 +46,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
         "tensorboard": True, "tokenizer": "gpt2", "task": "pretrain", "lora": False, "wandb": True,
     }  # fmt: skip
     config = (tmp_path / "run" / "config.toml").read_text()
-    for line in ("reshard_after_forward = 4", "activation_checkpointing = \"full\"", "compile = true",
+    for line in ("reshard_after_forward = 4", "activation_checkpointing = \"full", "compile = true",
                  "cpu_offload = true", "tensorboard = true", "wandb = true"):  # fmt: skip
         assert re.search(rf"^{line}\b", config, flags=re.M), line
     assert "prefetch_blocks" not in config
