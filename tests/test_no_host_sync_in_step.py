@@ -35,9 +35,11 @@ NO_GPU_SYNC = {
 
 
 def where(call: str) -> str:
-    """"item torch/optim/optimizer.py:95 _get_value" -> "torch/optim/optimizer.py _get_value"."""
+    """From "item torch/optim/optimizer.py:95 _get_value" to "torch/optim/optimizer.py _get_value"."""
     _, site, function = call.split()
     return f"{site.rsplit(':', 1)[0]} {function}"
+
+
 # The project's own copies on the reporting steps, per rank: rank 0 copies every pending number at once (1), and
 # evaluate() reads the validation loss on every rank (step 6 and the last step).
 OWN = {4: [1, 0], 6: [2, 1], 8: [2, 1]}

@@ -5,7 +5,8 @@ for the device's queue to drain (a host sync). Tensor.item/tolist/cpu/numpy and 
 __int__ are wrapped before train.train runs; a call belongs to the step whose train_step last started (so a
 step's count includes its metrics.log, validation and checkpoint). On CPU ranks nothing really waits, but the same
 calls are made as on a GPU: counting them is what a GPU's sync debug mode would report for the project's code.
-Each rank writes $PROBE_OUT/rank<N>.json: {"steps": [count of step 1, ...], "sites": {step: ["item file:line function", ...]}}.
+Each rank writes $PROBE_OUT/rank<N>.json: {"steps": [count of step 1, ...], "sites": {step: [call, ...]}}, a call
+written "item file:line function".
 """
 
 import json
