@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ def caller() -> str:
     torch/optim/optimizer.py), else the file's name (train.py, metrics.py), then the function's name."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = Path(frame.filename)
-        if path != Path(__file__):
+        if path != Path(__file__) and path.name != "warnings.py":
             where = f"torch/{path.relative_to(TORCH)}" if path.is_relative_to(TORCH) else path.name
             return f"{where}:{frame.lineno} {frame.name}"
     return "?"
@@ -65,6 +66,20 @@ for name in WRAPPED:
 train.train_step = counted_train_step
 config = parse_args(sys.argv[1:])
 device, mesh = train.init_distributed(config)
+if device.type == "cuda":
+    # On a GPU, CUDA's own count as well (scripts/gpu_smoke.sh): every operation that waits for the device warns,
+    # whatever asked for it; such calls are written "cuda file:line function".
+    torch.cuda.set_sync_debug_mode("warn")
+    warnings.simplefilter("always")
+    show = warnings.showwarning
+
+    def count_cuda_syncs(message, category, *args, **kwargs):
+        if "synchronizing CUDA operation" not in str(message) or not counts:
+            return show(message, category, *args, **kwargs)
+        counts[-1] += 1
+        sites.setdefault(len(counts), []).append(f"cuda {caller()}")
+
+    warnings.showwarning = count_cuda_syncs
 train.train(config, device, mesh)
 steps = list(counts)
 counts.clear()  # stop counting
