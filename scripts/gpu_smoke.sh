@@ -98,6 +98,26 @@ sys.exit(1 if problems else 0)
 PY
 )"; then
     echo "PASS $name device=$DEVICE nproc=$NPROC $verdict$NOTE"
+    # Host syncs per step (tests/helpers/sync_probe.py; on GPUs CUDA's sync debug mode counts them too): steps
+    # that neither print (job.log_every 5), validate nor save must make none.
+    if (cd "$project" && PROBE_OUT="$WORK" PYTHONPATH="$project" OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run \
+          --standalone --nproc-per-node "$NPROC" "$REPO/tests/helpers/sync_probe.py" "${OVERRIDES[@]}" "${MODEL[@]}" \
+          "${EXTRA[@]}" --job.log_every 5 --eval.every 0 --job.output_dir "$WORK/$name-syncs") >"$WORK/$name-syncs.log" 2>&1 \
+       && syncs="$("$PYTHON" - "$WORK/rank0.json" "$STEPS" "$HALF" <<'PY'
+import json, sys
+report, steps, half = json.load(open(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
+quiet = [s for s in range(1, steps + 1) if s % 5 and s % half and s != steps]
+cuda = {int(s): sum(call.startswith("cuda ") for call in calls) for s, calls in report["sites"].items()}
+print(f"syncs on rank 0: {report['steps']} (CUDA sync debug mode: {cuda})")
+bad = {s: report["sites"][str(s)] for s in quiet if cuda.get(s)}
+sys.exit(f"syncs on steps that do not report: {bad}" if bad else 0)
+PY
+)"; then
+      echo "PASS $name $syncs"
+    else
+      failed=1
+      echo "FAIL $name syncs per step: $(tail -n 3 "$WORK/$name-syncs.log")"
+    fi
     if [[ "$OWN_TESTS" == 1 ]]; then
       if (cd "$project" && NPROC="$NPROC" "$PYTHON" -m pytest -q -p no:cacheprovider >"$WORK/$name-pytest.log" 2>&1); then
         echo "PASS $name own tests: $(tail -n 1 "$WORK/$name-pytest.log")"

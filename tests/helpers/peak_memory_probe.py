@@ -1,18 +1,18 @@
 """Run under torchrun in a generated project: rank 1 allocates 200 MiB more than rank 0, then every rank asks
-train.peak_memory_mib, which must report the largest rank's peak (rank 1's) on every rank."""
+metrics.largest_over_ranks, which must report the largest rank's peak (rank 1's) on every rank."""
 
 import resource
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from metrics import peak_memory_mib
+from metrics import largest_over_ranks, local_peak_mib
 
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     ballast = np.ones(200 * 2**20, dtype=np.uint8)  # touched, so resident
 own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-reported = peak_memory_mib(torch.device("cpu"))
+reported = largest_over_ranks([local_peak_mib(torch.device("cpu"))], torch.device("cpu")).item()
 readings = [None] * dist.get_world_size()
 dist.all_gather_object(readings, (own, reported))
 if dist.get_rank() == 0:

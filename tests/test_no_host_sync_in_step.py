@@ -1,0 +1,67 @@
+"""A training step copies nothing from the device to the host (a sync that drains a GPU's queue) except on the
+steps that report: metrics.py keeps each step's numbers on the device and copies them all at once on a logging,
+validation, checkpoint or last step. Counted on 2 CPU ranks by wrapping Tensor.item/tolist/cpu/... (sync_probe.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HELPERS, TINY, generate, metrics, torchrun
+
+# Steps 1-8, a progress line every 4 steps, validation every 6, no checkpoint before the last step's.
+RUN = [*TINY, "--job.log_every", "4", "--training.steps", "8", "--eval.every", "6", "--eval.batches", "1",
+       "--checkpoint.interval", "100", "--job.device", "cpu"]  # fmt: skip
+REPORTING = {4, 6, 8}  # logging steps, the validation step, the last step (which also saves)
+
+
+def syncs_per_step(project: Path, out: Path) -> list[dict]:
+    torchrun(project, str(HELPERS / "sync_probe.py"), *RUN, "--job.output_dir", str(out / "run"),
+             env={"PROBE_OUT": str(out)})  # fmt: skip
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+# Host reads that are no GPU sync: AdamW's step counters, which torch keeps on the CPU unless its fused or capturable
+# kernels keep them on the GPU (then nothing is read), and, in fp16, GradScaler's found-inf flag, which torch reads
+# on the host for a non-fused optimizer (on CPU ranks here; on a GPU the fused AdamW takes the flag on the device).
+# (The functions of torch that read them, by file; GradScaler.get_scale, a real sync, stays counted.)
+NO_GPU_SYNC = {
+    "torch/optim/optimizer.py _get_value",
+    "torch/amp/grad_scaler.py <genexpr>",  # _maybe_opt_step's sum over found_inf_per_device
+    "torch/distributed/fsdp/sharded_grad_scaler.py _amp_update_scale_cpu_",
+}
+
+
+def where(call: str) -> str:
+    """From "item torch/optim/optimizer.py:95 _get_value" to "torch/optim/optimizer.py _get_value"."""
+    _, site, function = call.split()
+    return f"{site.rsplit(':', 1)[0]} {function}"
+
+
+# The project's own copies on the reporting steps, per rank: rank 0 copies every pending number at once (1), and
+# evaluate() reads the validation loss on every rank (step 6 and the last step).
+OWN = {4: [1, 0], 6: [2, 1], 8: [2, 1]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_steps_that_do_not_report_make_no_host_sync(tmp_path: Path, precision: str) -> None:
+    project = generate(tmp_path / "project", "--gpus", "2", "--precision", precision)
+    reports = syncs_per_step(project, tmp_path)
+    for rank, report in enumerate(reports):
+        assert len(report["steps"]) == 8, report
+        sites = {
+            int(step): [call for call in calls if where(call) not in NO_GPU_SYNC]
+            for step, calls in report["sites"].items()
+        }
+        quiet = {step: sites.get(step, []) for step in range(1, 9) if step not in REPORTING}
+        assert all(not calls for calls in quiet.values()), (rank, quiet)
+        # The last step's checkpoint save copies the shards to the host inside torch (DCP): counted apart.
+        own = {step: [call for call in sites.get(step, []) if not where(call).startswith("torch/")] for step in OWN}
+        assert {step: len(calls) for step, calls in own.items()} == {step: OWN[step][rank] for step in OWN}, own
+    # The rows are those of a run that synced every step: one per step, with every number.
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert all(isinstance(row["loss"], float) and isinstance(row["grad_norm"], float) for row in rows)
+    assert [("val_loss" in row) for row in rows] == [step in (6, 8) for step in range(1, 9)]
