@@ -201,3 +201,33 @@ def test_training_seed_seeds_every_run_of_a_pretrained_model(
     first = losses(0, "seed-0")
     assert losses(0, "seed-0-again") == first
     assert losses(1, "seed-1")[0] != first[0]
+
+
+@pytest.fixture(scope="module")
+def bf16_sharded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama saved in bf16 across several safetensors files (an index), as hub models are."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)  # fmt: skip
+    folder = tmp_path_factory.mktemp("hf-bf16") / "llama-bf16"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["every-rank-reads-its-slices", "rank0-broadcasts"])
+def test_bf16_sharded_files_load_bit_identical_to_from_pretrained_by_either_path(
+    project: Path, bf16_sharded_model: Path, blind: bool
+) -> None:
+    # Every rank sees the folder: DCP's HuggingFaceStorageReader, no warning. A rank that does not (--blind gives
+    # rank 1 a folder that does not exist): rank 0 reads and broadcasts, and says so once. bf16 files converted to
+    # the fp32 shards exactly as from_pretrained(dtype=float32) converts them.
+    probe = Path(__file__).parent / "helpers" / "hf_load_probe.py"
+    result = torchrun(project, str(probe), str(bf16_sharded_model), *(["--blind"] if blind else []),
+                      "--job.device", "cpu")  # fmt: skip
+    assert result.stdout.splitlines().count("equal") == 1, result.stdout
+    warnings = re.findall(r"^warning: rank\(s\) \[1\] do not see the files of .*$", result.stdout, flags=re.M)
+    assert len(warnings) == (1 if blind else 0), result.stdout
