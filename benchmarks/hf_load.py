@@ -2,7 +2,7 @@
 
     python benchmarks/hf_load.py [--worlds 2,4] [--tiny]
 
-Saves a random Llama (hidden 1024, 8 layers, vocab 8192: 117M parameters, 470 MB of fp32 safetensors in one
+Saves a random Llama (hidden 1024, 8 layers, vocab 8192: 111M parameters, 445 MB of fp32 safetensors in one
 file, as save_pretrained writes a model under 5 GB) in a temporary folder, generates a project for it
 (`fsdp2gen new --family hf --pretrained --fp32`) and runs this file again under `torchrun` (CPU, gloo) once
 per path and world size. Each rank builds the sharded model with random weights, then times the generated
@@ -117,7 +117,8 @@ def main() -> None:
                 ranks = json.loads(out.read_text())
                 method = ranks[0]["method"]
                 results[path, world] = {"rss": ranks[0]["increase"], "seconds": max(r["seconds"] for r in ranks)}
-                print(f"{path:<10} {world:>5} {ranks[0]['increase'] / 1e6:14.1f} {results[path, world]['seconds']:7.2f}")
+                row = results[path, world]
+                print(f"{path:<10} {world:>5} {row['rss'] / 1e6:14.1f} {row['seconds']:7.2f}")
         print(f"peak measured as: {method}")
         for world in worlds:
             dcp, broadcast = results["dcp", world], results["broadcast", world]

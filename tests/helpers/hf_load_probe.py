@@ -11,14 +11,13 @@ of the tensors that differ.
 import sys
 from pathlib import Path
 
+import model as model_module
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
-
-import model as model_module
 from model import ModelArgs
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from train import build_model_meta, run_on_every_rank
+from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
