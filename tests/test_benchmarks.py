@@ -113,3 +113,11 @@ def test_prepare_data_benchmark_reports_throughput_and_the_ratio() -> None:
                      flags=re.M), out  # fmt: skip
     assert re.search(r"^encode_batch alone: [\d.]+ s, [\d,.]+ MB/s$", out, flags=re.M), out
     assert re.search(r"^ratio prepare_data / encode_batch time: \d+\.\d\d$", out, flags=re.M), out
+
+
+def test_hf_load_benchmark_runs_and_reports_the_ratios() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/hf_load.py", "--tiny", "--worlds", "2")
+    for path in ("dcp", "broadcast"):
+        assert re.search(rf"^{path} +2 +\d+\.\d +\d+\.\d\d$", out, flags=re.M), out
+    assert re.search(r"^world 2: rank 0 peak RSS dcp / broadcast = \d+\.\d\d$", out, flags=re.M), out
+    assert re.search(r"^world 2: load time dcp / broadcast = \d+\.\d\d$", out, flags=re.M), out

@@ -1,0 +1,46 @@
+"""Run under torchrun in a generated hf project (test_hf.py): the sharded model filled by model.load_pretrained
+from FOLDER must equal transformers' from_pretrained(FOLDER, dtype=float32) bit for bit, every tensor.
+
+    torchrun ... hf_load_probe.py FOLDER [--blind] [--section.key VALUE ...]
+
+--blind: every rank but 0 is given a folder that does not exist, as a rank on a node that does not see rank 0's
+folder would, so that load_pretrained must take its rank-0 broadcast path. Rank 0 prints "equal" or the names
+of the tensors that differ.
+"""
+
+import sys
+from pathlib import Path
+
+import model as model_module
+import torch
+import torch.distributed as dist
+from model import ModelArgs
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from train import build_model_meta, run_on_every_rank
+from transformers import AutoModelForCausalLM
+
+
+def main() -> None:
+    folder, args = Path(sys.argv[1]), sys.argv[2:]
+    blind = "--blind" in args
+    args = [arg for arg in args if arg != "--blind"]
+
+    def check(config, device, mesh) -> int:
+        # Built from scratch (random weights), then loaded: every weight must change to the files' values.
+        config.model = ModelArgs(path=str(folder), pretrained=False)
+        model = build_model_meta(config, mesh, device)
+        seen = folder if not blind or dist.get_rank() == 0 else folder.parent / "not-on-this-node"
+        model_module.load_pretrained(model, seen)
+        gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            differ = [name for name, tensor in reference.state_dict().items()
+                      if name not in gathered or not torch.equal(gathered[name], tensor)]  # fmt: skip
+            print("differ: " + " ".join(differ) if differ else "equal", flush=True)
+        return 0
+
+    run_on_every_rank(check, args)
+
+
+if __name__ == "__main__":
+    main()
