@@ -31,20 +31,30 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """The largest peak of any rank (the one that runs out first), in MiB; a collective, so every rank calls it."""
+def local_peak_mib(device: torch.device) -> float:
+    """This rank's peak memory in MiB: a host-side counter, read without waiting for the device."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    largest = torch.tensor([peak], dtype=torch.float64, device=device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the peak resident memory of this process.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def largest_over_ranks(peaks: list[float], device: torch.device) -> torch.Tensor:
+    """The largest rank's value of each of `peaks` (the rank that runs out first), on the device: one all-reduce,
+    a collective, so every rank calls it."""
+    largest = torch.tensor(peaks, dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return largest.item()
+    return largest
 
 
 class MetricsLog:
-    """Rank 0's report of each step; on the other ranks every method does nothing."""
+    """Rank 0's report of each step; the other ranks only take part in its all-reduce of the peak memory.
+
+    A step's numbers stay on the device (train_step returns tensors): copying one to the host (.item()) would
+    make the CPU wait until the GPU has run everything queued so far, a stall every step. They are copied, the
+    pending steps' all at once, only on the steps that print or need them (FLUSH_ON); every step's row is then
+    written, in order, as if each had been written at its own step.
+    """
 
     def __init__(self, config: Config, output_dir: Path, run_id: str, device: torch.device, first_step: int) -> None:
         training = config.training
@@ -54,16 +64,56 @@ class MetricsLog:
         self.peak_flops = peak_flops_per_device(device)
         self.flops_per_token = config.model.flops_per_token(training.seq_len)
         self.first_step, self.started = first_step, time.perf_counter()
+        self.device = device
+        self.pending: list[tuple[int, dict, float, float | None]] = []  # steps not yet copied to the host
+        self.device_wait = 0.0  # seconds the host waited for the device to finish the pending steps
         self.file = None
         if dist.get_rank() == 0:
             # Appended to: a resumed run goes on in the same file (its rows carry the run id).
             self.file = open(output_dir / "metrics.jsonl", "a")
 
-    def log(self, step: int, numbers: dict[str, float], peak_mem_mib: float, validation: float | None) -> None:
-        """One row of metrics.jsonl for `step`: train_step's numbers (loss, lr, grad_norm, ...) and step_time_s,
-        with the throughput, MFU and peak memory they imply, and the validation loss when there is one."""
+    def log(self, step: int, numbers: dict[str, float | torch.Tensor], validation: float | None) -> None:
+        """Record `step`: train_step's numbers (loss, lr, grad_norm, ..., device tensors or floats) and
+        step_time_s, this rank's peak memory and the validation loss when there is one. Every rank calls it."""
+        self.pending.append((step, numbers, local_peak_mib(self.device), validation))
+        training, job = self.config.training, self.config.job
+        # Steps that print (progress, validation), the last one, and those that save a checkpoint: a resumed run
+        # finds the rows of every step up to its checkpoint in metrics.jsonl. (A crash loses the rows after the
+        # last of these, fewer than job.log_every: the resumed run writes them again anyway.)
+        flush = step % job.log_every == 0 or step == training.steps or validation is not None
+        if flush or step % self.config.checkpoint.interval == 0:
+            self.flush()
+
+    def wait_for_device(self) -> None:
+        """Wait until the device has run the pending steps. The host queues a step's work and goes on, so a step's
+        step_time_s is the host's time; the wait here is the rest of the pending steps' time, which flush() shares
+        out among their rows. train() calls it before validation, which would otherwise absorb that wait."""
+        if self.device.type == "cuda":
+            started = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            self.device_wait += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Copy the pending steps' numbers to the host in one transfer (the only sync) and write their rows."""
+        self.wait_for_device()
+        rows, self.pending = self.pending, []
+        waited, self.device_wait = self.device_wait, 0.0
+        peaks = largest_over_ranks([peak for _, _, peak, _ in rows], self.device)
         if self.file is None:
             return
+        tensors = [value for _, numbers, _, _ in rows for value in numbers.values() if isinstance(value, torch.Tensor)]
+        # float64 holds each fp32 number exactly: the values are those .item() would have given, step by step.
+        on_device = [peaks, *(value.detach().to(self.device, torch.float64).reshape(1) for value in tensors)]
+        host = torch.cat(on_device).tolist()
+        peak_values, values = host[: len(rows)], iter(host[len(rows) :])
+        for (step, numbers, _, validation), peak in zip(rows, peak_values, strict=True):
+            on_host = {name: next(values) if torch.is_tensor(number) else number for name, number in numbers.items()}
+            on_host["step_time_s"] += waited / len(rows)  # each step's share of the device's backlog
+            self.write(step, on_host, peak, validation)
+
+    def write(self, step: int, numbers: dict[str, float], peak_mem_mib: float, validation: float | None) -> None:
+        """One row of metrics.jsonl for `step`: train_step's numbers and step_time_s, with the throughput, MFU and
+        peak memory they imply, and the validation loss when there is one."""
         elapsed = numbers["step_time_s"]
         record = {
             "run_id": self.run_id,

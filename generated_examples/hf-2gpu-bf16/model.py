@@ -3,8 +3,10 @@
 train.py builds the model from its config.json on the meta device (no memory), shards it, allocates each
 rank's shards with `to_empty`, and then fills them with one of:
 
-- `load_pretrained`: rank 0 reads the safetensors files, one file at a time; each tensor is broadcast and
-  every rank keeps only its own shard of it. No other rank ever holds the whole model.
+- `load_pretrained`: every rank reads, through DCP's HuggingFaceStorageReader, only the slices of the
+  safetensors files that its own shards hold; no rank holds a whole tensor and nothing is broadcast. That needs
+  every rank to see the same files: it checks (names and sizes, as every rank lists them), and where some rank
+  does not (a folder on rank 0's node only), rank 0 reads each file whole and broadcasts it, with a warning.
 - `init_from_scratch`: the model's own initialisation (transformers' `_init_weights`), on the shards, equal
   bit for bit whatever the number of ranks (and in every replica of HSDP).
 
@@ -25,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -51,10 +55,111 @@ class PretrainedLoadError(Exception):
 
 
 def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
-    """Fill the sharded `model` with the weights in `folder`, on every rank; only rank 0 reads files.
+    """Fill the sharded `model` with the weights in `folder`, on every rank.
 
-    Raises PretrainedLoadError on every rank together if rank 0 cannot read them.
+    Where every rank sees the same files (one shared folder, or the same copy on every node), each rank reads only
+    the slices of its own shards through DCP's HuggingFaceStorageReader: no rank holds a whole tensor, nothing
+    is broadcast. Otherwise (e.g. the folder is on rank 0's node only) rank 0 reads every file and broadcasts it
+    (load_from_rank0), and says so. Raises PretrainedLoadError on every rank together, with rank 0's message.
     """
+    rank = dist.get_rank()
+    files, error = [], None
+    try:
+        files = [(file, (folder / file).stat().st_size) for file in safetensors_files(folder)]
+    except (OSError, ValueError) as exc:
+        error = f"cannot list the weights of {folder}: {exc}"
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (files, error))
+    share_from_rank0(None, seen[0][1])  # rank 0's error: every rank raises it
+    # Every rank takes the same decision: the same files (names and sizes) as rank 0's on every rank.
+    blind = [other for other, (other_files, _) in enumerate(seen) if other_files != seen[0][0]]
+    if not blind:
+        load_slices(model, folder)
+    else:
+        if rank == 0:
+            print(
+                f"warning: rank(s) {blind[:8]} do not see the files of {folder} that rank 0 sees: rank 0 reads them "
+                "and broadcasts every tensor (slower, and rank 0 holds one whole file at a time); put the model "
+                "in a folder every rank sees to read it in parallel",
+                flush=True,
+            )
+        load_from_rank0(model, folder)
+    finish_pretrained(model)
+
+
+def load_slices(model: PreTrainedModel, folder: Path) -> None:
+    """Every rank reads the slices of the files its shards hold (dcp.load with HuggingFaceStorageReader), into
+    the model's own tensors; safetensors maps the files, so a slice costs its own bytes only. copy_ into the
+    fp32 shards converts bf16 or fp16 files exactly, as from_pretrained does."""
+    reader = HuggingFaceStorageReader(str(folder))
+    shapes, error = {}, None
+    try:
+        shapes = {key: meta.size for key, meta in reader.read_metadata().state_dict_metadata.items()}
+    except Exception as exc:  # a truncated or foreign file: safetensors' own error names it
+        error = f"cannot read the weights of {folder}: {type(exc).__name__}: {exc}"
+    first_error(error)
+    names = tensor_names(model)
+    tensors = {id(tensor): tensor for tensor, _ in state_names(model)}
+    by_name = {name: key for key, group in names.items() for name in group}
+    loaded = set(with_model_keys(dict.fromkeys(shapes), model.base_model_prefix, names))
+    error = missing_or_unexpected(model, folder, names, loaded)
+    # The file's key for each tensor (the first of a tied group that the file has), and the model's tensor.
+    state: dict[str, torch.Tensor] = {}
+    chosen: set[int] = set()
+    for key in sorted(shapes):
+        name = key if key in by_name else f"{model.base_model_prefix}.{key}"
+        tensor = tensors.get(by_name.get(name, -1))
+        if tensor is None or id(tensor) in chosen:
+            continue  # a weight the model does not use, or a tied weight's second name
+        chosen.add(id(tensor))
+        if error is None and tuple(tensor.shape) != tuple(shapes[key]):
+            error = (
+                f"{folder} has {key} of shape {list(shapes[key])} but the model's is {list(tensor.shape)}; "
+                "its config.json must be the one the weights were saved with"
+            )
+        state[key] = tensor.detach()
+    first_error(error)
+    try:
+        # A collective; each rank copies into its own DTensor shards (replicated tensors: the whole tensor).
+        dcp.load(state, storage_reader=reader)
+    except Exception as exc:  # CheckpointException, on every rank together: the first rank's failure
+        failures = getattr(exc, "failures", None) or {0: exc}
+        cause = failures[min(failures)]
+        text = str(getattr(cause, "exc", cause)).strip().splitlines() or [""]
+        raise PretrainedLoadError(f"cannot read the weights of {folder}: {type(cause).__name__}: {text[0]}") from None
+
+
+def first_error(error: str | None) -> None:
+    """Every rank raises the lowest rank's error together, if any rank had one."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise PretrainedLoadError(error)
+
+
+def missing_or_unexpected(model: PreTrainedModel, folder: Path, names: dict[int, set[str]], loaded: set[str]):
+    """The error if the files lack a weight of the model (tied weights: one of the names suffices), else None;
+    rank 0 warns of weights the model does not use."""
+    missing = [sorted(group)[0] for group in names.values() if not group & loaded]
+    unexpected = sorted(loaded - {name for group in names.values() for name in group})
+    if missing:
+        # fully_shard renamed the model's class to FSDP<class>; the message names the one the user knows.
+        model_class = type(model).__name__.removeprefix("FSDP")
+        return (
+            f"{folder} lacks {len(missing)} weight(s) of {model_class}, e.g. {missing[:3]}"
+            + (f", and has others, e.g. {unexpected[:3]}" if unexpected else "")
+            + "; its keys must match the model's state_dict() (checkpoints that transformers converts while "
+            "loading, e.g. per-expert MoE weights, are not supported)"
+        )
+    if unexpected and dist.get_rank() == 0:
+        print(f"warning: {folder} has weights the model does not use: {unexpected[:5]}", flush=True)
+    return None
+
+
+def load_from_rank0(model: PreTrainedModel, folder: Path) -> None:
+    """Rank 0 reads each safetensors file whole and broadcasts every tensor; each rank keeps its own shard. For
+    a folder that only rank 0 sees; raises PretrainedLoadError on every rank together if rank 0 cannot read it."""
     rank = dist.get_rank()
     files, error = [], None
     if rank == 0:
@@ -80,24 +185,11 @@ def load_pretrained(model: PreTrainedModel, folder: Path) -> None:
         # A collective: rank 0 sends the tensors one at a time; each rank copies out its own shard.
         set_model_state_dict(model, state, options=options)
         del state
-    error = None
-    if rank == 0:
-        # Tied weights (an output layer sharing the embedding) are one tensor under several names: the
-        # file holds one of them.
-        missing = [sorted(group)[0] for group in names.values() if not group & loaded]
-        unexpected = sorted(loaded - {name for group in names.values() for name in group})
-        if missing:
-            # fully_shard renamed the model's class to FSDP<class>; the message names the one the user knows.
-            model_class = type(model).__name__.removeprefix("FSDP")
-            error = (
-                f"{folder} lacks {len(missing)} weight(s) of {model_class}, e.g. {missing[:3]}"
-                + (f", and has others, e.g. {unexpected[:3]}" if unexpected else "")
-                + "; its keys must match the model's state_dict() (checkpoints that transformers converts while "
-                "loading, e.g. per-expert MoE weights, are not supported)"
-            )
-        elif unexpected:
-            print(f"warning: {folder} has weights the model does not use: {unexpected[:5]}", flush=True)
-    share_from_rank0(None, error)
+    share_from_rank0(None, missing_or_unexpected(model, folder, names, loaded) if rank == 0 else None)
+
+
+def finish_pretrained(model: PreTrainedModel) -> None:
+    """After the weights are in: transformers' init, which then writes only the non-persistent buffers."""
     # Mark what was loaded as initialised: transformers' init then writes only the non-persistent buffers.
     tensors = {id(tensor): tensor for tensor in model.state_dict(keep_vars=True).values()}.values()
     for tensor in tensors:

@@ -88,8 +88,11 @@ class ParallelConfig:
     reshard_after_forward: bool | int = setting(8, low=1, high=MAX_COUNT, words="true, false or at least 1")
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     output_dtype: Literal["float32", "compute"] = "float32"
-    # Every Nth block recomputes its activations in backward instead of keeping them; 0 = none.
-    activation_checkpoint_every: int = setting(1, low=1, high=MAX_COUNT, zero="off")
+    # What backward recomputes instead of keeping (activation_checkpoint.py): "selective" = the cheap ops inside
+    # every block (matmul and attention outputs kept), "layer" = every activation_checkpoint_every-th block whole,
+    # "full" = every block whole, "none" = nothing.
+    activation_checkpointing: Literal["none", "selective", "layer", "full"] = "full"
+    activation_checkpoint_every: int = setting(2, low=1, high=MAX_COUNT)
     compile: bool = True
     # Classes of model.py to fully_shard one module at a time (its repeated blocks).
     shard_modules: list[str] = setting(

@@ -35,7 +35,7 @@ from config import Config, ParallelConfig, TrainingConfig, parse_args
 from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
 from errors import stop
 from layout import ParallelLayout
-from metrics import MetricsLog, peak_memory_mib
+from metrics import MetricsLog
 from model import block_classes, build_model, initialize
 from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
@@ -192,9 +192,13 @@ def build_optimizer(
 
 
 # fsdp2gen: block train_step
-def train_step(state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor]], config: Config) -> dict[str, float]:
+def train_step(
+    state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor]], config: Config
+) -> dict[str, float | torch.Tensor]:
     """One optimizer step over this rank's micro-batches. Returns the step's numbers for metrics.jsonl: the loss
-    averaged over ranks, the learning rate the step used, and optimizer_step's."""
+    averaged over ranks, the learning rate the step used, and optimizer_step's. The loss and optimizer_step's
+    numbers are device tensors: reading them here (.item()) would make the host wait for the device every step;
+    metrics.py copies them on the steps that report."""
     model, device, training = state.model, state.device, config.training
     lr = state.scheduler.get_last_lr()[0]
     loss_sum = torch.zeros((), device=device)
@@ -212,17 +216,17 @@ def train_step(state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
-    # Gloo has no AVG reduction: sum the per-rank losses, then divide.
+    # Gloo has no AVG reduction: sum the per-rank losses, then divide (in float64, as Python divides a float).
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    return {"loss": loss_sum.item() / dist.get_world_size(), "lr": lr, **numbers}
+    return {"loss": loss_sum.double() / dist.get_world_size(), "lr": lr, **numbers}
 
 
-def optimizer_step(state: TrainState, config: Config) -> dict[str, float]:
+def optimizer_step(state: TrainState, config: Config) -> dict[str, torch.Tensor]:
     """Clip the accumulated gradients, step the optimizer and the schedule; returns the numbers for metrics.jsonl."""
     model, optimizer, max_norm = state.model, state.optimizer, config.training.max_norm
     grad_norm = clip_grad_norm(list(model.parameters()), max_norm if max_norm > 0 else math.inf)
     optimizer.step()
-    numbers = {"grad_norm": grad_norm.item()}
+    numbers = {"grad_norm": grad_norm}
     optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
     return numbers
@@ -446,11 +450,11 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
         state.step = step + 1
         if profiler is not None:
             profiler.step_done(state.step)
-        peak_mem_mib = peak_memory_mib(device)
         validation = None
         if val_samples is not None and (state.step % config.eval.every == 0 or state.step == training.steps):
+            metrics.wait_for_device()  # the training steps' own time, not validation's
             validation = evaluate(model, val_samples, config, data_rank, data_ranks, device)
-        metrics.log(state.step, numbers, peak_mem_mib, validation)
+        metrics.log(state.step, numbers, validation)
         if state.step % config.checkpoint.interval == 0 or state.step == training.steps:
             checkpoint_save(state, checkpointer)
         else:

@@ -84,8 +84,7 @@ def main() -> None:
         grads[mode] = [x.grad, *(p.grad for p in block.parameters())]
         report[mode] = {"held_bytes": held, "decisions": list(decisions)}
     report["max_grad_diff"] = {
-        mode: max((a - b).abs().max().item() for a, b in zip(grads["none"], grads[mode], strict=True))
-        for mode in grads
+        mode: max((a - b).abs().max().item() for a, b in zip(grads["none"], grads[mode], strict=True)) for mode in grads
     }
     print(json.dumps(report))
 

@@ -60,9 +60,9 @@ def test_pretrained_weights_load_sharded_and_equal_from_pretrained(tmp_path: Pat
     assert len(lines) == NPROC, result.stdout
     for rank, diff, growth, full in lines:
         assert float(diff) <= LOGITS_TOLERANCE, (rank, diff)
-        if rank != "0":
-            # Rank 0 reads the files; every other rank holds its shards plus one tensor in flight.
-            assert float(growth) < float(full), (rank, growth, full)
+        # Every rank reads its own slices (DCP's HuggingFaceStorageReader): it holds its shards, plus the file
+        # pages it maps while reading (page cache: its slices and the kernel's fault-around), rank 0 included.
+        assert float(growth) < 3 * float(full) / NPROC, (rank, growth, full)
     assert "from scratch: " in result.stdout
 
 

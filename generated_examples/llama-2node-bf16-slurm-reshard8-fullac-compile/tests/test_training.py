@@ -52,7 +52,7 @@ def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
 
 # Each option trades memory for speed or the reverse; none may change the numbers.
 OPTIONS_OFF = [
-    "--parallel.activation_checkpoint_every", "0",
+    "--parallel.activation_checkpointing", "none",
     "--parallel.reshard_after_forward", "true",
 ]  # fmt: skip
 OPTION_STEPS = ["--training.steps", "4", "--model.n_layers", "4"]
@@ -66,8 +66,9 @@ def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.parametrize(
     "option",
     [
-        ("activation_checkpoint_every", "1"),
-        ("activation_checkpoint_every", "2"),
+        ("activation_checkpointing", "selective"),
+        ("activation_checkpointing", "layer"),
+        ("activation_checkpointing", "full"),
         ("reshard_after_forward", "false"),
     ],
     ids="-".join,

@@ -54,7 +54,7 @@ def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
 
 # Each option trades memory for speed or the reverse; none may change the numbers.
 OPTIONS_OFF = [
-    "--parallel.activation_checkpoint_every", "0",
+    "--parallel.activation_checkpointing", "none",
     "--parallel.prefetch_blocks", "0",
     "--parallel.reshard_after_forward", "true",
 ]  # fmt: skip
@@ -69,8 +69,9 @@ def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.parametrize(
     "option",
     [
-        ("activation_checkpoint_every", "1"),
-        ("activation_checkpoint_every", "2"),
+        ("activation_checkpointing", "selective"),
+        ("activation_checkpointing", "layer"),
+        ("activation_checkpointing", "full"),
         ("prefetch_blocks", "2"),
     ],
     ids="-".join,

@@ -1,0 +1,64 @@
+"""Activation checkpointing: what each block keeps for backward and what backward recomputes.
+
+parallel.activation_checkpointing picks the mode:
+- "selective" (op-level, as torchtitan does): every block runs under a policy that keeps the outputs of the
+  expensive ops (matmuls, except every second one; attention; reduce-scatters; max, which float8 scaling needs)
+  and recomputes the cheap element-wise ones (norms, activations, rotary, residual adds) in backward.
+- "layer": every activation_checkpoint_every-th block keeps only its input and recomputes all of its activations.
+- "full": every block does that (least memory, about one extra forward).
+All wrappers are non-reentrant, the variant that works with FSDP2's hooks; each gives the same numbers as none.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Ops whose outputs "selective" keeps: costly to recompute, and (but for the matmuls' every second output) small
+# next to the element-wise activations around them. The attention variants cover the CUDA kernels and CPU's flash.
+SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def op_policy(counts: dict[str, int]) -> Any:
+    """The per-op choice for one block call. `counts` numbers the block's matmuls, separately in forward and in
+    the recompute, so that both pass the same ops the same way: the recompute must produce exactly what forward
+    did not save."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            counts[phase] += 1
+            if counts[phase] % 2 == 0:  # every second matmul is recomputed: half their memory, a third of a forward
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def op_level_contexts() -> Any:
+    """checkpoint's context_fn: called once per block call, so the matmul count starts afresh for each."""
+    return create_selective_checkpoint_contexts(op_policy(defaultdict(int)))
+
+
+def checkpoint_block(block: nn.Module, index: int, parallel: Any) -> nn.Module:
+    """The block (the index-th) in the wrapper parallel.activation_checkpointing asks for, or as it is."""
+    mode = parallel.activation_checkpointing
+    if mode == "selective":
+        return checkpoint_wrapper(block, context_fn=op_level_contexts)
+    if mode == "full" or (mode == "layer" and index % parallel.activation_checkpoint_every == 0):
+        return checkpoint_wrapper(block)
+    return block
