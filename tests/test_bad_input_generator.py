@@ -217,7 +217,7 @@ CASES = [
     Case(
         "ac-unknown",
         (*NEW, "--activation-checkpointing", "some"),
-        "Invalid value for '--activation-checkpointing': 'some' is not one of 'none', 'full', 'selective'.",
+        "Invalid value for '--activation-checkpointing': 'some' is not one of 'none', 'selective', 'layer', 'full'.",
     ),
     Case(
         "precision-conflict", (*NEW, "--bf16", "--fp32"), "conflicting precision options --bf16 --fp32; give only one"

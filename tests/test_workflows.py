@@ -51,11 +51,13 @@ def test_gpu_smoke_script_cpu_path_passes(tmp_path: Path) -> None:
     result = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == len(examples), lines
-    for name, line in zip(examples, lines, strict=True):
+    # Two lines per example: the training run, then its host syncs per step (none on steps that do not report).
+    assert len(lines) == 2 * len(examples), lines
+    for name, line, syncs in zip(examples, lines[::2], lines[1::2], strict=True):
         match = re.fullmatch(rf"PASS {name} device=cpu nproc=2 tokens/s [\d,]+ loss ([\d.]+)->([\d.]+) peak .*", line)
         assert match, line
         assert float(match[2]) < 0.9 * float(match[1])
+        assert re.fullmatch(rf"PASS {name} syncs on rank 0: .*\(CUDA sync debug mode: .*\)", syncs), syncs
 
 
 def test_gpu_smoke_script_refuses_without_a_gpu() -> None:
