@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -149,23 +150,33 @@ def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: P
     assert "Qwen2DecoderLayer" in message
 
 
-def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
-    # Found while loading (after the model is built on meta), not by preflight: the ranks stop together, rank 0
-    # prints the one line, and every rank exits 2 after leaving the process group (no SIGABRT at exit).
+def train_with_edited_weights(
+    project: Path, model: Path, tmp_path: Path, edit: Callable[[dict], object]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of `model` whose model.safetensors `edit` changed, and a 2-rank training run of it."""
     from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "model"
-    shutil.copytree(models["qwen2-tied"], folder)
+    shutil.copytree(model, folder)
     weights = load_file(folder / "model.safetensors")
-    del weights["model.norm.weight"]
+    edit(weights)
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TRAIN,
          "--model.path", str(folder), "--job.output_dir", str(tmp_path / "out")],
         cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
+    return folder, result
+
+
+def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
+    project: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Found while loading (after the model is built on meta), not by preflight: the ranks stop together, rank 0
+    # prints the one line, and every rank exits 2 after leaving the process group (no SIGABRT at exit).
+    folder, result = train_with_edited_weights(
+        project, models["qwen2-tied"], tmp_path, lambda w: w.pop("model.norm.weight")
+    )
     assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
         f"train.py: error: {folder} lacks 1 weight(s) of Qwen2ForCausalLM, e.g. ['model.norm.weight']; its keys must "
         "match the model's state_dict() (checkpoints that transformers converts while loading, e.g. per-expert MoE "
@@ -238,18 +249,10 @@ def test_a_weight_of_another_shape_stops_every_rank_with_one_line(
     project: Path, models: dict[str, Path], tmp_path: Path
 ) -> None:
     # Checked against the files' headers before any rank reads a slice: one line, exit 2.
-    from safetensors.torch import load_file, save_file
+    def halve_the_norm(weights: dict) -> None:
+        weights["model.norm.weight"] = weights["model.norm.weight"][:32].clone()
 
-    folder = tmp_path / "model"
-    shutil.copytree(models["qwen2-tied"], folder)
-    weights = load_file(folder / "model.safetensors")
-    weights["model.norm.weight"] = weights["model.norm.weight"][:32].clone()
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TRAIN,
-         "--model.path", str(folder), "--job.output_dir", str(tmp_path / "out")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
+    folder, result = train_with_edited_weights(project, models["qwen2-tied"], tmp_path, halve_the_norm)
     assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
         f"train.py: error: {folder} has model.norm.weight of shape [32] but the model's is [64]; its config.json "
         "must be the one the weights were saved with"
