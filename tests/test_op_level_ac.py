@@ -73,3 +73,60 @@ def test_policy_keeps_half_the_matmuls_and_attention_as_plan_counts(project: Pat
     assert report["selective"]["held_bytes"] < 0.4 * report["none"]["held_bytes"]
     print(f"\n{shape}: held {report['selective']['held_bytes']} (op-level) vs {report['none']['held_bytes']} (none);"
           f" plan's block {block_activation_bytes(model, batch, seq, FP32)}")  # fmt: skip
+
+
+# Records the policy's forward decisions for one block of the custom family (linear layers with a bias: aten.addmm,
+# not aten.mm), and checks its gradients against the same block without AC.
+CUSTOM_BLOCK = """
+import torch
+import activation_checkpoint
+from config import load_config
+from model import Block
+
+decisions, policy_of = [], activation_checkpoint.op_policy
+
+
+def recording(counts):
+    policy = policy_of(counts)
+
+    def decide(ctx, op, *args, **kwargs):
+        choice = policy(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            decisions.append((str(op), choice.name))
+        return choice
+
+    return decide
+
+
+activation_checkpoint.op_policy = recording
+config = load_config("config.toml")
+torch.manual_seed(0)
+block = Block(config.model)
+x = torch.randn(2, 16, config.model.dim, requires_grad=True)
+block(x).sum().backward()
+plain = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
+x.grad = None
+block.zero_grad()
+wrapped = activation_checkpoint.checkpoint_block(block, 0, config.parallel)
+wrapped(x).sum().backward()
+checkpointed = [x.grad, *(p.grad for p in block.parameters())]
+print([(op, choice) for op, choice in decisions if choice == "MUST_SAVE" or "mm" in op])
+print(all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True)))
+"""
+
+
+def test_selective_keeps_every_other_matmul_of_blocks_whose_linears_have_a_bias(tmp_path: Path) -> None:
+    project = generate(tmp_path / "custom", "--family", "custom", "--gpus", "1", "--fp32",
+                       "--activation-checkpointing", "selective")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", CUSTOM_BLOCK], cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    decisions, equal = result.stdout.strip().splitlines()
+    # qkv, attention_out, mlp_in, mlp_out: the first and third kept; the attention kept.
+    assert decisions == str([
+        ("aten.addmm.default", "MUST_SAVE"),
+        ("aten._scaled_dot_product_flash_attention_for_cpu.default", "MUST_SAVE"),
+        ("aten.addmm.default", "PREFER_RECOMPUTE"),
+        ("aten.addmm.default", "MUST_SAVE"),
+        ("aten.addmm.default", "PREFER_RECOMPUTE"),
+    ])  # fmt: skip
+    assert equal == "True"

@@ -2,8 +2,8 @@
 
 parallel.activation_checkpointing picks the mode:
 - "selective" (op-level, as torchtitan does): every block runs under a policy that keeps the outputs of the
-  expensive ops (matmuls, except every second one; attention; reduce-scatters; max, which float8 scaling needs)
-  and recomputes the cheap element-wise ones (norms, activations, rotary, residual adds) in backward.
+  expensive ops (matmuls, but every second one; attention; reduce-scatters; max, which float8 scaling needs) and
+  recomputes the cheap element-wise ones (norms, activations, rotary, residual adds) in backward.
 - "layer": every activation_checkpoint_every-th block keeps only its input and recomputes all of its activations.
 - "full": every block does that (least memory, about one extra forward).
 All wrappers are non-reentrant, the variant that works with FSDP2's hooks; each gives the same numbers as none.
@@ -19,10 +19,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+# The matmuls, of which "selective" keeps every other output: a linear layer without bias is aten.mm, one with a
+# bias (the custom family's, many Hugging Face models' q/k/v) aten.addmm, and a float8 one (torchao) aten._scaled_mm.
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._scaled_mm.default}
 # Ops whose outputs "selective" keeps: costly to recompute, and (but for the matmuls' every second output) small
 # next to the element-wise activations around them. The attention variants cover the CUDA kernels and CPU's flash.
 SAVE = {
-    torch.ops.aten.mm.default,
+    *MATMULS,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -40,7 +43,7 @@ def op_policy(counts: dict[str, int]) -> Any:
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         phase = "recompute" if ctx.is_recompute else "forward"
-        if op == torch.ops.aten.mm.default:
+        if op in MATMULS:
             counts[phase] += 1
             if counts[phase] % 2 == 0:  # every second matmul is recomputed: half their memory, a third of a forward
                 return CheckpointPolicy.PREFER_RECOMPUTE
