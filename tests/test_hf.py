@@ -257,3 +257,18 @@ def test_a_weight_of_another_shape_stops_every_rank_with_one_line(
         f"train.py: error: {folder} has model.norm.weight of shape [32] but the model's is [64]; its config.json "
         "must be the one the weights were saved with"
     ], result.stderr[-3000:]
+
+
+def test_op_level_activation_checkpointing_keeps_the_numbers_of_a_model_with_qkv_bias(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Qwen2's q/k/v projections have a bias (aten.addmm, not aten.mm): selective keeps every other one's output
+    # like llama's; whatever it keeps, the losses and gradient norms are those of no checkpointing.
+    project = generate(tmp_path / "sac", "--family", "hf", "--hf-model", str(models["qwen2-tied"]), "--gpus", "2",
+                       "--fp32", "--activation-checkpointing", "selective")  # fmt: skip
+    runs = {}
+    for mode in ("none", "selective"):
+        torchrun(project, "train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
+                 "--job.output_dir", str(tmp_path / mode))  # fmt: skip
+        runs[mode] = [(row["loss"], row["grad_norm"]) for row in metrics(tmp_path / mode)]
+    assert len(runs["none"]) == 3 and runs["selective"] == runs["none"], runs
