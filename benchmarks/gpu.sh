@@ -103,7 +103,8 @@ for variant in variants:
     else:
         mfu = "MFU n/a (bf16 peak of this device unknown; set PEAK_FLOPS)"
     print(f"{variant}: {tokens_per_s:,.0f} tokens/s/GPU | {flops / 1e12:.3f} TFLOP/s | {mfu} | "
-          f"peak {max(r['peak_mem_mib'] for r in records):,.0f} MiB | "
+          f"peak {max(r['peak_mem_mib'] for r in records):,.0f} MiB "
+          f"(reserved {max(r['peak_reserved_mib'] for r in records):,.0f} MiB) | "
           f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} | {len(records)} steps, {len(timed)} timed")
 PY
   )

@@ -70,7 +70,7 @@ def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
     for variant in ("eager", "compile"):
         line = (
             rf"^{variant}: [\d,]+ tokens/s/GPU \| \d+\.\d{{3}} TFLOP/s \| MFU \d+\.\d% of 0\.1 TFLOP/s \| "
-            r"peak [\d,]+ MiB \| loss \d+\.\d{3} -> \d+\.\d{3} \| 2 steps, 1 timed$"
+            r"peak [\d,]+ MiB \(reserved [\d,]+ MiB\) \| loss \d+\.\d{3} -> \d+\.\d{3} \| 2 steps, 1 timed$"
         )
         assert re.search(line, out, flags=re.M), (variant, out)
 

@@ -39,6 +39,14 @@ def local_peak_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def local_reserved_mib(device: torch.device) -> float:
+    """This rank's peak of the memory the CUDA caching allocator reserved, in MiB: what nvidia-smi shows and what an
+    out-of-memory error counts (allocated memory plus the allocator's cached blocks). On CPU the resident peak."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return local_peak_mib(device)
+
+
 def largest_over_ranks(peaks: list[float], device: torch.device) -> torch.Tensor:
     """The largest rank's value of each of `peaks` (the rank that runs out first), on the device: one all-reduce,
     a collective, so every rank calls it."""
@@ -65,7 +73,8 @@ class MetricsLog:
         self.flops_per_token = config.model.flops_per_token(training.seq_len)
         self.first_step, self.started = first_step, time.perf_counter()
         self.device = device
-        self.pending: list[tuple[int, dict, float, float | None]] = []  # steps not yet copied to the host
+        # Steps not yet copied to the host: (step, numbers, (peak allocated, peak reserved), validation loss).
+        self.pending: list[tuple[int, dict, tuple[float, float], float | None]] = []
         self.device_wait = 0.0  # seconds the host waited for the device to finish the pending steps
         self.file = None
         if dist.get_rank() == 0:
@@ -75,7 +84,8 @@ class MetricsLog:
     def log(self, step: int, numbers: dict[str, float | torch.Tensor], validation: float | None) -> None:
         """Record `step`: train_step's numbers (loss, lr, grad_norm, ..., device tensors or floats) and
         step_time_s, this rank's peak memory and the validation loss when there is one. Every rank calls it."""
-        self.pending.append((step, numbers, local_peak_mib(self.device), validation))
+        peaks = (local_peak_mib(self.device), local_reserved_mib(self.device))
+        self.pending.append((step, numbers, peaks, validation))
         training, job = self.config.training, self.config.job
         # Steps that print (progress, validation), the last one, and those that save a checkpoint: a resumed run
         # finds the rows of every step up to its checkpoint in metrics.jsonl. (A crash loses the rows after the
@@ -98,22 +108,24 @@ class MetricsLog:
         self.wait_for_device()
         rows, self.pending = self.pending, []
         waited, self.device_wait = self.device_wait, 0.0
-        peaks = largest_over_ranks([peak for _, _, peak, _ in rows], self.device)
+        peaks = largest_over_ranks([peak for _, _, pair, _ in rows for peak in pair], self.device)
         if self.file is None:
             return
         tensors = [value for _, numbers, _, _ in rows for value in numbers.values() if isinstance(value, torch.Tensor)]
         # float64 holds each fp32 number exactly: the values are those .item() would have given, step by step.
         on_device = [peaks, *(value.detach().to(self.device, torch.float64).reshape(1) for value in tensors)]
         host = torch.cat(on_device).tolist()
-        peak_values, values = host[: len(rows)], iter(host[len(rows) :])
-        for (step, numbers, _, validation), peak in zip(rows, peak_values, strict=True):
+        peak_values, values = host[: 2 * len(rows)], iter(host[2 * len(rows) :])
+        allocated, reserved = peak_values[::2], peak_values[1::2]
+        for (step, numbers, _, validation), peak, reserved_peak in zip(rows, allocated, reserved, strict=True):
             on_host = {name: next(values) if torch.is_tensor(number) else number for name, number in numbers.items()}
             on_host["step_time_s"] += waited / len(rows)  # each step's share of the device's backlog
-            self.write(step, on_host, peak, validation)
+            self.write(step, on_host, (peak, reserved_peak), validation)
 
-    def write(self, step: int, numbers: dict[str, float], peak_mem_mib: float, validation: float | None) -> None:
+    def write(self, step: int, numbers: dict[str, float], peaks: tuple[float, float], validation: float | None) -> None:
         """One row of metrics.jsonl for `step`: train_step's numbers and step_time_s, with the throughput, MFU and
-        peak memory they imply, and the validation loss when there is one."""
+        peak memory they imply (`peaks`: the largest rank's allocated and reserved), and the validation loss when
+        there is one."""
         elapsed = numbers["step_time_s"]
         record = {
             "run_id": self.run_id,
@@ -125,7 +137,8 @@ class MetricsLog:
             "mfu": self.flops_per_token * self.tokens_per_step / elapsed / (self.peak_flops * self.world_size)
             if self.peak_flops
             else None,
-            "peak_mem_mib": peak_mem_mib,
+            "peak_mem_mib": peaks[0],
+            "peak_reserved_mib": peaks[1],
         }
         if validation is not None:
             # Perplexity is exp(mean loss); capped so that a diverged run still writes valid JSON.

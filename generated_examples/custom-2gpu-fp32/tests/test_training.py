@@ -27,6 +27,8 @@ def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
     tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
     for record in metrics:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        # The allocator reserves at least what it allocated (on CPU both are the resident peak).
+        assert record["peak_reserved_mib"] >= record["peak_mem_mib"], record
         assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
         assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
     # A peak never falls from one step to the next.
