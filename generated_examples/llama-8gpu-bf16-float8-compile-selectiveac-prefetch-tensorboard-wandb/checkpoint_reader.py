@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint_files import complete_checkpoints, corrupt_file
+from checkpoint_files import corrupt_file, newest_checkpoint
 from model import Model, ModelArgs
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -130,12 +130,9 @@ def export_parser(description: str) -> argparse.ArgumentParser:
 
 def export_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
     """The checkpoint export_parser's arguments name; a parser error unless --output is new or an empty folder."""
-    checkpoint = args.checkpoint
+    checkpoint = args.checkpoint or newest_checkpoint(args.checkpoints)
     if checkpoint is None:
-        complete = complete_checkpoints(args.checkpoints)
-        if not complete:
-            parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
-        checkpoint = complete[-1]
+        parser.error(f"no complete checkpoint (step-N folder) in {args.checkpoints}")
     if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
         # Never replace what is there: an earlier export may be the only copy of a model.
         parser.error(f"--output {args.output} exists and is not an empty folder; choose a new --output")
