@@ -636,6 +636,13 @@ def plan(
         Path | None,
         typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
     ] = None,
+    hf_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Hugging Face model's config.json, or its folder (Llama, Qwen2, Qwen3, Mistral), without a project.",
+            show_default=False,
+        ),
+    ] = None,
     batch: Annotated[
         int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
     ] = None,
@@ -660,7 +667,7 @@ def plan(
 
     try:
         request = planner.build_request(
-            size=size, config=config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
+            size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
             **_given_answers(answers),
         )  # fmt: skip
     except planner.PlanError as error:

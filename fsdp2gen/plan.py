@@ -36,6 +36,15 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from fsdp2gen.files import FileInputError, read_text
+from fsdp2gen.plan_families import (
+    HfConfigError,
+    HfShape,
+    hf_parameter_shapes,
+    is_trainable,
+    lora_extra_activation_bytes,
+    read_hf_config,
+    read_lora,
+)
 from fsdp2gen.questions import questions, read_answers, template_dir
 from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
 
@@ -144,6 +153,7 @@ class PlanRequest:
     grad_accum_steps: int | None = 1  # None: not known (--size), assumed > 1 for grad_sync
     grad_sync: str = TEMPLATE_GRAD_SYNC
     gpu: str = "h100-80gb"
+    task: str = "pretrain"  # the project's task: "sft" masks the prompt's targets, the same memory
 
     @property
     def world_size(self) -> int:
@@ -175,6 +185,8 @@ def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[in
     With tp > 1, column-parallel weights (wq, wk, wv, w1, w3, embedding and output rows) split dim 0 and
     row-parallel ones (wo, w2) dim 1, as torchtitan does; norms are replicated.
     """
+    if isinstance(model, HfShape):
+        return hf_parameter_shapes(model)  # the hf family has no tensor parallelism
     d, hd = model.dim, model.head_dim
 
     def column(rows: int, cols: int) -> tuple[int, int]:
@@ -324,6 +336,7 @@ class Plan:
     usable_bytes: int
     fits: bool
     levers: list[Lever]
+    trainable: int = 0  # parameters with gradients and optimizer state: all, or with LoRA the adapters
 
 
 def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
@@ -331,20 +344,25 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     compute = COMPUTE_BYTES[request.precision]
     shapes = parameter_shapes(model, request.tp)
     sharded = sum(shard_numel(shape, ranks) for _, shape in shapes)
+    # With LoRA only the adapters have gradients and AdamW state (the frozen weights are sharded all the same).
+    trainable = [(name, shape) for name, shape in shapes if is_trainable(model, name)]
+    trained = sum(shard_numel(shape, ranks) for _, shape in trainable)
     state = {
         "parameters": FP32 * sharded,
-        "gradients": FP32 * sharded,
-        "optimizer_state": 2 * FP32 * sharded + FP32 * len(shapes),
+        "gradients": FP32 * trained,
+        "optimizer_state": 2 * FP32 * trained + FP32 * len(trainable),
     }
     activations = {
-        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
+        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp)
+        + family_activation_bytes(model, request.batch, request.seq_len, compute, mode)
+        for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
-    per_gpu |= _buffers(request, shapes, compute) | {"activations": activations[request.ac]}
+    per_gpu |= family_buffers(request, shapes, compute, trainable) | {"activations": activations[request.ac]}
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
-    unsharded = FP32 * sum(math.prod(shape) for _, shape in shapes)
+    unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["total"] = sum(per_gpu.values())
     if request.grad_accum_steps == 1:
@@ -357,6 +375,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
+        trainable=sum(math.prod(shape) for _, shape in trainable),
         per_gpu=per_gpu,
         activations=activations,
         host_per_gpu=sum(state.values()) if request.offload else 0,
@@ -374,8 +393,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
     """The model's buffers and FSDP2's all-gather and reduce-scatter buffers, per GPU."""
     model = request.model
-    block_unit = sum(math.prod(shape) for name, shape in shapes if name.startswith("layers.0."))
-    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    block_unit = sum(math.prod(shape) for name, shape in shapes if _in_block(name, "0."))
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not _in_block(name))
     # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
     # the accumulated ones (deferred_gradients), not more memory.
     unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
@@ -388,6 +407,36 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
         # are copied into an fp32 reduce-scatter input.
         "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
     }
+
+
+def _in_block(name: str, index: str = "") -> bool:
+    """Whether parameter `name` is in a block (`index` "0.": the first one): llama's layers.N., hf's model.layers.N."""
+    return name.startswith(("layers." + index, "model.layers." + index))
+
+
+def family_buffers(
+    request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int, trainable: list
+) -> dict[str, int]:
+    """_buffers for any family: FSDP2 gathers every parameter but reduce-scatters only the gradients of the
+    `trainable` ones (LoRA: the adapters); hf models keep only rotary's inverse frequencies as buffers (fp32,
+    head_dim / 2, and transformers' copy of them) and compute cos and sin in each forward."""
+    buffers = _buffers(request, shapes, compute)
+    if trainable != shapes:
+        buffers["reduce_scatter_buffers"] = _buffers(request, trainable, compute)["reduce_scatter_buffers"]
+    if isinstance(request.model, HfShape):
+        buffers["model_buffers"] = 2 * FP32 * (request.model.head_dim // 2)
+    return buffers
+
+
+def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str) -> int:
+    """What an hf model saves beyond activation_bytes' llama count: rotary's cos and sin, computed once per
+    forward (batch x seq x head_dim each, compute dtype) and used by every block, and the LoRA adapters' saved
+    tensors (lora_extra_activation_bytes) in each block whose activations are kept."""
+    if not isinstance(model, HfShape):
+        return 0
+    rotary = 2 * compute * batch * seq_len * model.head_dim
+    kept = {"none": model.n_layers, "selective": model.n_layers, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
+    return rotary + kept * lora_extra_activation_bytes(model, batch, seq_len, compute)
 
 
 def _levers(plan: Plan) -> list[Lever]:
@@ -436,19 +485,15 @@ def _positive(name: str, value: int | None, limit: int) -> None:
         raise PlanError(f"{name} must be at most {limit}, got {value}; give {name} {limit} or less")
 
 
-def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """([model], [training]) of a generated project's config.toml, and the project's recorded answers."""
-    if not path.exists():
-        raise PlanError(f"config file {path} not found; pass a generated project's config.toml")
-    try:
-        raw = tomllib.loads(read_text(path, "config file", "pass a generated project's config.toml"))
-    except FileInputError as error:
-        raise PlanError(str(error)) from None
-    except tomllib.TOMLDecodeError as error:
-        raise PlanError(f"{path}: invalid TOML ({error}); fix the file") from None
-    except RecursionError:
-        raise PlanError(f"{path}: nested too deeply to read; pass a generated project's config.toml") from None
+def _read_config(
+    path: Path, model_table: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """([model], [training]) of a generated project's config.toml, and the project's recorded answers
+    (`model_table`: read instead of its [model], which an hf project fills with other keys)."""
+    raw = _read_toml(path)
     sections = {name: raw.get(name, {}) for name in ("model", "training")}
+    if model_table is not None:
+        sections["model"] = model_table
     for name, table in sections.items():
         if not isinstance(table, dict):
             raise PlanError(f"{path}: [{name}] must be a table, got {table!r}; {FIX_CONFIG}")
@@ -469,6 +514,20 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     training["grad_sync"] = grad_sync
     # GPUs, nodes and precision the project was generated for (flags override them).
     return model, training, _read_answers(path.parent / ".copier-answers.yml")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """A project's config.toml as a dict."""
+    if not path.exists():
+        raise PlanError(f"config file {path} not found; pass a generated project's config.toml")
+    try:
+        return tomllib.loads(read_text(path, "config file", "pass a generated project's config.toml"))
+    except FileInputError as error:
+        raise PlanError(str(error)) from None
+    except tomllib.TOMLDecodeError as error:
+        raise PlanError(f"{path}: invalid TOML ({error}); fix the file") from None
+    except RecursionError:
+        raise PlanError(f"{path}: nested too deeply to read; pass a generated project's config.toml") from None
 
 
 def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
@@ -538,11 +597,13 @@ def build_request(
     seq: int | None = None,
     gpu_type: str = "h100-80gb",
     grad_sync: str | None = None,
+    hf_config: Path | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project or of --size, with the options given overriding them."""
-    if size is not None and config is not None:
-        raise PlanError("--size and --config both given; the model comes from one of them")
+    sources = [flag for flag, value in (("--size", size), ("--config", config), ("--hf-config", hf_config)) if value]
+    if len(sources) > 1:
+        raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
     for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
         _positive(name, value, LIMITS[name])
     ac = activation_checkpointing or "none"
@@ -558,8 +619,13 @@ def build_request(
         request = _project_request(config, tp, seq)
     elif size is not None:
         request = _size_request(size, seq)
+    elif hf_config is not None:
+        request = _hf_request(hf_config, seq)
     else:
-        raise PlanError(f"no model to plan; give --size ({', '.join(SIZES)}) or --config PATH/config.toml")
+        raise PlanError(
+            f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config "
+            "PATH/config.json"
+        )
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
@@ -574,9 +640,12 @@ def _default(name: str, answers: dict[str, Any]) -> Any:
 
 def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
     """The model, batch and setup of a generated project's config.toml and recorded answers."""
+    family = _read_answers(config.parent / ".copier-answers.yml").get("family", "llama")
+    if family == "hf":
+        return _hf_project_request(config, tp, seq)
+    if family != "llama":
+        raise PlanError(f"family {family}: only llama and hf are planned; plan a llama of similar shape with --size")
     model_keys, training, answers = _read_config(config)
-    if answers.get("family", "llama") != "llama":
-        raise PlanError(f"family {answers['family']}: only llama is planned; plan a llama of similar shape with --size")
     return PlanRequest(
         model=shape_of(model_keys),
         label=str(config),
@@ -588,6 +657,66 @@ def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanReque
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
         grad_sync=training["grad_sync"],
+    )
+
+
+def _hf_request(path: Path, seq: int | None) -> PlanRequest:
+    """A Hugging Face model's config.json (or its folder), with the template's default setup, one sample of --seq
+    tokens (default: the template's training.seq_len)."""
+    try:
+        model = read_hf_config(path)
+    except HfConfigError as error:
+        raise PlanError(str(error)) from None
+    return PlanRequest(
+        model=model,
+        label=f"{model.model_type} {model.source}",
+        **{name: questions()[name].default for name in ("gpus", "nodes", "precision", "tp")},
+        seq_len=seq or TEMPLATE_TRAINING["seq_len"],
+        grad_accum_steps=None,
+        grad_sync=TEMPLATE_GRAD_SYNC,
+    )
+
+
+def _hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
+    """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
+    [training] batch, and the answers it was generated with."""
+    if tp is not None and tp > 1:
+        raise PlanError(f"--tp {tp}: tensor parallelism is built in for family llama only; use --tp 1")
+    raw = _read_toml(config)
+    model_table = raw.get("model", {})
+    folder = model_table.get("path") if isinstance(model_table, dict) else None
+    if not isinstance(folder, str) or not folder:
+        raise PlanError(f"{config}: model.path must name the model's folder (config.json, *.safetensors); {FIX_CONFIG}")
+    local = Path(folder).expanduser()
+    if not local.is_absolute():
+        local = config.parent / local
+    if not (local / "config.json").is_file():
+        raise PlanError(
+            f"{config}: model.path {folder} is not a local folder with config.json (a hub id is not downloaded by "
+            "plan); download it (huggingface-cli download) and plan with --hf-config FOLDER/config.json"
+        )
+    try:
+        model = read_hf_config(local)
+        if "lora" in raw:
+            model = replace(model, lora=read_lora(config, raw["lora"], model))
+    except HfConfigError as error:
+        raise PlanError(str(error)) from None
+    # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
+    _, training, answers = _read_config(config, model_table={})
+    lora = f" + LoRA rank {model.lora.rank}" if model.lora else ""
+    task = str(_default("task", answers))
+    return PlanRequest(
+        model=model,
+        label=f"{config} ({model.model_type} {model.source}{lora}, task {task})",
+        gpus=_default("gpus", answers),
+        nodes=_default("nodes", answers),
+        precision=str(_default("precision", answers)),
+        tp=1,
+        seq_len=seq or training["seq_len"],
+        global_batch_size=training["global_batch_size"],
+        grad_accum_steps=training["grad_accum_steps"],
+        grad_sync=training["grad_sync"],
+        task=task,
     )
 
 
@@ -696,6 +825,7 @@ def format_text(plan: Plan) -> str:
         + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens per GPU"
         + (", state offloaded to CPU" if request.offload else ""),
         _sync_line(request),
+        *family_lines(plan),
         "",
         f"{'per GPU':<48}{'memory':>12}",
     ]
@@ -735,10 +865,36 @@ def format_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def family_lines(plan: Plan) -> list[str]:
+    """Where an hf model comes from, what LoRA trains, and what task sft changes (nothing in memory)."""
+    model, lines = plan.request.model, []
+    if isinstance(model, HfShape):
+        lines.append(f"model source: {model.source} (Hugging Face {model.model_type})")
+        if model.lora is not None:
+            lines.append(
+                f"LoRA rank {model.lora.rank} on {', '.join(model.lora.targets)}: {plan.trainable:,} trainable "
+                "parameters; the frozen weights are sharded and gathered but have no gradients or AdamW state"
+            )
+    if plan.request.task == "sft":
+        lines.append(
+            "task sft: the memory of pretraining; the prompt's tokens are masked in the targets (-100, no loss), "
+            "which have the same int64 shape"
+        )
+    return lines
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     request = plan.request
+    source = request.model.source if isinstance(request.model, HfShape) else f"fsdp2gen llama ({request.label})"
     return {
-        "model": {"label": request.label, "parameters": plan.parameters, **asdict(request.model)},
+        "model": {
+            "label": request.label,
+            "source": source,
+            "parameters": plan.parameters,
+            "trainable_parameters": plan.trainable,
+            "task": request.task,
+            **asdict(request.model),
+        },
         "setup": {
             "gpus": request.gpus,
             "nodes": request.nodes,

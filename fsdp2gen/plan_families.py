@@ -1,0 +1,246 @@
+"""`fsdp2gen plan` for the hf family: a Hugging Face model's shapes read from its config.json, LoRA adapters as the
+trainable subset, and the project's task (pretrain or sft).
+
+No torch and no transformers (the generator imports neither): config.json is parsed as JSON, and the parameters
+are written down as transformers' Llama, Qwen2, Qwen3 and Mistral classes build them (tests/test_plan_families.py
+builds each on the meta device and compares every name and shape). The block's activations are planned with the
+llama family's op-by-op count (plan.block_activation_bytes): these architectures run the same ops (RMSNorm, q/k/v
+projections, rotary, scaled_dot_product_attention, o_proj, SwiGLU MLP).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fsdp2gen.sizes import LlamaShape
+
+# The config.json keys plan needs from every model, and their bounds (plan.MODEL_LIMITS' for the same sizes).
+REQUIRED = {
+    "hidden_size": 2**17,
+    "intermediate_size": 2**20,
+    "num_hidden_layers": 2**12,
+    "num_attention_heads": 2**12,
+    "vocab_size": 2**22,
+}
+NO_LIMIT_OF_POSITIONS = 2**31  # model_args.py's max_seq_len of a model without max_position_embeddings
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How transformers builds one model_type: the defaults of the keys config.json may leave out (the config
+    class's own) and which linear layers carry a bias."""
+
+    num_key_value_heads: int | None  # None: as many as num_attention_heads
+    head_dim: int | None  # None: hidden_size // num_attention_heads
+    qkv_bias: bool | None  # None: config.json's attention_bias (default False); else fixed by the class
+    o_bias: bool | None  # as qkv_bias
+    mlp_bias: bool  # whether config.json's mlp_bias is read (default False)
+    qk_norm: bool  # per-head RMSNorm of q and k (Qwen3): q_norm and k_norm weights of head_dim
+
+
+ARCHITECTURES = {
+    "llama": Architecture(None, None, qkv_bias=None, o_bias=None, mlp_bias=True, qk_norm=False),
+    "qwen2": Architecture(32, None, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
+    "qwen3": Architecture(32, 128, qkv_bias=None, o_bias=None, mlp_bias=False, qk_norm=True),
+    "mistral": Architecture(8, None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+}
+# The linear layers of a decoder block, the ones lora.target_modules may name.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class HfConfigError(ValueError):
+    """A config.json plan cannot read; plan.py turns it into a PlanError (one line, exit code 2)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """config.toml's [lora]: peft's adapters A (rank x in) and B (out x rank) on every linear layer named in
+    target_modules; the model's own weights are frozen."""
+
+    rank: int
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class HfShape(LlamaShape):
+    """A Hugging Face decoder as plan sees it: the llama shape fields (dim = hidden_size, ffn_dim =
+    intermediate_size, ...) plus what transformers builds differently."""
+
+    source: str = ""  # the model's folder or config.json
+    model_type: str = "llama"
+    explicit_head_dim: int = 0  # config.json's head_dim (may differ from hidden_size // num_attention_heads)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    lora: LoraSpec | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+
+def read_hf_config(path: Path) -> HfShape:
+    """The shape of the model whose config.json is `path` (or a folder holding one)."""
+    file = path / "config.json" if path.is_dir() else path
+    fix = "pass a model folder with config.json (save_pretrained writes one) or its config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HfConfigError(f"{file} not found; {fix}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise HfConfigError(f"{file}: cannot read ({error}); {fix}") from None
+    except json.JSONDecodeError as error:
+        raise HfConfigError(f"{file}: invalid JSON ({error}); {fix}") from None
+    except RecursionError:
+        raise HfConfigError(f"{file}: nested too deeply to read; {fix}") from None
+    if not isinstance(raw, dict):
+        raise HfConfigError(f"{file}: not a JSON object; {fix}")
+    return hf_shape(raw, str(file))
+
+
+def hf_shape(config: dict[str, Any], source: str) -> HfShape:
+    """config.json's keys as transformers reads them, with its config class's defaults for those left out."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise HfConfigError(
+            f"{source}: model_type {model_type!r}: plan derives the parameter shapes of "
+            f"{', '.join(ARCHITECTURES)} models only; plan a similar model with --size or --hf-config"
+        )
+    arch = ARCHITECTURES[model_type]
+
+    def number(key: str, default: int | None, limit: int) -> int:
+        value = config.get(key)
+        if value is None and default is not None:
+            return default
+        if value is None:
+            raise HfConfigError(f"{source}: {key} missing; plan needs it to derive the parameter shapes, add it")
+        if type(value) is not int or not 1 <= value <= limit:
+            raise HfConfigError(f"{source}: {key} must be an int from 1 to {limit}, got {value!r}; fix config.json")
+        return value
+
+    def flag(key: str, default: bool) -> bool:
+        value = config.get(key, default)
+        if type(value) is not bool:
+            raise HfConfigError(f"{source}: {key} must be true or false, got {value!r}; fix config.json")
+        return value
+
+    sizes = {key: number(key, None, limit) for key, limit in REQUIRED.items()}
+    heads = sizes["num_attention_heads"]
+    kv_heads = number("num_key_value_heads", arch.num_key_value_heads or heads, 2**12)
+    head_dim = number("head_dim", arch.head_dim or sizes["hidden_size"] // heads, 2**14)
+    if heads % kv_heads:
+        raise HfConfigError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}); "
+            "fix config.json"
+        )
+    attention_bias = flag("attention_bias", False)
+    return HfShape(
+        dim=sizes["hidden_size"],
+        n_layers=sizes["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        ffn_dim=sizes["intermediate_size"],
+        vocab_size=sizes["vocab_size"],
+        max_seq_len=number("max_position_embeddings", NO_LIMIT_OF_POSITIONS, NO_LIMIT_OF_POSITIONS),
+        tie_embeddings=flag("tie_word_embeddings", False),
+        source=source,
+        model_type=model_type,
+        explicit_head_dim=head_dim,
+        qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
+        o_bias=attention_bias if arch.o_bias is None else arch.o_bias,
+        mlp_bias=flag("mlp_bias", False) if arch.mlp_bias else False,
+        qk_norm=arch.qk_norm,
+    )
+
+
+def hf_parameter_shapes(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
+    """model.named_parameters() of AutoModelForCausalLM.from_config(config.json), peft's adapters included:
+    an adapted layer's own weight moves to `base_layer`, then come lora_A (rank x in) and lora_B (out x rank)."""
+    d, hd = model.dim, model.head_dim
+    linears = {
+        "self_attn.q_proj": (model.n_heads * hd, d, model.qkv_bias),
+        "self_attn.k_proj": (model.n_kv_heads * hd, d, model.qkv_bias),
+        "self_attn.v_proj": (model.n_kv_heads * hd, d, model.qkv_bias),
+        "self_attn.o_proj": (d, model.n_heads * hd, model.o_bias),
+        "mlp.gate_proj": (model.ffn_dim, d, model.mlp_bias),
+        "mlp.up_proj": (model.ffn_dim, d, model.mlp_bias),
+        "mlp.down_proj": (d, model.ffn_dim, model.mlp_bias),
+    }
+    lora = model.lora
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (model.vocab_size, d))]
+    for i in range(model.n_layers):
+        for name, (rows, cols, bias) in linears.items():
+            full = f"model.layers.{i}.{name}"
+            adapted = lora is not None and lora_targets(full, lora.targets)
+            own = full + (".base_layer" if adapted else "")
+            shapes.append((own + ".weight", (rows, cols)))
+            if bias:
+                shapes.append((own + ".bias", (rows,)))
+            if adapted:
+                shapes += [(full + ".lora_A.default.weight", (lora.rank, cols))]
+                shapes += [(full + ".lora_B.default.weight", (rows, lora.rank))]
+            if name == "self_attn.o_proj" and model.qk_norm:
+                shapes += [(f"model.layers.{i}.self_attn.{n}.weight", (hd,)) for n in ("q_norm", "k_norm")]
+        shapes += [(f"model.layers.{i}.{n}.weight", (d,)) for n in ("input_layernorm", "post_attention_layernorm")]
+    shapes.append(("model.norm.weight", (d,)))
+    if not model.tie_embeddings:
+        shapes.append(("lm_head.weight", (model.vocab_size, d)))
+    return shapes
+
+
+def lora_targets(module: str, targets: tuple[str, ...]) -> bool:
+    """peft's match of a list of target_modules: the module's name is a target or ends with '.' + a target."""
+    return any(module == target or module.endswith("." + target) for target in targets)
+
+
+def is_trainable(model: LlamaShape, name: str) -> bool:
+    """Whether a parameter has a gradient and optimizer state: with LoRA the adapters only, else every one."""
+    return not isinstance(model, HfShape) or model.lora is None or ".lora_" in name
+
+
+def lora_extra_activation_bytes(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+    """What one block's adapters add to its saved activations: lora_B keeps lora_A's output (tokens x rank) for
+    each adapted layer; with dropout > 0, lora_A keeps its own dropped-out copy of the layer's input and dropout
+    its mask (1 byte per element). The frozen weights' matmuls keep what they keep without LoRA: their inputs
+    are the adapters' inputs too."""
+    lora = model.lora
+    if lora is None:
+        return 0
+    tokens = batch * seq_len
+    inputs = {name: (model.ffn_dim if name == "down_proj" else model.n_heads * model.head_dim if name == "o_proj"
+                     else model.dim) for name in ATTENTION + MLP}  # fmt: skip
+    adapted = [name for name in inputs if lora_targets(f"model.layers.0.x.{name}", lora.targets)]
+    extra = compute * tokens * lora.rank * len(adapted)
+    if lora.dropout > 0:
+        extra += (compute + 1) * tokens * sum(inputs[name] for name in adapted)
+    return extra
+
+
+def read_lora(path: Path, table: Any, model: HfShape) -> LoraSpec:
+    """config.toml's [lora] (the template's defaults for keys left out), checked as config.py and peft check it."""
+    defaults = {"rank": 16, "dropout": 0.0, "target_modules": list(ATTENTION + MLP)}
+    fix = "fix that value in the file"
+    if not isinstance(table, dict):
+        raise HfConfigError(f"{path}: [lora] must be a table, got {table!r}; {fix}")
+    lora = defaults | {key: table[key] for key in defaults if key in table}
+    rank, dropout, targets = lora["rank"], lora["dropout"], lora["target_modules"]
+    if type(rank) is not int or not 1 <= rank <= 2**20:
+        raise HfConfigError(f"{path}: lora.rank must be an int from 1 to {2**20}, got {rank!r}; {fix}")
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise HfConfigError(f"{path}: lora.dropout must be a number from 0 to below 1, got {dropout!r}; {fix}")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise HfConfigError(f"{path}: lora.target_modules must be a non-empty list of layer names; {fix}")
+    spec = LoraSpec(rank=rank, targets=tuple(targets), dropout=float(dropout))
+    adapted = [name for name, _ in hf_parameter_shapes(replace(model, lora=spec)) if ".lora_A." in name]
+    if not adapted:
+        raise HfConfigError(
+            f"{path}: lora.target_modules {targets} match no layer plan can adapt; its linear layers are "
+            f"{sorted(ATTENTION + MLP)}"
+        )
+    return spec
