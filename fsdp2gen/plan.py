@@ -741,7 +741,8 @@ def _size_request(size: str, seq: int | None) -> PlanRequest:
 def _check_request(request: PlanRequest, config: Path | None) -> None:
     """The checks of model.py's ModelArgs and train.py, on the model and setup to plan."""
     model, tp, seq_len = request.model, request.tp, request.seq_len
-    if model.dim % model.n_heads or model.n_heads % model.n_kv_heads:
+    # An hf model's head_dim need not divide its hidden size (config.json's head_dim; read_hf_config checks heads).
+    if (model.dim % model.n_heads and not isinstance(model, HfShape)) or model.n_heads % model.n_kv_heads:
         raise PlanError(
             f"{request.label}: dim must be divisible by n_heads, and n_heads by n_kv_heads; change model.dim, "
             "n_heads or n_kv_heads"

@@ -418,7 +418,8 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
     "args,message",
     [
         (["--size", "9b"], "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b"),
-        ([], "no model to plan; give --size (debug, 125m, 1b, 3b, 8b, 70b, 405b) or --config PATH/config.toml"),
+        ([], "no model to plan; give --size (debug, 125m, 1b, 3b, 8b, 70b, 405b), --config PATH/config.toml or "
+             "--hf-config PATH/config.json"),
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
         (["--size", "8b", "--tp", "8", "--seq", "8196"],
          "--tp 8 must divide the sequence length (8196); change --seq or --tp"),

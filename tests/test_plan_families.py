@@ -1,0 +1,310 @@
+"""`fsdp2gen plan` for the hf family: the parameters plan derives from a config.json (no torch, no transformers)
+are exactly those transformers builds, on the meta device, name by name; LoRA's trainable subset is exactly what
+peft and a generated --lora project build; plans of rendered hf, LoRA and SFT projects; bad config.json input is one
+line and exit code 2, for listed cases and for documents nobody listed (hypothesis).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp2gen.plan import PlanRequest, estimate, parameter_shapes
+from fsdp2gen.plan_families import ATTENTION, MLP, LoraSpec, read_hf_config
+from tests.conftest import HELPERS, generate, invoke, save_tiny_llama
+from tests.test_generator_properties import assert_contract
+
+PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+# config.json keys plan takes transformers' defaults for when they are left out.
+OPTIONAL = ("num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias",
+            "max_position_embeddings")  # fmt: skip
+
+
+def config_class(model_type: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[model_type]
+
+
+def transformers_parameters(config_json: Path, lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """named_parameters() of AutoModelForCausalLM.from_config(config.json) on the meta device (with peft's adapters)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_json.parent))
+        if lora is not None:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            inject_adapter_in_model(LoraConfig(r=lora.rank, target_modules=list(lora.targets)), model)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()], [
+        name for name, p in model.named_parameters() if p.requires_grad
+    ]
+
+
+def save_config(folder: Path, model_type: str, drop: tuple[str, ...] = (), **keys) -> Path:
+    """config.json as save_pretrained writes it for `keys`, then without the keys in `drop` (as older or
+    hand-written files leave them out)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config_class(model_type)(**keys).save_pretrained(folder)
+    path = folder / "config.json"
+    written = json.loads(path.read_text())
+    path.write_text(json.dumps({key: value for key, value in written.items() if key not in drop}))
+    return path
+
+
+CASES = {
+    "llama-untied-gqa": ("llama", {"num_key_value_heads": 2, "intermediate_size": 128}),
+    "llama-tied-biases": (
+        "llama",
+        {"intermediate_size": 96, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    ),  # fmt: skip
+    "qwen2-tied": ("qwen2", {"intermediate_size": 128, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3-head-dim-32": ("qwen3", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 32}),
+    "mistral-head-dim-8": ("mistral", {"intermediate_size": 160, "num_key_value_heads": 1, "head_dim": 8}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_parameter_shapes_are_what_transformers_builds(case: str, tmp_path: Path) -> None:
+    model_type, keys = CASES[case]
+    path = save_config(tmp_path, model_type, **SMALL, **keys)
+    expected, _ = transformers_parameters(path)
+    shapes = parameter_shapes(read_hf_config(path))
+    assert shapes == expected
+    assert sum(math.prod(s) for _, s in shapes) == sum(math.prod(s) for _, s in expected)
+
+
+@PROPERTY
+@given(
+    model_type=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
+    heads=st.sampled_from([2, 4, 8]),
+    kv_divisor=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([None, 8, 24]),
+    layers=st.integers(1, 3),
+    vocab=st.integers(7, 300),
+    ffn=st.integers(1, 200),
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    drop=st.sets(st.sampled_from(OPTIONAL)),
+)
+def test_left_out_keys_take_transformers_defaults(model_type, heads, kv_divisor, head_dim, layers, vocab, ffn,
+                                                  flags, drop) -> None:  # fmt: skip
+    # Any shape, any of the optional keys left out of config.json: plan's parameters are still transformers' own.
+    tied, attention_bias, mlp_bias = flags
+    keys = {"hidden_size": 16 * heads, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": heads // kv_divisor, "vocab_size": vocab, "intermediate_size": ffn,
+            "tie_word_embeddings": tied, "attention_bias": attention_bias, "mlp_bias": mlp_bias}  # fmt: skip
+    if head_dim:
+        keys["head_dim"] = head_dim
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_config(Path(tmp), model_type, tuple(drop), **keys)
+        expected, _ = transformers_parameters(path)
+        assert parameter_shapes(read_hf_config(path)) == expected
+
+
+TARGETS = st.lists(st.sampled_from([*ATTENTION, *MLP, "self_attn.v_proj", "mlp.down_proj"]), min_size=1, unique=True)
+
+
+@PROPERTY
+@given(model_type=st.sampled_from(["llama", "qwen2", "mistral"]), rank=st.integers(1, 20), targets=TARGETS)
+def test_lora_adapters_and_trainable_subset_are_what_peft_builds(model_type: str, rank: int, targets: list) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_config(Path(tmp), model_type, **SMALL, intermediate_size=96, num_key_value_heads=2)
+        lora = LoraSpec(rank=rank, targets=tuple(targets))
+        expected, trainable = transformers_parameters(path, lora)
+        model = replace(read_hf_config(path), lora=lora)
+        shapes = parameter_shapes(model)
+        assert shapes == expected
+        plan = estimate(PlanRequest(model=model, label="lora", gpus=2, seq_len=32, micro_batch=1))
+        assert plan.trainable == sum(math.prod(dict(expected)[name]) for name in trainable)
+        assert sorted(trainable) == sorted(name for name, _ in shapes if ".lora_" in name)
+
+
+@pytest.fixture(scope="module")
+def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Generated hf projects on a tiny pretrained Llama (2 layers, hidden 64, vocabulary 320): plain, --lora,
+    --task sft."""
+    root = tmp_path_factory.mktemp("plan-families")
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    special = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
+    model = save_tiny_llama(root / "model", "the cat sat on the mat " * 50, special, chat_template=template)
+    common = ["--family", "hf", "--hf-model", str(model), "--gpus", "2", "--fp32"]
+    return {
+        "hf": generate(root / "hf", *common),
+        "lora": generate(root / "lora", *common, "--lora"),
+        "sft": generate(root / "sft", *common, "--task", "sft"),
+        "model": model,
+    }
+
+
+def probe(project: Path) -> dict:
+    """The project's own model (model.build_model, from config.toml, on meta): parameters and buffers."""
+    result = subprocess.run([sys.executable, str(HELPERS / "plan_family_probe.py"), "config.toml"], cwd=project,
+                            env={"PYTHONPATH": str(project), "PATH": ""}, capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def plan_json(*args: str) -> dict:
+    result = invoke("plan", *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("kind", ["hf", "lora", "sft"])
+def test_plan_of_a_generated_hf_project_counts_the_projects_own_model(projects: dict, kind: str) -> None:
+    config = projects[kind] / "config.toml"
+    built = probe(projects[kind])
+    model = read_hf_config(projects["model"])
+    plan = plan_json("--config", str(config))
+    # Every parameter the project builds (adapters included), and the trainable ones, as plan counts them.
+    assert plan["model"]["parameters"] == sum(math.prod(shape) for _, shape, _ in built["parameters"])
+    assert plan["model"]["trainable_parameters"] == sum(math.prod(s) for _, s, grad in built["parameters"] if grad)
+    assert plan["model"]["source"] == str(projects["model"] / "config.json")
+    assert plan["model"]["task"] == ("sft" if kind == "sft" else "pretrain")
+    # transformers' rotary keeps only inv_freq and its copy (head_dim / 2 fp32 each) as buffers.
+    assert plan["per_gpu_bytes"]["model_buffers"] == 4 * sum(math.prod(s) for s in built["buffers"].values())
+    assert (plan["setup"]["gpus"], plan["setup"]["precision"], plan["setup"]["micro_batch"]) == (2, "fp32", 16)
+    text = invoke("plan", "--config", str(config)).stdout
+    assert f"model source: {projects['model'] / 'config.json'} (Hugging Face llama)" in text
+    assert ("LoRA rank 16 on q_proj" in text) == (kind == "lora")
+    assert ("task sft: the memory of pretraining" in text) == (kind == "sft")
+    if kind == "hf":
+        assert plan["model"]["parameters"] == plan["model"]["trainable_parameters"] == model_count(model)
+
+
+def model_count(model) -> int:
+    return sum(math.prod(shape) for _, shape in parameter_shapes(model))
+
+
+def test_lora_state_is_the_adapters_only_and_sft_is_pretraining(projects: dict) -> None:
+    hf, lora, sft = (plan_json("--config", str(projects[k] / "config.toml")) for k in ("hf", "lora", "sft"))
+    adapters = lora["model"]["trainable_parameters"]
+    assert adapters == 2 * 16 * (64 + 64 + 64 + 32 + 64 + 32 + 64 + 64 + 64 + 128 + 64 + 128 + 128 + 64)
+    # 2 ranks: gradients and AdamW's two moments of the adapters' shards (rows padded to even), one step per tensor.
+    assert lora["per_gpu_bytes"]["gradients"] == 4 * adapters // 2
+    assert lora["per_gpu_bytes"]["optimizer_state"] == 8 * adapters // 2 + 4 * 28
+    assert lora["per_gpu_bytes"]["parameters"] == hf["per_gpu_bytes"]["parameters"] + 4 * adapters // 2
+    assert lora["per_gpu_bytes"]["gradients"] < hf["per_gpu_bytes"]["gradients"] / 10
+    assert sft["per_gpu_bytes"] == hf["per_gpu_bytes"] and sft["activations_bytes"] == hf["activations_bytes"]
+
+
+def test_hf_config_plans_a_model_without_a_project(projects: dict) -> None:
+    plan = plan_json("--hf-config", str(projects["model"] / "config.json"), "--seq", "64", "--batch", "2")
+    assert plan["model"]["parameters"] == model_count(read_hf_config(projects["model"]))
+    assert (plan["model"]["model_type"], plan["setup"]["seq_len"], plan["setup"]["micro_batch"]) == ("llama", 64, 2)
+    # The folder itself works too.
+    assert plan_json("--hf-config", str(projects["model"]))["model"]["parameters"] == plan["model"]["parameters"]
+
+
+BAD = {
+    "unknown architecture": (
+        {"model_type": "gpt2", "n_embd": 64},
+        "model_type 'gpt2': plan derives the parameter shapes of llama, qwen2, qwen3, mistral models only; plan a "
+        "similar model with --size or --hf-config",
+    ),
+    "missing field": (
+        {"model_type": "llama", **SMALL},
+        "intermediate_size missing; plan needs it to derive the parameter shapes, add it",
+    ),
+    "wrong type": (
+        {"model_type": "qwen2", **SMALL, "intermediate_size": 128, "num_key_value_heads": 2.0},
+        "num_key_value_heads must be an int from 1 to 4096, got 2.0; fix config.json",
+    ),
+    "heads": (
+        {"model_type": "mistral", **SMALL, "intermediate_size": 128, "num_key_value_heads": 3},
+        "num_attention_heads (4) must be a multiple of num_key_value_heads (3); fix config.json",
+    ),
+    "not an object": (
+        [1, 2],
+        "not a JSON object; pass a model folder with config.json (save_pretrained writes one) or its config.json",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_config_json_is_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
+    document, message = BAD[case]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(document))
+    result = invoke("plan", "--hf-config", str(path))
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {path}: {message}\n")
+
+
+def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: Path) -> None:
+    def error(*args: str) -> str:
+        result = invoke("plan", *args)
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
+
+    config = projects["lora"] / "config.toml"
+    assert error("--config", str(config), "--tp", "2") == (
+        "--tp 2: tensor parallelism is built in for family llama only; use --tp 1"
+    )
+    edited = tmp_path / "config.toml"
+    (tmp_path / ".copier-answers.yml").write_bytes((projects["lora"] / ".copier-answers.yml").read_bytes())
+    text = config.read_text()
+    edited.write_text(re.sub(r"(?m)^target_modules = .*$", 'target_modules = ["lm_head"]', text))
+    assert error("--config", str(edited)) == (
+        f"{edited}: lora.target_modules ['lm_head'] match no layer plan can adapt; its linear layers are "
+        "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"
+    )
+    edited.write_text(text.replace(f'path = "{projects["model"]}"', 'path = "meta-llama/Llama-3.2-1B"'))
+    assert error("--config", str(edited)) == (
+        f"{edited}: model.path meta-llama/Llama-3.2-1B is not a local folder with config.json (a hub id is not "
+        "downloaded by plan); download it (huggingface-cli download) and plan with --hf-config FOLDER/config.json"
+    )
+    assert error("--hf-config", str(tmp_path / "none.json")) == (
+        f"{tmp_path / 'none.json'} not found; pass a model folder with config.json (save_pretrained writes one) or "
+        "its config.json"
+    )
+    assert error("--size", "8b", "--hf-config", "c.json") == (
+        "--size and --hf-config both given; the model comes from one of them"
+    )
+
+
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+KEYS = st.sampled_from(["model_type", *SMALL, "intermediate_size", *OPTIONAL])
+DOCUMENTS = st.one_of(
+    JSON_VALUES.map(json.dumps),
+    st.fixed_dictionaries(
+        {"model_type": st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gpt2"])},
+        optional={
+            key: st.one_of(st.integers(-3, 2**40), JSON_VALUES)
+            for key in [
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "vocab_size",
+                *OPTIONAL,
+            ]
+        },
+    ).map(json.dumps),  # fmt: skip
+    st.text(max_size=40),
+)
+
+
+@PROPERTY
+@given(document=DOCUMENTS)
+def test_any_config_json_plans_or_is_one_line(document: str) -> None:
+    # Exit 0, or exit 2 with one line and nothing written; never a traceback.
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(document)
+        assert_contract(["plan", "--hf-config", "config.json"], folder, {"config.json"})
