@@ -747,6 +747,11 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
             f"{request.label}: dim must be divisible by n_heads, and n_heads by n_kv_heads; change model.dim, "
             "n_heads or n_kv_heads"
         )
+    if seq_len > model.max_seq_len and isinstance(model, HfShape):
+        raise PlanError(
+            f"seq_len {seq_len} exceeds the model's max_position_embeddings {model.max_seq_len} ({model.source}); "
+            "lower --seq or training.seq_len"
+        )
     if seq_len > model.max_seq_len:
         raise PlanError(
             f"seq_len {seq_len} exceeds model.max_seq_len {model.max_seq_len}; lower --seq or raise model.max_seq_len"
