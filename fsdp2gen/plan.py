@@ -41,7 +41,7 @@ from fsdp2gen.plan_families import (
     HfShape,
     hf_parameter_shapes,
     is_trainable,
-    lora_extra_activation_bytes,
+    lora_activation_delta,
     read_hf_config,
     read_lora,
 )
@@ -430,13 +430,14 @@ def family_buffers(
 
 def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str) -> int:
     """What an hf model saves beyond activation_bytes' llama count: rotary's cos and sin, computed once per
-    forward (batch x seq x head_dim each, compute dtype) and used by every block, and the LoRA adapters' saved
-    tensors (lora_extra_activation_bytes) in each block whose activations are kept."""
+    forward (batch x seq x head_dim each, compute dtype) and used by every block, and LoRA's change
+    (lora_activation_delta) in each block that keeps its activations, and in the one backward recomputes
+    (selective AC: that one only; its kept matmul outputs are counted as without LoRA)."""
     if not isinstance(model, HfShape):
         return 0
     rotary = 2 * compute * batch * seq_len * model.head_dim
-    kept = {"none": model.n_layers, "selective": model.n_layers, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
-    return rotary + kept * lora_extra_activation_bytes(model, batch, seq_len, compute)
+    kept = {"none": model.n_layers, "selective": 1, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
+    return rotary + kept * lora_activation_delta(model, batch, seq_len, compute)
 
 
 def _levers(plan: Plan) -> list[Lever]:

@@ -204,22 +204,34 @@ def is_trainable(model: LlamaShape, name: str) -> bool:
     return not isinstance(model, HfShape) or model.lora is None or ".lora_" in name
 
 
-def lora_extra_activation_bytes(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
-    """What one block's adapters add to its saved activations: lora_B keeps lora_A's output (tokens x rank) for
-    each adapted layer; with dropout > 0, lora_A keeps its own dropped-out copy of the layer's input and dropout
-    its mask (1 byte per element). The frozen weights' matmuls keep what they keep without LoRA: their inputs
-    are the adapters' inputs too."""
+def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+    """How LoRA changes one block's saved activations (bytes, negative when it saves less), as torch saves them
+    (tests/test_plan_families.py measures it on a transformers block):
+
+    - a frozen matmul keeps its weight (for the input's gradient) but not its input; a frozen RMSNorm weight's
+      multiply does not keep the normalised input (compute dtype). So the input of q/k/v (the attention norm's
+      output), of gate/up (the MLP norm's output) and of down_proj is kept only while one of them is adapted;
+      o_proj's input, the attention output, is kept by the attention kernel anyway;
+    - an adapted layer's lora_A keeps that same input, lora_B keeps lora_A's output (tokens x rank);
+    - with dropout > 0, lora_A keeps its own dropped-out copy of the input instead, and dropout its mask (bool).
+    """
     lora = model.lora
     if lora is None:
         return 0
     tokens = batch * seq_len
-    inputs = {name: (model.ffn_dim if name == "down_proj" else model.n_heads * model.head_dim if name == "o_proj"
-                     else model.dim) for name in ATTENTION + MLP}  # fmt: skip
-    adapted = [name for name in inputs if lora_targets(f"model.layers.0.x.{name}", lora.targets)]
-    extra = compute * tokens * lora.rank * len(adapted)
+    widths = {"q_proj": model.dim, "k_proj": model.dim, "v_proj": model.dim, "o_proj": model.n_heads * model.head_dim,
+              "gate_proj": model.dim, "up_proj": model.dim, "down_proj": model.ffn_dim}  # fmt: skip
+    paths = {name: f"model.layers.0.{'self_attn' if name in ATTENTION else 'mlp'}.{name}" for name in widths}
+    adapted = [name for name in widths if lora_targets(paths[name], lora.targets)]
+    delta = compute * tokens * (lora.rank * len(adapted) - 2 * model.dim)  # lora_A outputs; both norms' outputs
+    # The inputs the full model keeps for its weights' gradients, shared by the layers that read them.
+    for readers, width in ((("q_proj", "k_proj", "v_proj"), model.dim), (("gate_proj", "up_proj"), model.dim),
+                           (("down_proj",), model.ffn_dim)):  # fmt: skip
+        if lora.dropout > 0 or not set(readers) & set(adapted):
+            delta -= compute * tokens * width
     if lora.dropout > 0:
-        extra += (compute + 1) * tokens * sum(inputs[name] for name in adapted)
-    return extra
+        delta += (compute + 1) * tokens * sum(widths[name] for name in adapted)
+    return delta
 
 
 def read_lora(path: Path, table: Any, model: HfShape) -> LoraSpec:

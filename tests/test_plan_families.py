@@ -138,6 +138,77 @@ def test_lora_adapters_and_trainable_subset_are_what_peft_builds(model_type: str
         assert sorted(trainable) == sorted(name for name, _ in shapes if ".lora_" in name)
 
 
+def saved_block_bytes(config_json: Path, lora: LoraSpec | None, dtype: str, tokens: tuple[int, int]) -> int:
+    """Bytes autograd keeps for backward in one transformers decoder block's forward (train mode, `dtype`), told
+    apart by storage: every saved tensor of the graph, less the parameters, the block's input and rotary's cos
+    and sin (shared by every block)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_json.parent))
+    if lora is not None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        settings = LoraConfig(r=lora.rank, target_modules=list(lora.targets), lora_dropout=lora.dropout)
+        inject_adapter_in_model(settings, model)
+    model.to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])).train()
+    x = torch.randn(*tokens, model.config.hidden_size, dtype=model.dtype, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, torch.arange(tokens[1])[None].expand(*tokens))
+    out = model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=None)
+    out = out[0] if isinstance(out, tuple) else out
+    skip = {t.untyped_storage().data_ptr() for t in (x, *cos_sin, *model.parameters())}
+    found, stack, seen = {}, [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attribute in dir(node):
+            if not attribute.startswith("_saved_"):
+                continue
+            value = getattr(node, attribute)
+            for tensor in value if isinstance(value, tuple) else (value,):
+                # (0-dim tensors are scalars, e.g. peft's alpha / rank as a float64 tensor.)
+                if (
+                    isinstance(tensor, torch.Tensor)
+                    and tensor.dim()
+                    and tensor.untyped_storage().data_ptr() not in skip
+                ):
+                    found[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        stack += [parent for parent, _ in node.next_functions]
+    return sum(found.values())
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model_type=st.sampled_from(["llama", "qwen2", "mistral"]),
+    rank=st.integers(1, 12),
+    targets=TARGETS,
+    dropout=st.sampled_from([0.0, 0.1]),
+    dtype=st.sampled_from(["fp32", "bf16"]),
+)
+def test_lora_changes_a_blocks_saved_activations_as_plan_counts(model_type, rank, targets, dropout, dtype) -> None:
+    # Frozen weights keep no inputs, adapters keep theirs and lora_A's output: measured on the real block.
+    from fsdp2gen.plan_families import lora_activation_delta
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_config(Path(tmp), model_type, **{**SMALL, "num_hidden_layers": 1}, intermediate_size=96,
+                           num_key_value_heads=2, attention_dropout=0.0)  # fmt: skip
+        lora = LoraSpec(rank=rank, targets=tuple(targets), dropout=dropout)
+        full = saved_block_bytes(path, None, dtype, (2, 8))
+        adapted = saved_block_bytes(path, lora, dtype, (2, 8))
+        model = replace(read_hf_config(path), lora=lora)
+        compute = {"fp32": 4, "bf16": 2}[dtype]
+        # Dropout on a GPU (fused native_dropout) keeps a bool mask, plan's figure; on CPU it keeps the random
+        # mask in the compute dtype: (compute - 1) more bytes per element of each adapted layer's input.
+        widths = {"down_proj": 96}
+        cpu_mask = sum((compute - 1) * 16 * widths.get(layer.rsplit(".")[-1], 64) for layer in set(
+            name.rsplit(".", 3)[0] for name, _ in parameter_shapes(model) if ".lora_A." in name
+        )) if dropout else 0  # fmt: skip
+        assert adapted - full == lora_activation_delta(model, 2, 8, compute) + cpu_mask
+
+
 @pytest.fixture(scope="module")
 def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Generated hf projects on a tiny pretrained Llama (2 layers, hidden 64, vocabulary 320): plain, --lora,
