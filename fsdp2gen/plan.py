@@ -347,6 +347,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # With LoRA only the adapters have gradients and AdamW state (the frozen weights are sharded all the same).
     trainable = [(name, shape) for name, shape in shapes if is_trainable(model, name)]
     trained = sum(shard_numel(shape, ranks) for _, shape in trainable)
+    # Of the whole model (shapes are this tensor-parallel rank's).
+    trained_total = sum(math.prod(shape) for name, shape in parameter_shapes(model) if is_trainable(model, name))
     state = {
         "parameters": FP32 * sharded,
         "gradients": FP32 * trained,
@@ -375,12 +377,12 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
-        trainable=sum(math.prod(shape) for _, shape in trainable),
+        trainable=trained_total,
         per_gpu=per_gpu,
         activations=activations,
         host_per_gpu=sum(state.values()) if request.offload else 0,
-        # fp32 weights and AdamW's two fp32 moments of every parameter (plus one step count per tensor).
-        full_checkpoint_host=3 * FP32 * parameter_count(model) + FP32 * len(shapes),
+        # fp32 weights and AdamW's two fp32 moments of every trainable parameter (plus one step count per tensor).
+        full_checkpoint_host=FP32 * parameter_count(model) + 2 * FP32 * trained_total + FP32 * len(trainable),
         usable_bytes=usable,
         fits=per_gpu["total"] <= usable,
         levers=[],

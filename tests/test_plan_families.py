@@ -276,6 +276,8 @@ def test_lora_state_is_the_adapters_only_and_sft_is_pretraining(projects: dict) 
     assert lora["per_gpu_bytes"]["gradients"] == 4 * adapters // 2
     assert lora["per_gpu_bytes"]["optimizer_state"] == 8 * adapters // 2 + 4 * 28
     assert lora["per_gpu_bytes"]["parameters"] == hf["per_gpu_bytes"]["parameters"] + 4 * adapters // 2
+    # A full checkpoint would hold every weight but AdamW's moments of the adapters only.
+    assert lora["full_checkpoint_rank0_host_bytes"] == 4 * lora["model"]["parameters"] + 8 * adapters + 4 * 28
     # Without LoRA every parameter has a gradient shard.
     assert hf["per_gpu_bytes"]["gradients"] == hf["per_gpu_bytes"]["parameters"] > lora["per_gpu_bytes"]["gradients"]
     assert sft["per_gpu_bytes"] == hf["per_gpu_bytes"] and sft["activations_bytes"] == hf["activations_bytes"]
