@@ -39,6 +39,7 @@ from fsdp2gen.files import FileInputError, read_text
 from fsdp2gen.plan_families import (
     HfConfigError,
     HfShape,
+    hf_block_activation_bytes,
     hf_parameter_shapes,
     is_trainable,
     lora_activation_delta,
@@ -431,15 +432,23 @@ def family_buffers(
 
 
 def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str) -> int:
-    """What an hf model saves beyond activation_bytes' llama count: rotary's cos and sin, computed once per
-    forward (batch x seq x head_dim each, compute dtype) and used by every block, and LoRA's change
-    (lora_activation_delta) in each block that keeps its activations, and in the one backward recomputes
-    (selective AC: that one only; its kept matmul outputs are counted as without LoRA)."""
+    """How an hf model's activations differ from activation_bytes' llama count: rotary's cos and sin, computed
+    once per forward (batch x seq x head_dim each, compute dtype) and used by every block; the final norm's one
+    fp32 copy (model.py keeps two); and in each block that keeps its activations, and the one backward
+    recomputes, a transformers block's own count (hf_block_activation_bytes) with LoRA's change
+    (lora_activation_delta). Selective AC: the recomputed block only; the kept matmul outputs are
+    op_level_kept_bytes' llama count."""
     if not isinstance(model, HfShape):
         return 0
     rotary = 2 * compute * batch * seq_len * model.head_dim
+    # The final norm: transformers' RMSNorm keeps one fp32 copy of its input where model.py's keeps two.
+    hidden = batch * seq_len * model.dim
+    final_norm = (FP32 + compute) * hidden - norm_activation_bytes(hidden, compute)
+    block = hf_block_activation_bytes(model, batch, seq_len, compute) - block_activation_bytes(
+        model, batch, seq_len, compute
+    )
     kept = {"none": model.n_layers, "selective": 1, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
-    return rotary + kept * lora_activation_delta(model, batch, seq_len, compute)
+    return rotary + final_norm + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
 
 
 def _levers(plan: Plan) -> list[Lever]:

@@ -3,9 +3,9 @@ trainable subset, and the project's task (pretrain or sft).
 
 No torch and no transformers (the generator imports neither): config.json is parsed as JSON, and the parameters
 are written down as transformers' Llama, Qwen2, Qwen3 and Mistral classes build them (tests/test_plan_families.py
-builds each on the meta device and compares every name and shape). The block's activations are planned with the
-llama family's op-by-op count (plan.block_activation_bytes): these architectures run the same ops (RMSNorm, q/k/v
-projections, rotary, scaled_dot_product_attention, o_proj, SwiGLU MLP).
+builds each on the meta device and compares every name and shape). A block's saved activations
+(hf_block_activation_bytes) and LoRA's change of them (lora_activation_delta) are counted op by op as
+transformers' blocks save them, which the same tests measure.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp2gen.sizes import LlamaShape
+
+FP32 = 4
 
 # The config.json keys plan needs from every model, and their bounds (plan.MODEL_LIMITS' for the same sizes).
 REQUIRED = {
@@ -204,14 +206,33 @@ def is_trainable(model: LlamaShape, name: str) -> bool:
     return not isinstance(model, HfShape) or model.lora is None or ".lora_" in name
 
 
+def hf_block_activation_bytes(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+    """Bytes one transformers decoder block saves for backward (its input included, cos and sin not: the model
+    computes them once per forward), as tests/test_plan_families.py measures them. Per token: each RMSNorm keeps
+    its input in fp32 (the input itself in fp32, else one fp32 copy) and its normalised output in the compute
+    dtype, and an fp32 rsqrt; the rotated q, k, v and the attention output (n_heads x head_dim wide, which need
+    not be hidden_size) and attention's fp32 logsumexp; the inputs of q/k/v and of gate/up; the MLP's gate output,
+    silu output, up output and down_proj's input. Qwen3's q_norm and k_norm are RMSNorms too, per head.
+
+    The llama family's block_activation_bytes differs in mixed precision only: its model.py keeps two fp32 copies
+    per norm and casts fp32 cos/sin in every block."""
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    per_token = 2 * ((FP32 + compute) * model.dim + FP32)  # the two norms
+    per_token += compute * (2 * q + 2 * kv) + FP32 * model.n_heads  # attention
+    per_token += compute * 2 * model.dim + 4 * compute * model.ffn_dim  # q/k/v and gate/up inputs; the MLP
+    if model.qk_norm:
+        per_token += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
+    return batch * seq_len * per_token
+
+
 def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
     """How LoRA changes one block's saved activations (bytes, negative when it saves less), as torch saves them
     (tests/test_plan_families.py measures it on a transformers block):
 
     - a frozen matmul keeps its weight (for the input's gradient) but not its input; a frozen RMSNorm weight's
-      multiply does not keep the normalised input (compute dtype). So the input of q/k/v (the attention norm's
-      output), of gate/up (the MLP norm's output) and of down_proj is kept only while one of them is adapted;
-      o_proj's input, the attention output, is kept by the attention kernel anyway;
+      multiply does not keep the normalised input (compute dtype; Qwen3's q_norm and k_norm too). So the input
+      of q/k/v (the attention norm's output), of gate/up (the MLP norm's output) and of down_proj is kept only
+      while one of them is adapted; o_proj's input, the attention output, is kept by the attention kernel anyway;
     - an adapted layer's lora_A keeps that same input, lora_B keeps lora_A's output (tokens x rank);
     - with dropout > 0, lora_A keeps its own dropped-out copy of the input instead, and dropout its mask (bool).
     """
@@ -224,6 +245,8 @@ def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int
     paths = {name: f"model.layers.0.{'self_attn' if name in ATTENTION else 'mlp'}.{name}" for name in widths}
     adapted = [name for name in widths if lora_targets(paths[name], lora.targets)]
     delta = compute * tokens * (lora.rank * len(adapted) - 2 * model.dim)  # lora_A outputs; both norms' outputs
+    if model.qk_norm:  # q_norm's and k_norm's frozen weights: their normalised inputs are not kept either
+        delta -= compute * tokens * (model.n_heads + model.n_kv_heads) * model.head_dim
     # The inputs the full model keeps for its weights' gradients, shared by the layers that read them.
     for readers, width in ((("q_proj", "k_proj", "v_proj"), model.dim), (("gate_proj", "up_proj"), model.dim),
                            (("down_proj",), model.ffn_dim)):  # fmt: skip

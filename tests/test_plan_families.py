@@ -139,9 +139,9 @@ def test_lora_adapters_and_trainable_subset_are_what_peft_builds(model_type: str
 
 
 def saved_block_bytes(config_json: Path, lora: LoraSpec | None, dtype: str, tokens: tuple[int, int]) -> int:
-    """Bytes autograd keeps for backward in one transformers decoder block's forward (train mode, `dtype`), told
-    apart by storage: every saved tensor of the graph, less the parameters, the block's input and rotary's cos
-    and sin (shared by every block)."""
+    """Bytes autograd keeps for backward in one transformers decoder block's forward (train mode, `dtype`: the
+    dtype mixed precision computes in), told apart by storage: every saved tensor of the graph, the block's input
+    included, less the parameters and rotary's cos and sin (computed once per forward, shared by every block)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -157,7 +157,7 @@ def saved_block_bytes(config_json: Path, lora: LoraSpec | None, dtype: str, toke
     cos_sin = model.model.rotary_emb(x, torch.arange(tokens[1])[None].expand(*tokens))
     out = model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=None)
     out = out[0] if isinstance(out, tuple) else out
-    skip = {t.untyped_storage().data_ptr() for t in (x, *cos_sin, *model.parameters())}
+    skip = {t.untyped_storage().data_ptr() for t in (*cos_sin, *model.parameters())}
     found, stack, seen = {}, [out.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -180,9 +180,21 @@ def saved_block_bytes(config_json: Path, lora: LoraSpec | None, dtype: str, toke
     return sum(found.values())
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_transformers_blocks_saved_activations_are_plans(case: str, dtype: str, tmp_path: Path) -> None:
+    from fsdp2gen.plan_families import hf_block_activation_bytes
+
+    model_type, keys = CASES[case]
+    path = save_config(tmp_path, model_type, **{**SMALL, **keys, "num_hidden_layers": 1})
+    compute = {"fp32": 4, "bf16": 2}[dtype]
+    measured = saved_block_bytes(path, None, dtype, (2, 8))
+    assert measured == hf_block_activation_bytes(read_hf_config(path), 2, 8, compute)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    model_type=st.sampled_from(["llama", "qwen2", "mistral"]),
+    model_type=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
     rank=st.integers(1, 12),
     targets=TARGETS,
     dropout=st.sampled_from([0.0, 0.1]),
