@@ -704,8 +704,8 @@ def _hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRe
         local = config.parent / local
     if not (local / "config.json").is_file():
         raise PlanError(
-            f"{config}: model.path {folder} is not a local folder with config.json (a hub id is not downloaded by "
-            "plan); download it (huggingface-cli download) and plan with --hf-config FOLDER/config.json"
+            f"{config}: model.path {folder}: no config.json there (plan reads a local folder, relative to the project, "
+            "and downloads no hub id); download it (huggingface-cli download) and plan with --hf-config FOLDER"
         )
     try:
         model = read_hf_config(local)

@@ -366,8 +366,8 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
     )
     edited.write_text(text.replace(f'path = "{projects["model"]}"', 'path = "meta-llama/Llama-3.2-1B"'))
     assert error("--config", str(edited)) == (
-        f"{edited}: model.path meta-llama/Llama-3.2-1B is not a local folder with config.json (a hub id is not "
-        "downloaded by plan); download it (huggingface-cli download) and plan with --hf-config FOLDER/config.json"
+        f"{edited}: model.path meta-llama/Llama-3.2-1B: no config.json there (plan reads a local folder, relative to "
+        "the project, and downloads no hub id); download it (huggingface-cli download) and plan with --hf-config FOLDER"
     )
     assert error("--hf-config", str(tmp_path / "none.json")) == (
         f"{tmp_path / 'none.json'} not found; pass a model folder with config.json (save_pretrained writes one) or "
