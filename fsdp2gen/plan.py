@@ -82,6 +82,8 @@ TEMPLATE_SIZES = template_sizes()
 LLAMA_SIZES = {name: shape for name, shape in SIZES.items() if shape.vocab_size == LLAMA3_VOCAB}
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
 TEMPLATE_GRAD_SYNC = "every_micro_batch"
+# training.loss_chunks of the generated config: the loss's logits are computed this many sequence chunks at a time.
+TEMPLATE_LOSS_CHUNKS = 8
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class PlanRequest:
     grad_accum_steps: int | None = 1  # None: not known (--size), assumed > 1 for grad_sync
     grad_sync: str = TEMPLATE_GRAD_SYNC
     gpu: str = "h100-80gb"
+    loss_chunks: int = TEMPLATE_LOSS_CHUNKS
 
     @property
     def world_size(self) -> int:
@@ -247,18 +250,22 @@ def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute:
     return math.ceil(split / tp) + whole
 
 
-def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+def head_activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, loss_chunks: int = 1
+) -> int:
     """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets.
 
     With tp > 1 the final norm's tokens and the logits' vocabulary are split (loss_parallel); the output
-    layer's input (all-gathered) and the token ids are whole on every tp rank.
+    layer's input (all-gathered) and the token ids are whole on every tp rank. With loss_chunks > 1
+    (chunked_loss.py) the log-softmax is that of one chunk of the sequence: forward keeps none, and backward
+    recomputes one chunk at a time while every block's activations are still held.
     """
     tokens = batch * seq_len
     hidden = tokens * model.dim
     split = norm_activation_bytes(hidden, compute) + FP32 * tokens
     return (
         math.ceil(split / tp)
-        + FP32 * tokens * math.ceil(model.vocab_size / tp)
+        + FP32 * batch * math.ceil(seq_len / loss_chunks) * math.ceil(model.vocab_size / tp)
         + compute * hidden
         + 2 * INT64 * tokens
         + FP32  # cross_entropy's total_weight
@@ -284,7 +291,9 @@ def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: in
     return math.ceil(split / tp) + compute * hidden  # + w2's matmul output
 
 
-def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1) -> int:
+def activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1
+) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
     full: every block keeps only its input, and backward recomputes one block at a time.
@@ -295,7 +304,7 @@ def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, 
     """
     block = block_activation_bytes(model, batch, seq_len, compute, tp)
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
-    head = head_activation_bytes(model, batch, seq_len, compute, tp)
+    head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
     if ac == "selective":
         return model.n_layers * (block_input + op_level_kept_bytes(model, batch, seq_len, compute, tp)) + block + head
     checkpointed = {"none": 0, "layer": (model.n_layers + 1) // 2, "full": model.n_layers}[ac]
@@ -337,7 +346,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         "optimizer_state": 2 * FP32 * sharded + FP32 * len(shapes),
     }
     activations = {
-        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp) for mode in AC_MODES
+        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp, request.loss_chunks)
+        for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
     per_gpu |= _buffers(request, shapes, compute) | {"activations": activations[request.ac]}
@@ -467,6 +477,13 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
             f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}; {FIX_CONFIG}"
         )
     training["grad_sync"] = grad_sync
+    loss_chunks = sections["training"].get("loss_chunks", TEMPLATE_LOSS_CHUNKS)
+    if type(loss_chunks) is not int or not 1 <= loss_chunks <= training["seq_len"]:
+        raise PlanError(
+            f"{path}: training.loss_chunks must be an int from 1 to training.seq_len ({training['seq_len']}), got "
+            f"{loss_chunks!r}; {FIX_CONFIG}"
+        )
+    training["loss_chunks"] = loss_chunks
     # GPUs, nodes and precision the project was generated for (flags override them).
     return model, training, _read_answers(path.parent / ".copier-answers.yml")
 
@@ -588,6 +605,7 @@ def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanReque
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
         grad_sync=training["grad_sync"],
+        loss_chunks=training["loss_chunks"],
     )
 
 
@@ -752,6 +770,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "seq_len": request.seq_len,
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
+            "loss_chunks": request.loss_chunks,
         },
         "per_gpu_bytes": plan.per_gpu,
         "activations_bytes": plan.activations,
