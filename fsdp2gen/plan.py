@@ -92,6 +92,8 @@ TEMPLATE_SIZES = template_sizes()
 LLAMA_SIZES = {name: shape for name, shape in SIZES.items() if shape.vocab_size == LLAMA3_VOCAB}
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
 TEMPLATE_GRAD_SYNC = "every_micro_batch"
+# training.loss_chunks of the generated config: the loss's logits are computed this many sequence chunks at a time.
+TEMPLATE_LOSS_CHUNKS = 8
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class PlanRequest:
     grad_sync: str = TEMPLATE_GRAD_SYNC
     gpu: str = "h100-80gb"
     task: str = "pretrain"  # the project's task: "sft" masks the prompt's targets, the same memory
+    loss_chunks: int = TEMPLATE_LOSS_CHUNKS
 
     @property
     def world_size(self) -> int:
@@ -260,18 +263,22 @@ def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute:
     return math.ceil(split / tp) + whole
 
 
-def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+def head_activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, loss_chunks: int = 1
+) -> int:
     """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets.
 
     With tp > 1 the final norm's tokens and the logits' vocabulary are split (loss_parallel); the output
-    layer's input (all-gathered) and the token ids are whole on every tp rank.
+    layer's input (all-gathered) and the token ids are whole on every tp rank. With loss_chunks > 1
+    (chunked_loss.py) the log-softmax is that of one chunk of the sequence: forward keeps none, and backward
+    recomputes one chunk at a time while every block's activations are still held.
     """
     tokens = batch * seq_len
     hidden = tokens * model.dim
     split = norm_activation_bytes(hidden, compute) + FP32 * tokens
     return (
         math.ceil(split / tp)
-        + FP32 * tokens * math.ceil(model.vocab_size / tp)
+        + FP32 * batch * math.ceil(seq_len / loss_chunks) * math.ceil(model.vocab_size / tp)
         + compute * hidden
         + 2 * INT64 * tokens
         + FP32  # cross_entropy's total_weight
@@ -297,7 +304,9 @@ def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: in
     return math.ceil(split / tp) + compute * hidden  # + w2's matmul output
 
 
-def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1) -> int:
+def activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1
+) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
     full: every block keeps only its input, and backward recomputes one block at a time.
@@ -308,7 +317,7 @@ def activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, 
     """
     block = block_activation_bytes(model, batch, seq_len, compute, tp)
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
-    head = head_activation_bytes(model, batch, seq_len, compute, tp)
+    head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
     if ac == "selective":
         return model.n_layers * (block_input + op_level_kept_bytes(model, batch, seq_len, compute, tp)) + block + head
     checkpointed = {"none": 0, "layer": (model.n_layers + 1) // 2, "full": model.n_layers}[ac]
@@ -356,7 +365,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         "optimizer_state": 2 * FP32 * trained + FP32 * len(trainable),
     }
     activations = {
-        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp)
+        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp, request.loss_chunks)
         + family_activation_bytes(model, request.batch, request.seq_len, compute, mode)
         for mode in AC_MODES
     }
@@ -524,6 +533,13 @@ def _read_config(
             f"{path}: training.grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}; {FIX_CONFIG}"
         )
     training["grad_sync"] = grad_sync
+    loss_chunks = sections["training"].get("loss_chunks", TEMPLATE_LOSS_CHUNKS)
+    if type(loss_chunks) is not int or not 1 <= loss_chunks <= training["seq_len"]:
+        raise PlanError(
+            f"{path}: training.loss_chunks must be an int from 1 to training.seq_len ({training['seq_len']}), got "
+            f"{loss_chunks!r}; {FIX_CONFIG}"
+        )
+    training["loss_chunks"] = loss_chunks
     # GPUs, nodes and precision the project was generated for (flags override them).
     return model, training, _read_answers(path.parent / ".copier-answers.yml")
 
@@ -669,6 +685,7 @@ def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanReque
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
         grad_sync=training["grad_sync"],
+        loss_chunks=training["loss_chunks"],
     )
 
 
@@ -729,6 +746,7 @@ def _hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRe
         grad_accum_steps=training["grad_accum_steps"],
         grad_sync=training["grad_sync"],
         task=task,
+        loss_chunks=training["loss_chunks"],
     )
 
 
@@ -926,6 +944,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "seq_len": request.seq_len,
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
+            "loss_chunks": request.loss_chunks,
         },
         "per_gpu_bytes": plan.per_gpu,
         "activations_bytes": plan.activations,

@@ -25,7 +25,7 @@ from tests.conftest import HELPERS, REPO, TINY, generate, metrics, torchrun_env
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
 KNOWN_TRAINING_KEYS = (
     "steps, seed, global_batch_size, seq_len, lr, lr_min_ratio, warmup_steps, weight_decay, grad_accum_steps, "
-    "grad_sync, max_norm"
+    "grad_sync, max_norm, loss_chunks"
 )
 FRESH = "another --job.output_dir"
 # The run's only checkpoint (corrupt() deletes the older one, which resume would use instead).
@@ -112,6 +112,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--parallel.reshard_after_forward", "0"],
         "parallel.reshard_after_forward must be true, false or at least 1, got 0; e.g. "
         "--parallel.reshard_after_forward true",
+    ),
+    "loss-chunks-not-dividing-seq-len": (
+        ["--training.loss_chunks", "5"],
+        "training.loss_chunks = 5 does not divide training.seq_len = 32 (the loss is computed in equal sequence "
+        "chunks); pick a divisor of seq_len, e.g. --training.loss_chunks 1",
     ),
     "heads-not-dividing-dim": (
         ["--model.n_heads", "5"],

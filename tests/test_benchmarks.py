@@ -121,3 +121,14 @@ def test_hf_load_benchmark_runs_and_reports_the_ratios() -> None:
         assert re.search(rf"^{path} +2 +\d+\.\d +\d+\.\d\d$", out, flags=re.M), out
     assert re.search(r"^world 2: rank 0 peak RSS dcp / broadcast = \d+\.\d\d$", out, flags=re.M), out
     assert re.search(r"^world 2: load time dcp / broadcast = \d+\.\d\d$", out, flags=re.M), out
+
+
+def test_chunked_loss_benchmark_runs_and_reports_the_ratio() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/chunked_loss.py", "--tiny")
+    for chunks in ("1", "8"):
+        assert re.search(rf"^ +{chunks} +\d+\.\d +\d+\.\d\d +\d+\.\d{{5}}$", out, flags=re.M), out
+    assert re.search(r"^peak memory loss_chunks 8 / 1 = \d+\.\d\d$", out, flags=re.M), out
+    assert re.search(r"^step time loss_chunks 8 / 1 = \d+\.\d\d$", out, flags=re.M), out
+    # The same step's loss either way (fp32: the chunks only reorder a sum).
+    (difference,) = re.findall(r"^loss difference = (\S+)$", out, flags=re.M)
+    assert float(difference) <= 1e-5, out

@@ -56,3 +56,56 @@ def test_every_key_is_refused_in_one_line_or_trains(family: str, tmp_path: Path)
     assert report["unbounded"] == []
     # Both sides of the property are exercised.
     assert report["refused"] >= 30 and report["trained"] >= 20, report
+
+
+# Run inside a rendered project: for drawn (seq_len, loss_chunks), config.py accepts the config exactly when the
+# chunks divide the sequence, and otherwise refuses it with the rule's one line. Half the draws are divisible.
+LOSS_CHUNKS_PROPERTY = """
+from hypothesis import given, settings, strategies as st
+
+from config import ConfigError, load_config
+
+
+@st.composite
+def lengths(draw):
+    chunks = draw(st.integers(1, 2**31 - 1) | st.integers(1, 64))
+    if draw(st.booleans()):
+        return draw(st.integers(1, (2**31 - 1) // chunks)) * chunks, chunks
+    return draw(st.integers(1, 2**31 - 1) | st.integers(1, 4096)), chunks
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(lengths())
+def rule_holds(drawn):
+    seq_len, chunks = drawn
+    overrides = {"training.seq_len": str(seq_len), "training.loss_chunks": str(chunks)}
+    try:
+        config = load_config("config.toml", overrides)
+    except ConfigError as error:
+        assert seq_len % chunks, (drawn, error)
+        assert str(error) == (
+            f"training.loss_chunks = {chunks} does not divide training.seq_len = {seq_len} (the loss is computed in "
+            "equal sequence chunks); pick a divisor of seq_len, e.g. --training.loss_chunks 1"
+        ), str(error)
+        counts[0] += 1
+    else:
+        assert seq_len % chunks == 0 and config.training.loss_chunks == chunks, drawn
+        counts[1] += 1
+
+
+counts = [0, 0]
+rule_holds()
+print(*counts)
+"""
+
+
+def test_loss_chunks_must_divide_seq_len_for_drawn_values(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--fp32")
+    # The generated config's own default divides its own seq_len.
+    assert "loss_chunks = 8\n" in (project / "config.toml").read_text()
+    assert "seq_len = 256\n" in (project / "config.toml").read_text()
+    result = subprocess.run([sys.executable, "-c", LOSS_CHUNKS_PROPERTY], cwd=project, capture_output=True, text=True,
+                            env={**torchrun_env(), "PYTHONPATH": str(project)}, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused, accepted = map(int, result.stdout.split())
+    assert refused >= 50 and accepted >= 50, (refused, accepted)

@@ -104,7 +104,7 @@ def test_tensor_parallel_needs_seq_len_divisible_by_tp(tp_project: Path, tmp_pat
     """Sequence parallelism splits every sample's tokens over the tp ranks: preflight refuses an odd seq_len."""
     result = subprocess.run(
         [sys.executable, "preflight.py", "--world-size", "4", *TINY, "--training.seq_len", "31",
-         "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out")],
+         "--training.loss_chunks", "1", "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out")],
         cwd=tp_project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     expected = (

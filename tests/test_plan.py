@@ -22,12 +22,14 @@ from fsdp2gen.plan import (
     GRAD_SYNC_MODES,
     LLAMA_SIZES,
     TEMPLATE_GRAD_SYNC,
+    TEMPLATE_LOSS_CHUNKS,
     TEMPLATE_MODEL,
     TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
     LlamaShape,
     PlanRequest,
     estimate,
+    head_activation_bytes,
     parameter_count,
     parameter_shapes,
 )
@@ -74,6 +76,8 @@ def test_template_defaults_are_the_ones_plan_assumes() -> None:
     # training.grad_sync: its choices and default, from the template itself (the goldens may lag behind it).
     modes = ", ".join(f'"{mode}"' for mode in GRAD_SYNC_MODES)
     assert f'grad_sync: Literal[{modes}] = "{TEMPLATE_GRAD_SYNC}"\n' in (TEMPLATE / "config.py.jinja").read_text()
+    assert f"loss_chunks: int = setting({TEMPLATE_LOSS_CHUNKS}, " in (TEMPLATE / "config.py.jinja").read_text()
+    assert f"\nloss_chunks = {TEMPLATE_LOSS_CHUNKS}\n" in (TEMPLATE / "config.toml.jinja").read_text()
     sizes = next(n for n in ast.parse(LLAMA_ARGS.read_text()).body if isinstance(n, ast.Assign)
                  and n.targets[0].id == "SIZES")  # fmt: skip
     assert ast.literal_eval(sizes.value) == TEMPLATE_SIZES
@@ -98,7 +102,8 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
     # It imports sharded_init and schema, its siblings in the template, which are loaded the same way for the while.
     siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
-                "data": "data.py", "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
+                "data": "data.py", "chunked_loss": "chunked_loss.py",
+                "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
     for name, file in siblings.items():
         sys.modules[name] = load_template_module(name, TEMPLATE / file)
     try:
@@ -310,6 +315,30 @@ def plan_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+def test_chunked_loss_counts_one_chunk_of_the_logits(tmp_path: Path) -> None:
+    # training.loss_chunks: the loss's fp32 log-softmax is that of one sequence chunk (chunked_loss.py), so the
+    # activations fall by (1 - 1/chunks) of the whole logits, and nothing else changes.
+    model = LLAMA_SIZES["8b"]
+    logits = 4 * 2 * 8192 * model.vocab_size  # the reference's headline run: 8.4 GB per GPU
+    assert head_activation_bytes(model, 2, 8192, 2) - head_activation_bytes(model, 2, 8192, 2, loss_chunks=8) == (
+        logits - logits // 8
+    )
+    # tp 2: each rank's half of the vocabulary, chunked alike.
+    assert head_activation_bytes(model, 2, 8192, 2, tp=2) - head_activation_bytes(
+        model, 2, 8192, 2, tp=2, loss_chunks=4
+    ) == 4 * 2 * (8192 - 2048) * (model.vocab_size // 2)
+    plans = {}
+    for chunks in (1, 8):
+        config = tmp_path / f"chunks-{chunks}.toml"
+        config.write_text(TINY_CONFIG + f"loss_chunks = {chunks}\n")
+        plans[chunks] = plan_json("--config", str(config), "--gpus", "2")
+        assert plans[chunks]["setup"]["loss_chunks"] == chunks
+    whole, chunked = plans[1]["activations_bytes"], plans[8]["activations_bytes"]
+    tokens = 4 * 32  # micro-batch 8 / 2 ranks, seq_len 32
+    assert {mode: whole[mode] - chunked[mode] for mode in whole} == {mode: 4 * (tokens - tokens // 8) * 130
+                                                                     for mode in whole}  # fmt: skip
+
+
 def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
     plan = plan_json("--size", "8b", "--gpus", "8", "--precision", "bf16", "--seq", "8192", "--batch", "1")
     per_gpu = plan["per_gpu_bytes"]
@@ -337,8 +366,9 @@ def test_reference_8b_headline_run_fits_an_h100_with_op_level_ac_only() -> None:
     layer = plan_json(*args, "--activation-checkpointing", "layer", "--gpu-type", "h100-80gb")
     assert op["fits"] and not layer["fits"]
     assert (
-        round(op["per_gpu_bytes"]["total"] / 2**30, 1) == 64.1
-        and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 92.1
+        # With the default training.loss_chunks 8: one eighth of the 8.4 GB of fp32 logits (64.1 and 92.1 whole).
+        round(op["per_gpu_bytes"]["total"] / 2**30, 1) == 57.3
+        and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 85.3
     )
 
 
@@ -408,6 +438,7 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "seq_len": 256,
         "grad_accum_steps": 1,
         "grad_sync": "every_micro_batch",
+        "loss_chunks": TEMPLATE_LOSS_CHUNKS,  # the file has none: the template's default
     }
     assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512
     fp32 = plan_json("--config", str(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.toml"))

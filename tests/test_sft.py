@@ -122,9 +122,11 @@ def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
     assert json.loads(result.stdout) == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], result.stderr
     # ...and train.py's train_step computes the loss exactly that way (model.py's loss, summed).
     source = (chat["project"] / "train.py").read_text()
-    assert 'model_loss(output, targets, reduction="sum")' in source
-    model = (chat["project"] / "model.py").read_text()
-    assert "F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)" in model
+    assert 'model_loss(model, inputs, targets, reduction="sum", chunks=chunks)' in source
+    loss = (chat["project"] / "chunked_loss.py").read_text()
+    assert "F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)" in loss
+    # Chunked (training.loss_chunks), each chunk's loss is that sum over its own targets.
+    assert 'checkpoint(cross_entropy, output_layer, h, t, "sum", use_reentrant=False)' in loss
 
 
 def test_sft_trains_and_the_validation_loss_falls(chat: dict, tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ COMPUTE is fp32, bf16 or fp16; with the project's parallel.float8 the blocks' li
 It does what FSDP2's MixedPrecisionPolicy does on RANKS data-parallel ranks, by hand: each step, for each rank's
 micro-batches, the fp32 master weights are cast to COMPUTE (the float8 layers keep fp32 weights, which torchao
 casts to float8 itself, as FSDP2's float8 all-gather does), forward and backward run in COMPUTE, the gradients
-are cast to fp32 and averaged over the ranks; fp16 scales the loss by the scaler's initial 2**16. Then the same
-clipping, AdamW and schedule as reference_loop.py. Writes OUT_DIR/metrics.jsonl (step, loss, grad_norm).
+are cast to fp32 and averaged over the ranks; the loss is model.py's, in training.loss_chunks chunks (the output
+layer's gradient adds the chunks' parts in COMPUTE, as under FSDP2); fp16 scales the loss by the scaler's initial
+2**16. Then the same clipping, AdamW and schedule as reference_loop.py. Writes OUT_DIR/metrics.jsonl (step, loss,
+grad_norm).
 """
 
 import json
@@ -19,11 +21,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from config import parse_args
 from data import ShuffledEpochs, SyntheticTokens, micro_batches
 from model import Transformer, block_classes
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from train import build_optimizer
 
 out, compute, ranks = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -71,9 +72,11 @@ with open(out / "metrics.jsonl", "w") as metrics:
                     name: (p if name in float8_weights else p.to(dtype)).detach().requires_grad_()
                     for name, p in params.items()
                 }
-                logits = functional_call(model, cast, (inputs,)).flatten(0, 1).float()
-                loss = F.cross_entropy(logits, targets.flatten()) / len(batches)
-                (loss * loss_scale).backward()
+                # The cast weights stay in the model through backward, which recomputes the loss's chunks (as
+                # FSDP2 keeps the root's gathered weights until its backward ends).
+                with _reparametrize_module(model, cast, tie_weights=True):
+                    loss = model(inputs, targets=targets, loss_chunks=training.loss_chunks) / len(batches)
+                    (loss * loss_scale).backward()
                 loss_sum += loss.item()
                 for name, p in cast.items():
                     # Reduce-scatter in fp32: each rank's gradient divided by the number of ranks, then summed.
