@@ -12,8 +12,9 @@ on CPU, with the same number of threads, times a forward + backward + AdamW step
   truncated-normal init with depth-scaled output projections),
 
 at the shape of the reference trainer's debug model (dim 256, 6 layers, 16 heads, vocab 2048, fp32), for
-seq 128 x batch 4 and seq 256 x batch 8. Both see the same batches, alternate repetition by repetition, and
-use the same AdamW (foreach). Prints the median step time of each and the ratio ours / reference per shape.
+seq 128 x batch 4 and seq 256 x batch 8. Both see the same batches, alternate step by step, and use the same
+AdamW (foreach). Prints the median step time of each (wall and CPU time: on a shared machine other processes
+stretch the wall clock of either) and, per shape, the median of the step-by-step ratios ours / reference.
 --profile adds torch.profiler's top ops by self CPU time for each model (one step per shape).
 Target: ours / reference <= 1.03 (noise) at both shapes.
 """
@@ -153,8 +154,8 @@ def print_profile(name: str, step: Callable[[torch.Tensor, torch.Tensor], None],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition and model")
-    parser.add_argument("--repeat", type=int, default=5, help="repetitions of each model, interleaved")
+    parser.add_argument("--steps", type=int, default=5, help="batches (steps) per repetition")
+    parser.add_argument("--repeat", type=int, default=6, help="repetitions of the batches, each model a step in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of each model")
     parser.add_argument("--project", type=Path, help="an existing generated llama project to import (default: new)")
@@ -183,7 +184,7 @@ def main() -> None:
         print(
             f"CPU, {torch.get_num_threads()} thread(s), torch {torch.__version__}, {count / 1e6:.2f}M parameters fp32, "
             f"dim {shape['dim']}, {shape['n_layers']} layers, {shape['n_heads']}/{shape['n_kv_heads']} heads, "
-            f"vocab {shape['vocab_size']}, {args.steps} steps x {args.repeat} repetitions"
+            f"vocab {shape['vocab_size']}, {args.steps} batches x {args.repeat} repetitions"
         )
         generator = torch.Generator().manual_seed(0)
         for seq, batch in runs:
@@ -191,19 +192,28 @@ def main() -> None:
             batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
             for step in steps.values():  # warm-up: first-call allocations, AdamW's state
                 step(*batches[0])
-            times: dict[str, list[float]] = {name: [] for name in steps}
+            # Step by step, the two models alternating (and which goes first), so that both see the same load;
+            # CPU time as well as wall time: other processes on a shared machine slow the wall clock of either.
+            wall: dict[str, list[float]] = {name: [] for name in steps}
+            cpu: dict[str, list[float]] = {name: [] for name in steps}
             names = list(steps)
-            for index in range(args.repeat):
-                # Alternate which model goes first, so that neither always runs right after the other.
+            for index in range(args.repeat * len(batches)):
+                inputs, targets = batches[index % len(batches)]
                 for name in names if index % 2 == 0 else names[::-1]:
-                    started = time.perf_counter()
-                    for inputs, targets in batches:
-                        steps[name](inputs, targets)
-                    times[name].append((time.perf_counter() - started) / args.steps)
-            median = {name: statistics.median(values) for name, values in times.items()}
-            for name, value in median.items():
-                print(f"seq {seq} x batch {batch}: {name:<9} {value * 1e3:9.2f} ms/step (median of {args.repeat})")
-            print(f"seq {seq} x batch {batch}: ours / reference = {median['ours'] / median['reference']:.3f}")
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    steps[name](inputs, targets)
+                    wall[name].append(time.perf_counter() - started)
+                    cpu[name].append(time.process_time() - started_cpu)
+            samples = len(wall["ours"])
+            for name in names:
+                print(f"seq {seq} x batch {batch}: {name:<9} {statistics.median(wall[name]) * 1e3:9.2f} ms/step wall, "
+                      f"{statistics.median(cpu[name]) * 1e3:9.2f} ms CPU (medians of {samples})")  # fmt: skip
+            ratios = {
+                kind: statistics.median(a / b for a, b in zip(times["ours"], times["reference"], strict=True))
+                for kind, times in (("wall", wall), ("CPU", cpu))
+            }
+            print(f"seq {seq} x batch {batch}: ours / reference = {ratios['CPU']:.3f} (CPU time; wall time "
+                  f"{ratios['wall']:.3f}), median of the step-by-step ratios")  # fmt: skip
             if args.profile:
                 for name, step in steps.items():
                     print_profile(f"{name}, seq {seq} x batch {batch}", step, batches[0], rows=15)
