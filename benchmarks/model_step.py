@@ -22,6 +22,7 @@ Target: ours / reference <= 1.03 (noise) at both shapes.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import subprocess
@@ -143,6 +144,30 @@ def make_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return step
 
 
+def make_bf16_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The step FSDP2 runs with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), torchtitan's
+    default (training.mixed_precision_param = "bfloat16" whenever FSDP shards): forward and backward on a bf16
+    copy of the parameters, gradients reduced into the fp32 ones, AdamW on fp32."""
+    compute = copy.deepcopy(model)
+    for param in compute.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    masters, copies = list(model.parameters()), list(compute.parameters())
+    optimizer = torch.optim.AdamW(masters, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        logits = compute(inputs)
+        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+        for master, param in zip(masters, copies, strict=True):
+            master.grad = param.grad.float()
+            param.grad = None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(copies, masters)  # the next all-gather's bf16 parameters
+
+    return step
+
+
 def print_profile(name: str, step: Callable[[torch.Tensor, torch.Tensor], None], batch: tuple, rows: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -157,6 +182,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="batches (steps) per repetition")
     parser.add_argument("--repeat", type=int, default=6, help="repetitions of the batches, each model a step in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for both)")
+    parser.add_argument(
+        "--bf16-reference",
+        action="store_true",
+        help="also the reference with bf16 compute (torchtitan's default mixed_precision_param)",
+    )
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of each model")
     parser.add_argument("--project", type=Path, help="an existing generated llama project to import (default: new)")
     parser.add_argument("--tiny", action="store_true", help="tiny model, for a quick check that the script runs")
@@ -181,6 +211,8 @@ def main() -> None:
         count = sum(p.numel() for p in ours.parameters())
         assert count == sum(p.numel() for p in reference.parameters()), "the two models differ in size"
         steps = {"ours": make_step(ours), "reference": make_step(reference)}
+        if args.bf16_reference:
+            steps["reference-bf16"] = make_bf16_step(Reference(shape, max_seq_len))
         print(
             f"CPU, {torch.get_num_threads()} thread(s), torch {torch.__version__}, {count / 1e6:.2f}M parameters fp32, "
             f"dim {shape['dim']}, {shape['n_layers']} layers, {shape['n_heads']}/{shape['n_kv_heads']} heads, "
@@ -205,15 +237,17 @@ def main() -> None:
                     wall[name].append(time.perf_counter() - started)
                     cpu[name].append(time.process_time() - started_cpu)
             samples = len(wall["ours"])
+            references = [name for name in names if name != "ours"]
             for name in names:
-                print(f"seq {seq} x batch {batch}: {name:<9} {statistics.median(wall[name]) * 1e3:9.2f} ms/step wall, "
+                print(f"seq {seq} x batch {batch}: {name:<14} {statistics.median(wall[name]) * 1e3:9.2f} ms/step wall, "
                       f"{statistics.median(cpu[name]) * 1e3:9.2f} ms CPU (medians of {samples})")  # fmt: skip
-            ratios = {
-                kind: statistics.median(a / b for a, b in zip(times["ours"], times["reference"], strict=True))
-                for kind, times in (("wall", wall), ("CPU", cpu))
-            }
-            print(f"seq {seq} x batch {batch}: ours / reference = {ratios['CPU']:.3f} (CPU time; wall time "
-                  f"{ratios['wall']:.3f}), median of the step-by-step ratios")  # fmt: skip
+            for reference_name in references:
+                ratios = {
+                    kind: statistics.median(a / b for a, b in zip(times["ours"], times[reference_name], strict=True))
+                    for kind, times in (("wall", wall), ("CPU", cpu))
+                }
+                print(f"seq {seq} x batch {batch}: ours / {reference_name} = {ratios['CPU']:.3f} (CPU time; wall time "
+                      f"{ratios['wall']:.3f}), median of the step-by-step ratios")  # fmt: skip
             if args.profile:
                 for name, step in steps.items():
                     print_profile(f"{name}, seq {seq} x batch {batch}", step, batches[0], rows=15)
