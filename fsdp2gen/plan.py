@@ -258,8 +258,8 @@ def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute:
     # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
     whole = compute * 2 * hidden
     if compute != FP32:
-        # MixedPrecisionPolicy casts the block's cos/sin inputs to the compute dtype.
-        whole += 2 * seq_len * (model.head_dim // 2) * compute
+        # MixedPrecisionPolicy casts the block's rotary inputs, (cos, cos) and (-sin, sin), to the compute dtype.
+        whole += 2 * seq_len * model.head_dim * compute
     return math.ceil(split / tp) + whole
 
 

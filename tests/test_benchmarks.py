@@ -132,3 +132,27 @@ def test_chunked_loss_benchmark_runs_and_reports_the_ratio() -> None:
     # The same step's loss either way (fp32: the chunks only reorder a sum).
     (difference,) = re.findall(r"^loss difference = (\S+)$", out, flags=re.M)
     assert float(difference) <= 1e-5, out
+
+
+def test_model_step_benchmark_runs_and_reports_the_ratios() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/model_step.py", "--tiny", "--steps", "1", "--repeat", "1")
+    assert re.search(r"^CPU, 1 thread\(s\), torch \S+, [\d.]+M parameters fp32, dim 64, 2 layers", out, flags=re.M), out
+    for seq, batch in ((32, 2), (64, 2)):
+        for name in ("ours", "reference"):
+            row = rf"^seq {seq} x batch {batch}: {name} +\d+\.\d\d ms/step wall, +\d+\.\d\d ms CPU \(medians of 1\)$"
+            assert re.search(row, out, flags=re.M), out
+        ratio = rf"^seq {seq} x batch {batch}: ours / reference = \d+\.\d{{3}} \(CPU time; wall time \d+\.\d{{3}}\)"
+        assert re.search(ratio, out, flags=re.M), out
+
+
+def test_syncs_per_step_benchmark_counts_no_sync_on_quiet_steps() -> None:
+    out = run_benchmark(sys.executable, "benchmarks/syncs_per_step.py", "--tiny")
+    rows = re.findall(r"^ +(\d+) +(yes|no) +(\d+) +(\d+) +(\d+)$", out, flags=re.M)
+    assert [(int(step), reports) for step, reports, *_ in rows] == [
+        (step, "yes" if step in (4, 6, 8) else "no") for step in range(1, 9)
+    ], out
+    # Counted, not timed: the figures are those of test_no_host_sync_in_step.py on any machine.
+    assert all(syncs == torch_syncs == "0" for _, reports, syncs, torch_syncs, _ in rows if reports == "no"), out
+    assert re.search(r"^syncs per non-reporting step \(worst\) = 0$", out, flags=re.M), out
+    assert re.search(r"^syncs per reporting step \(worst, the project's own\) = 2 \(steps 4, 6, 8\)$", out,
+                     flags=re.M), out  # fmt: skip

@@ -81,3 +81,55 @@ def test_generated_custom_projects_own_training_tests_pass(project: Path) -> Non
                             cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
     assert re.search(r"^4 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
+
+
+# The user's block computes its linear layers with einsum (aten.bmm), where op-level AC looks for aten.mm/addmm.
+EINSUM_LINEARS = (
+    ("class Block(nn.Module):",
+     'def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:\n    return torch.einsum("bsi,oi->bso", x, '
+     "layer.weight) + layer.bias\n\n\nclass Block(nn.Module):"),
+    ("self.qkv(self.attention_norm(x))", "linear(self.qkv, self.attention_norm(x))"),
+    ("self.attention_out(out.transpose(1, 2)", "linear(self.attention_out, out.transpose(1, 2)"),
+    ("self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))", "linear(self.mlp_out, F.gelu(linear(self.mlp_in, "
+     "self.mlp_norm(x))))"),
+)  # fmt: skip
+UNCLASSIFIED = (
+    "parallel.activation_checkpointing = 'selective' keeps the outputs of linear layers (aten.mm/addmm/_scaled_mm), "
+    "but block Block has none (its matrix products run as aten.bmm): it would recompute nearly all of the block; use "
+    "--parallel.activation_checkpointing layer or full, or make the block's linear layers nn.Linear"
+)
+
+
+def test_op_level_ac_on_a_block_without_linear_layers_stops_with_one_line(tmp_path: Path) -> None:
+    project = generate(tmp_path / "sac", "--family", "custom", "--gpus", "2", "--fp32", "--activation-checkpointing",
+                       "selective")  # fmt: skip
+    # The generated block passes the check (its linear layers are aten.addmm): preflight accepts it.
+    env = {**torchrun_env(), "NPROC": "2", "DEVICE": "cpu"}
+    preflight = [sys.executable, "preflight.py", "--world-size", "2", *TINY]
+    accepted = subprocess.run([*preflight, "--job.output_dir", str(tmp_path / "ok")], cwd=project, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+    assert (accepted.returncode, accepted.stderr) == (0, ""), accepted.stderr
+    model = (project / "model.py").read_text()
+    for old, new in EINSUM_LINEARS:
+        assert old in model, old
+        model = model.replace(old, new)
+    (project / "model.py").write_text(model)
+
+    # The launch script: one line from preflight.py, before torchrun starts; nothing written.
+    out = tmp_path / "out"
+    result = subprocess.run(["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out)], cwd=project, env=env,
+                            capture_output=True, text=True)  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {UNCLASSIFIED}\n")
+    assert not out.exists()
+    # Started without the launcher, train.py's own preflight on rank 0 says it once, before building the model.
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
+         "--job.output_dir", str(out)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {UNCLASSIFIED}"]
+    assert "exitcode  : 2" in result.stderr and "parameters" not in result.stdout
+    # The fixes the line names: block-level modes need no op to classify.
+    for mode in ("layer", "full"):
+        args = ["--parallel.activation_checkpointing", mode, "--job.output_dir", str(tmp_path / mode)]
+        fixed = subprocess.run([*preflight, *args], cwd=project, env=env, capture_output=True, text=True)
+        assert (fixed.returncode, fixed.stderr) == (0, ""), (mode, fixed.stderr)

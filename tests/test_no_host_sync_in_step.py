@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, TINY, generate, metrics, torchrun
+from tests.helpers.sync_sites import NO_GPU_SYNC, where
 
 # Steps 1-8, a progress line every 4 steps, validation every 6, no checkpoint before the last step's.
 RUN = [*TINY, "--job.log_every", "4", "--training.steps", "8", "--eval.every", "6", "--eval.batches", "1",
@@ -21,23 +22,6 @@ def syncs_per_step(project: Path, out: Path) -> list[dict]:
     torchrun(project, str(HELPERS / "sync_probe.py"), *RUN, "--job.output_dir", str(out / "run"),
              env={"PROBE_OUT": str(out)})  # fmt: skip
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-# Host reads that are no GPU sync: AdamW's step counters, which torch keeps on the CPU unless its fused or capturable
-# kernels keep them on the GPU (then nothing is read), and, in fp16, GradScaler's found-inf flag, which torch reads
-# on the host for a non-fused optimizer (on CPU ranks here; on a GPU the fused AdamW takes the flag on the device).
-# (The functions of torch that read them, by file; GradScaler.get_scale, a real sync, stays counted.)
-NO_GPU_SYNC = {
-    "torch/optim/optimizer.py _get_value",
-    "torch/amp/grad_scaler.py <genexpr>",  # _maybe_opt_step's sum over found_inf_per_device
-    "torch/distributed/fsdp/sharded_grad_scaler.py _amp_update_scale_cpu_",
-}
-
-
-def where(call: str) -> str:
-    """From "item torch/optim/optimizer.py:95 _get_value" to "torch/optim/optimizer.py _get_value"."""
-    _, site, function = call.split()
-    return f"{site.rsplit(':', 1)[0]} {function}"
 
 
 # The project's own copies on the reporting steps, per rank: rank 0 copies every pending number at once (1), and

@@ -416,7 +416,7 @@ def test_more_gpus_shard_the_state_further_and_tp_splits_the_matrices() -> None:
     # full-sequence inputs of wq/wk/wv and w1/w3 (all-gathered; 80 blocks), of the output layer, the block
     # inputs' bf16 rotary tables, and the token ids and targets.
     tokens, bf16 = 8192, 2
-    whole = 80 * (2 * bf16 * tokens * 8192 + 2 * tokens * 64 * bf16) + bf16 * tokens * 8192 + 2 * 8 * tokens + 4
+    whole = 80 * (2 * bf16 * tokens * 8192 + 2 * tokens * 128 * bf16) + bf16 * tokens * 8192 + 2 * 8 * tokens + 4
     expected = (sixteen["activations"] - whole) / 8 + whole
     assert abs(tp["per_gpu_bytes"]["activations"] - expected) <= 81, (tp["per_gpu_bytes"]["activations"], expected)
 

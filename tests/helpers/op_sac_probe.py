@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import activation_checkpoint
 import torch
-from model import TransformerBlock
+from model import TransformerBlock, rotary_tables
 from model_args import ModelArgs
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,7 +50,8 @@ def main() -> None:
                      max_seq_len=seq_len)  # fmt: skip
     torch.manual_seed(0)
     half = args.head_dim // 2
-    cos, sin = torch.rand(seq_len, half), torch.rand(seq_len, half)
+    # The factors Transformer.forward builds once for all blocks from its (seq, head_dim / 2) tables.
+    cos, sin = rotary_tables(torch.rand(seq_len, half), torch.rand(seq_len, half))
     decisions: list[tuple[str, str, str]] = []
     make_policy = activation_checkpoint.op_policy
 
