@@ -106,6 +106,26 @@ def read_hf_config(path: Path) -> HfShape:
     return hf_shape(raw, str(file))
 
 
+def _number(config: dict[str, Any], source: str, key: str, default: int | None, limit: int) -> int:
+    """config.json's int `key`, from 1 to `limit`; `default` when left out (None: required)."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise HfConfigError(f"{source}: {key} missing; plan needs it to derive the parameter shapes, add it")
+    if type(value) is not int or not 1 <= value <= limit:
+        raise HfConfigError(f"{source}: {key} must be an int from 1 to {limit}, got {value!r}; fix config.json")
+    return value
+
+
+def _flag(config: dict[str, Any], source: str, key: str, default: bool) -> bool:
+    """config.json's bool `key`, `default` when left out."""
+    value = config.get(key, default)
+    if type(value) is not bool:
+        raise HfConfigError(f"{source}: {key} must be true or false, got {value!r}; fix config.json")
+    return value
+
+
 def hf_shape(config: dict[str, Any], source: str) -> HfShape:
     """config.json's keys as transformers reads them, with its config class's defaults for those left out."""
     model_type = config.get("model_type")
@@ -117,20 +137,10 @@ def hf_shape(config: dict[str, Any], source: str) -> HfShape:
     arch = ARCHITECTURES[model_type]
 
     def number(key: str, default: int | None, limit: int) -> int:
-        value = config.get(key)
-        if value is None and default is not None:
-            return default
-        if value is None:
-            raise HfConfigError(f"{source}: {key} missing; plan needs it to derive the parameter shapes, add it")
-        if type(value) is not int or not 1 <= value <= limit:
-            raise HfConfigError(f"{source}: {key} must be an int from 1 to {limit}, got {value!r}; fix config.json")
-        return value
+        return _number(config, source, key, default, limit)
 
     def flag(key: str, default: bool) -> bool:
-        value = config.get(key, default)
-        if type(value) is not bool:
-            raise HfConfigError(f"{source}: {key} must be true or false, got {value!r}; fix config.json")
-        return value
+        return _flag(config, source, key, default)
 
     sizes = {key: number(key, None, limit) for key, limit in REQUIRED.items()}
     heads = sizes["num_attention_heads"]
