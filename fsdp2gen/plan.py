@@ -18,6 +18,13 @@ The estimate follows what a generated project's train.py and model.py actually d
 - Activations are the tensors autograd saves for backward in model.py's forward and the fp32 loss,
   counted op by op (see `block_activation_bytes`). The attention is scaled_dot_product_attention with a
   flash/memory-efficient kernel: no seq x seq matrix is kept.
+- The step's peak is the higher of two moments: the blocks' backward (gathered root and blocks, reduce-scatter
+  buffers, all activations) and the loss's backward, which comes first (`loss_backward_bytes`): train_step still
+  holds the fp32 logits, and the cross-entropy's backward makes two (loss_parallel: three) more fp32 tensors of
+  the logits' size. Before this was modelled, plan was 17% under torch's FSDPMemTracker for a 1B model with TP 2
+  (and about 3 logits copies, 25 GiB, under it for the 8B headline run at batch 2 x 8192): checked against the
+  simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py, every row within 10%.
+- `reserved` is what the CUDA caching allocator holds at that peak (RESERVED_RATIO, measured the same way).
 
 The generator must not import torch, so everything here is arithmetic on shapes.
 """
@@ -49,6 +56,11 @@ GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 MIB, GIB = 2**20, 2**30
 # Left for the CUDA context, NCCL's own buffers and allocator fragmentation.
 USABLE_FRACTION = 0.9
+# What the CUDA caching allocator reserves (nvidia-smi's figure, what an OOM reports) over what is allocated, at the
+# step's peak: it rounds each block up (to 512 bytes, or 2 MiB above 1 MiB). Measured by the project's
+# scripts/plan_memory.py (the live tensors at FSDPMemTracker's peak, each rounded): at most 1.006x over
+# tests/test_plan_simulation.py's matrix; fragmentation over many steps comes on top (USABLE_FRACTION's margin).
+RESERVED_RATIO = 1.01
 
 
 class PlanError(ValueError):
@@ -265,6 +277,18 @@ def head_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: 
     )
 
 
+def loss_backward_bytes(model: LlamaShape, batch: int, seq_len: int, tp: int = 1) -> int:
+    """What the loss's backward adds to the saved activations, at its peak: the fp32 logits train_step still holds
+    (`output`, the root's output_dtype float32; the cross-entropy saved its log-softmax, counted in
+    head_activation_bytes) and the backward's own fp32 tensors of the logits' size: two (the gradients of the
+    log-softmax's output and of its input) without tensor parallelism, three with loss_parallel (its backward
+    builds the one-hot mask, adds exp(log-softmax) and scales by the incoming gradient; each is a new tensor).
+    Measured with scripts/plan_memory.py (FSDPMemTracker); tests/test_plan_simulation.py checks it.
+    """
+    logits = FP32 * batch * seq_len * math.ceil(model.vocab_size / tp)
+    return logits + (3 if tp > 1 else 2) * logits
+
+
 def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
     """Bytes one block keeps under op-level selective AC (activation_checkpoint.py, torchtitan's policy): the
     outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2; wk, wo and w3 are recomputed), attention's
@@ -318,6 +342,7 @@ class Plan:
     parameters: int  # of the whole model
     per_gpu: dict[str, int]
     activations: dict[str, int]  # by AC mode
+    reserved: int  # what the caching allocator holds at the peak (per_gpu["total"] allocated, blocks rounded)
     host_per_gpu: int  # with --cpu-offload: the state that lives in CPU memory
     # checkpoint = "full": rank 0 gathers the whole model and AdamW state in its CPU memory to write them
     full_checkpoint_host: int
@@ -346,19 +371,31 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
     unsharded = FP32 * sum(math.prod(shape) for _, shape in shapes)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
-    per_gpu["total"] = sum(per_gpu.values())
+    per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, request.seq_len, request.tp)
+    # Two moments of the step peak, whichever is higher: the blocks' backward (the gathered root and blocks and the
+    # reduce-scatter buffers, all the activations counted) and the loss's backward, before any block's (only the
+    # root is gathered, no reduce-scatter yet, but the logits-sized tensors of loss_backward).
+    in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
+    root_gathered = compute * sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    in_loss = root_gathered + sum(
+        per_gpu[key]
+        for key in ("parameters", "gradients", "optimizer_state", "model_buffers", "deferred_gradients")
+        + ("activations", "loss_backward")
+    )
+    per_gpu["total"] = max(in_blocks, in_loss)
     if request.grad_accum_steps == 1:
         # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
         # gradient shards appear only as backward frees its activations, so they are not part of the
         # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
         at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
-        per_gpu["total"] = max(per_gpu["total"] - per_gpu["gradients"], at_step)
+        per_gpu["total"] = max(in_blocks - per_gpu["gradients"], in_loss - per_gpu["gradients"], at_step)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
         per_gpu=per_gpu,
         activations=activations,
+        reserved=math.ceil(per_gpu["total"] * RESERVED_RATIO),
         host_per_gpu=sum(state.values()) if request.offload else 0,
         # fp32 weights and AdamW's two fp32 moments of every parameter (plus one step count per tensor).
         full_checkpoint_host=3 * FP32 * parameter_count(model) + FP32 * len(shapes),
@@ -670,6 +707,7 @@ ROWS = {
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
     "reduce_scatter_buffers": "reduce-scatter buffers (root + 1 block)",
+    "loss_backward": "loss backward (fp32 logits and their gradients)",
 }
 
 
@@ -718,6 +756,7 @@ def format_text(plan: Plan) -> str:
         used = " (used)" if mode == request.ac else ""
         lines.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
     lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")
+    lines.append(f"{'reserved by the CUDA caching allocator':<48}{_size(plan.reserved):>12}")
     if request.offload:
         lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
     lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
@@ -754,6 +793,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_sync": request.grad_sync,
         },
         "per_gpu_bytes": plan.per_gpu,
+        "reserved_bytes_per_gpu": plan.reserved,
         "activations_bytes": plan.activations,
         "host_bytes_per_gpu": plan.host_per_gpu,
         "full_checkpoint_rank0_host_bytes": plan.full_checkpoint_host,

@@ -40,16 +40,23 @@ class Row:
 
     def keys(self) -> dict[str, object]:
         """The config.toml keys this row sets, as "section.key"."""
-        model = {"model.size": self.model} if isinstance(self.model, str) else {f"model.{k}": v for k, v in self.model.items()}
-        return model | {
-            "parallel.tp": self.tp,
-            "parallel.activation_checkpointing": self.ac,
-            "parallel.cpu_offload": self.offload,
-            "training.seq_len": self.seq_len,
-            "training.global_batch_size": self.global_batch_size,
-            "training.grad_accum_steps": self.grad_accum_steps,
-            "training.grad_sync": self.grad_sync,
-        } | self.extra
+        if isinstance(self.model, str):
+            model = {"model.size": self.model}
+        else:
+            model = {f"model.{key}": value for key, value in self.model.items()}
+        return (
+            model
+            | {
+                "parallel.tp": self.tp,
+                "parallel.activation_checkpointing": self.ac,
+                "parallel.cpu_offload": self.offload,
+                "training.seq_len": self.seq_len,
+                "training.global_batch_size": self.global_batch_size,
+                "training.grad_accum_steps": self.grad_accum_steps,
+                "training.grad_sync": self.grad_sync,
+            }
+            | self.extra
+        )
 
     @property
     def label(self) -> str:
@@ -70,8 +77,9 @@ def write_config(project: Path, row: Row) -> Path:
         line = re.compile(rf"^{key} = [^\n#]*?([ \t]*#[^\n]*)?$", re.M)
         body = re.search(rf"^\[{section}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
         assert body is not None, section
-        if line.search(body[1]):
-            replaced = line.sub(lambda m: f"{key} = {literal}" + (m[1] or ""), body[1], count=1)
+        match = line.search(body[1])
+        if match:
+            replaced = body[1][: match.start()] + f"{key} = {literal}{match[1] or ''}" + body[1][match.end() :]
         else:
             replaced = f"{key} = {literal}\n" + body[1]
         text = text[: body.start(1)] + replaced + text[body.end(1) :]
@@ -83,8 +91,8 @@ def write_config(project: Path, row: Row) -> Path:
 def plan_bytes(config: Path, row: Row) -> dict[str, int]:
     """`fsdp2gen plan --config` of the row: per-GPU allocated and reserved bytes."""
     request = build_request(config=config, gpus=row.gpus, cpu_offload=row.offload, activation_checkpointing=row.ac)
-    per_gpu = estimate(request, with_levers=False).per_gpu
-    return {"allocated": per_gpu["total"], "reserved": per_gpu.get("reserved", 0)}
+    plan = estimate(request, with_levers=False)
+    return {"allocated": plan.per_gpu["total"], "reserved": plan.reserved}
 
 
 def simulate(project: Path, config: Path, gpus: int) -> dict:
@@ -116,9 +124,10 @@ def table(rows: list[Row], results: dict[str, dict]) -> str:
     lines = []
     for row in rows:
         r = results[row.id]
+        plan, sim = r["plan"], r["sim"]
+        off = difference(plan["allocated"], sim["allocated"])
         lines.append(
-            f"| {row.label} | {r['plan']['allocated'] / GIB:.2f} GiB | {r['sim']['allocated'] / GIB:.2f} GiB | "
-            f"{difference(r['plan']['allocated'], r['sim']['allocated']):+.1f}% | {r['plan']['reserved'] / GIB:.2f} GiB "
-            f"| {r['sim']['reserved'] / GIB:.2f} GiB | {r['sim']['peak_at']} |"
+            f"| {row.label} | {plan['allocated'] / GIB:.2f} GiB | {sim['allocated'] / GIB:.2f} GiB | {off:+.1f}% | "
+            f"{plan['reserved'] / GIB:.2f} GiB | {sim['reserved'] / GIB:.2f} GiB | {sim['peak_at']} |"
         )
     return TABLE_HEAD + "\n".join(lines) + "\n"
