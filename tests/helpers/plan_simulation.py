@@ -60,9 +60,10 @@ class Row:
 
     @property
     def label(self) -> str:
-        model = self.model if isinstance(self.model, str) else f"{self.model['n_layers']}-layer 70b"
+        model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
         parts = [f"llama {model}", f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
-        parts += [f"AC {self.ac}", f"seq {self.seq_len}", f"global batch {self.global_batch_size}"]
+        micro_batch = self.global_batch_size // (self.gpus // self.tp * self.grad_accum_steps)
+        parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
         if self.grad_accum_steps > 1:
             parts.append(f"accum {self.grad_accum_steps} {self.grad_sync}")
         return ", ".join(parts + (["CPU offload"] if self.offload else []))
