@@ -376,19 +376,21 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # reduce-scatter buffers, all the activations counted) and the loss's backward, before any block's (only the
     # root is gathered, no reduce-scatter yet, but the logits-sized tensors of loss_backward).
     in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
-    root_gathered = compute * sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
-    in_loss = root_gathered + sum(
-        per_gpu[key]
-        for key in ("parameters", "gradients", "optimizer_state", "model_buffers", "deferred_gradients")
-        + ("activations", "loss_backward")
-    )
-    per_gpu["total"] = max(in_blocks, in_loss)
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
+    in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
+    in_loss += per_gpu["loss_backward"]
+    # And a third, at the end of backward: every gradient shard but the root's, and the root's unsharded gradients
+    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input; the logits train_step holds.
+    logits = FP32 * request.batch * request.seq_len * math.ceil(model.vocab_size / request.tp)
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit + logits
+    per_gpu["total"] = max(in_blocks, in_loss, at_root_reduce)
     if request.grad_accum_steps == 1:
         # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
         # gradient shards appear only as backward frees its activations, so they are not part of the
         # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
-        at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
-        per_gpu["total"] = max(in_blocks - per_gpu["gradients"], in_loss - per_gpu["gradients"], at_step)
+        grads = per_gpu["gradients"]
+        per_gpu["total"] = max(in_blocks - grads, in_loss - grads, at_step, at_root_reduce)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -415,13 +417,17 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
     # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
     # the accumulated ones (deferred_gradients), not more memory.
-    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
+    # The root's unsharded gradients during the blocks' backward: the output layer's and the final norm's (computed
+    # first, reduce-scattered with the root's at the end of backward); an untied embedding's come only then.
+    embedding = 0 if model.tie_embeddings else math.prod(dict(shapes)["tok_embeddings.weight"])
+    root_grads = root_unit - embedding
+    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
     return {
         # rope_cos and rope_sin: fp32 buffers, not sharded.
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
         # The root stays gathered through forward and backward; a block and the prefetched next one.
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
-        # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
+        # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
         "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
     }
@@ -706,7 +712,7 @@ ROWS = {
     "optimizer_state": "optimizer state (AdamW: 2 fp32 states)",
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
-    "reduce_scatter_buffers": "reduce-scatter buffers (root + 1 block)",
+    "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
     "loss_backward": "loss backward (fp32 logits and their gradients)",
 }
 

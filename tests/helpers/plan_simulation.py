@@ -116,7 +116,8 @@ def difference(plan: int, simulated: int) -> float:
 
 TABLE_HEAD = (
     "| Configuration (bf16, Llama 3 shapes) | plan allocated | simulated allocated | difference | plan reserved | "
-    "simulated reserved | peak in |\n|---|---|---|---|---|---|---|\n"
+    "simulated reserved | simulated peak: params / grads / AdamW / activations / temporaries (GiB) |\n"
+    "|---|---|---|---|---|---|---|\n"
 )
 
 
@@ -127,8 +128,10 @@ def table(rows: list[Row], results: dict[str, dict]) -> str:
         r = results[row.id]
         plan, sim = r["plan"], r["sim"]
         off = difference(plan["allocated"], sim["allocated"])
+        parts = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+        breakdown = " / ".join(f"{sim[part] / GIB:.2f}" for part in parts)
         lines.append(
             f"| {row.label} | {plan['allocated'] / GIB:.2f} GiB | {sim['allocated'] / GIB:.2f} GiB | {off:+.1f}% | "
-            f"{plan['reserved'] / GIB:.2f} GiB | {sim['reserved'] / GIB:.2f} GiB | {sim['peak_at']} |"
+            f"{plan['reserved'] / GIB:.2f} GiB | {sim['reserved'] / GIB:.2f} GiB | {breakdown} |"
         )
     return TABLE_HEAD + "\n".join(lines) + "\n"
