@@ -18,12 +18,15 @@ The estimate follows what a generated project's train.py and model.py actually d
 - Activations are the tensors autograd saves for backward in model.py's forward and the fp32 loss,
   counted op by op (see `block_activation_bytes`). The attention is scaled_dot_product_attention with a
   flash/memory-efficient kernel: no seq x seq matrix is kept.
-- The step's peak is the higher of two moments: the blocks' backward (gathered root and blocks, reduce-scatter
-  buffers, all activations) and the loss's backward, which comes first (`loss_backward_bytes`): train_step still
+- The step's peak is the highest of three moments: the blocks' backward (gathered root and blocks, reduce-scatter
+  buffers, all activations); the loss's backward, which comes first (`loss_backward_bytes`): train_step still
   holds the fp32 logits, and the cross-entropy's backward makes two (loss_parallel: three) more fp32 tensors of
-  the logits' size. Before this was modelled, plan was 17% under torch's FSDPMemTracker for a 1B model with TP 2
-  (and about 3 logits copies, 25 GiB, under it for the 8B headline run at batch 2 x 8192): checked against the
-  simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py, every row within 10%.
+  the logits' size; and the end of backward, where every gradient shard exists beside the root's unsharded
+  gradients and their reduce_dtype copy. The last two were missing, and the root's unsharded gradients counted
+  the embedding's during the blocks' backward (it comes last): plan was 13-21% under torch's FSDPMemTracker
+  (1B without TP, the 8B headline run at batch 2 x 8192, 70B with TP 8) and 16% over with CPU offload, against
+  the simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py; every row is now
+  within 10% (the largest gap, -9% for 70B with TP 8: DTensor copies at the end of backward not modelled).
 - `reserved` is what the CUDA caching allocator holds at that peak (RESERVED_RATIO, measured the same way).
 
 The generator must not import torch, so everything here is arithmetic on shapes.
@@ -58,7 +61,7 @@ MIB, GIB = 2**20, 2**30
 USABLE_FRACTION = 0.9
 # What the CUDA caching allocator reserves (nvidia-smi's figure, what an OOM reports) over what is allocated, at the
 # step's peak: it rounds each block up (to 512 bytes, or 2 MiB above 1 MiB). Measured by the project's
-# scripts/plan_memory.py (the live tensors at FSDPMemTracker's peak, each rounded): at most 1.006x over
+# scripts/plan_memory.py (the live tensors at FSDPMemTracker's peak, each rounded): at most 1.005x over
 # tests/test_plan_simulation.py's matrix; fragmentation over many steps comes on top (USABLE_FRACTION's margin).
 RESERVED_RATIO = 1.01
 

@@ -40,7 +40,7 @@ ROWS = [
     Row("8b-offload-full", "8b", ac="full", offload=True),
     # torchtitan's headline run: local batch 2 x 8192 tokens.
     Row("8b-headline", "8b", ac="selective", global_batch_size=16, seq_len=8192),
-    # 8 nodes of 8 GPUs: FSDP over 8 x TP 8; the 80 blocks make it the slowest row (2 to 4 minutes on 2 cores).
+    # 8 nodes of 8 GPUs: FSDP over 8 x TP 8, all 80 blocks: the slowest row (about 2 minutes on 2 cores).
     Row("70b-tp8-full", LLAMA_70B, gpus=64, tp=8, ac="full", global_batch_size=8),
 ]
 README = REPO / "README.md"
