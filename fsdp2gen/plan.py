@@ -375,25 +375,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     unsharded = FP32 * sum(math.prod(shape) for _, shape in shapes)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, request.seq_len, request.tp)
-    # Two moments of the step peak, whichever is higher: the blocks' backward (the gathered root and blocks and the
-    # reduce-scatter buffers, all the activations counted) and the loss's backward, before any block's (only the
-    # root is gathered, no reduce-scatter yet, but the logits-sized tensors of loss_backward).
-    in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
-    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
-    at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
-    in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
-    in_loss += per_gpu["loss_backward"]
-    # And a third, at the end of backward: every gradient shard but the root's, and the root's unsharded gradients
-    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input; the logits train_step holds.
-    logits = FP32 * request.batch * request.seq_len * math.ceil(model.vocab_size / request.tp)
-    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit + logits
-    per_gpu["total"] = max(in_blocks, in_loss, at_root_reduce)
-    if request.grad_accum_steps == 1:
-        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
-        # gradient shards appear only as backward frees its activations, so they are not part of the
-        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
-        grads = per_gpu["gradients"]
-        per_gpu["total"] = max(in_blocks - grads, in_loss - grads, at_step, at_root_reduce)
+    per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -411,6 +393,33 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     if with_levers and not plan.fits:
         plan.levers = _levers(plan)
     return plan
+
+
+def _peak(
+    request: PlanRequest, per_gpu: dict[str, int], shapes: list[tuple[str, tuple[int, ...]]], compute: int
+) -> int:
+    """The step's peak per GPU: the highest of the three moments of the module docstring."""
+    model = request.model
+    # The blocks' backward (the gathered root and blocks and the reduce-scatter buffers, all the activations
+    # counted) and the loss's backward, before any block's (only the root is gathered, no reduce-scatter yet, but
+    # the logits-sized tensors of loss_backward).
+    in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
+    in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
+    in_loss += per_gpu["loss_backward"]
+    # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
+    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input; the logits train_step holds.
+    logits = FP32 * request.batch * request.seq_len * math.ceil(model.vocab_size / request.tp)
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit + logits
+    total = max(in_blocks, in_loss, at_root_reduce)
+    if request.grad_accum_steps == 1:
+        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
+        # gradient shards appear only as backward frees its activations, so they are not part of the
+        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
+        grads = per_gpu["gradients"]
+        total = max(in_blocks - grads, in_loss - grads, at_step, at_root_reduce)
+    return total
 
 
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
