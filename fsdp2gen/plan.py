@@ -18,6 +18,16 @@ The estimate follows what a generated project's train.py and model.py actually d
 - Activations are the tensors autograd saves for backward in model.py's forward and the fp32 loss,
   counted op by op (see `block_activation_bytes`). The attention is scaled_dot_product_attention with a
   flash/memory-efficient kernel: no seq x seq matrix is kept.
+- The step's peak is the highest of three moments: the blocks' backward (gathered root and blocks, reduce-scatter
+  buffers, all activations); the loss's backward, which comes first (`loss_backward_bytes`): train_step still
+  holds the fp32 logits, and the cross-entropy's backward makes two (loss_parallel: three) more fp32 tensors of
+  the logits' size; and the end of backward, where every gradient shard exists beside the root's unsharded
+  gradients and their reduce_dtype copy. The last two were missing, and the root's unsharded gradients counted
+  the embedding's during the blocks' backward (it comes last): plan was 13-21% under torch's FSDPMemTracker
+  (1B without TP, the 8B headline run at batch 2 x 8192, 70B with TP 8) and 16% over with CPU offload, against
+  the simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py; every row is now
+  within 10% (the largest gap, -9% for 70B with TP 8: DTensor copies at the end of backward not modelled).
+- `reserved` is what the CUDA caching allocator holds at that peak (RESERVED_RATIO, measured the same way).
 
 The generator must not import torch, so everything here is arithmetic on shapes.
 """
@@ -59,6 +69,11 @@ GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 MIB, GIB = 2**20, 2**30
 # Left for the CUDA context, NCCL's own buffers and allocator fragmentation.
 USABLE_FRACTION = 0.9
+# What the CUDA caching allocator reserves (nvidia-smi's figure, what an OOM reports) over what is allocated, at the
+# step's peak: it rounds each block up (to 512 bytes, or 2 MiB above 1 MiB). Measured by the project's
+# scripts/plan_memory.py (the live tensors at FSDPMemTracker's peak, each rounded): at most 1.005x over
+# tests/test_plan_simulation.py's matrix; fragmentation over many steps comes on top (USABLE_FRACTION's margin).
+RESERVED_RATIO = 1.01
 
 
 class PlanError(ValueError):
@@ -285,6 +300,18 @@ def head_activation_bytes(
     )
 
 
+def loss_backward_bytes(model: LlamaShape, batch: int, seq_len: int, tp: int = 1) -> int:
+    """What the loss's backward adds to the saved activations, at its peak: the fp32 logits train_step still holds
+    (`output`, the root's output_dtype float32; the cross-entropy saved its log-softmax, counted in
+    head_activation_bytes) and the backward's own fp32 tensors of the logits' size: two (the gradients of the
+    log-softmax's output and of its input) without tensor parallelism, three with loss_parallel (its backward
+    builds the one-hot mask, adds exp(log-softmax) and scales by the incoming gradient; each is a new tensor).
+    Measured with scripts/plan_memory.py (FSDPMemTracker); tests/test_plan_simulation.py checks it.
+    """
+    logits = FP32 * batch * seq_len * math.ceil(model.vocab_size / tp)
+    return logits + (3 if tp > 1 else 2) * logits
+
+
 def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
     """Bytes one block keeps under op-level selective AC (activation_checkpoint.py, torchtitan's policy): the
     outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2; wk, wo and w3 are recomputed), attention's
@@ -340,6 +367,7 @@ class Plan:
     parameters: int  # of the whole model
     per_gpu: dict[str, int]
     activations: dict[str, int]  # by AC mode
+    reserved: int  # what the caching allocator holds at the peak (per_gpu["total"] allocated, blocks rounded)
     host_per_gpu: int  # with --cpu-offload: the state that lives in CPU memory
     # checkpoint = "full": rank 0 gathers the whole model and AdamW state in its CPU memory to write them
     full_checkpoint_host: int
@@ -376,13 +404,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
     unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
-    per_gpu["total"] = sum(per_gpu.values())
-    if request.grad_accum_steps == 1:
-        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
-        # gradient shards appear only as backward frees its activations, so they are not part of the
-        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
-        at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
-        per_gpu["total"] = max(per_gpu["total"] - per_gpu["gradients"], at_step)
+    per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, request.seq_len, request.tp)
+    per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -390,6 +413,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         trainable=trained_total,
         per_gpu=per_gpu,
         activations=activations,
+        reserved=math.ceil(per_gpu["total"] * RESERVED_RATIO),
         host_per_gpu=sum(state.values()) if request.offload else 0,
         # fp32 weights and AdamW's two fp32 moments of every trainable parameter (plus one step count per tensor).
         full_checkpoint_host=FP32 * parameter_count(model) + 2 * FP32 * trained_total + FP32 * len(trainable),
@@ -402,6 +426,33 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     return plan
 
 
+def _peak(
+    request: PlanRequest, per_gpu: dict[str, int], shapes: list[tuple[str, tuple[int, ...]]], compute: int
+) -> int:
+    """The step's peak per GPU: the highest of the three moments of the module docstring."""
+    model = request.model
+    # The blocks' backward (the gathered root and blocks and the reduce-scatter buffers, all the activations
+    # counted) and the loss's backward, before any block's (only the root is gathered, no reduce-scatter yet, but
+    # the logits-sized tensors of loss_backward).
+    in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
+    in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
+    in_loss += per_gpu["loss_backward"]
+    # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
+    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input; the logits train_step holds.
+    logits = FP32 * request.batch * request.seq_len * math.ceil(model.vocab_size / request.tp)
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit + logits
+    total = max(in_blocks, in_loss, at_root_reduce)
+    if request.grad_accum_steps == 1:
+        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
+        # gradient shards appear only as backward frees its activations, so they are not part of the
+        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
+        grads = per_gpu["gradients"]
+        total = max(in_blocks - grads, in_loss - grads, at_step, at_root_reduce)
+    return total
+
+
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
     """The model's buffers and FSDP2's all-gather and reduce-scatter buffers, per GPU."""
     model = request.model
@@ -409,13 +460,17 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     root_unit = sum(math.prod(shape) for name, shape in shapes if not _in_block(name))
     # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
     # the accumulated ones (deferred_gradients), not more memory.
-    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_unit + block_unit)
+    # The root's unsharded gradients during the blocks' backward: the output layer's and the final norm's (computed
+    # first, reduce-scattered with the root's at the end of backward); an untied embedding's come only then.
+    embedding = 0 if model.tie_embeddings else math.prod(dict(shapes)["tok_embeddings.weight"])
+    root_grads = root_unit - embedding
+    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
     return {
         # rope_cos and rope_sin: fp32 buffers, not sharded.
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
         # The root stays gathered through forward and backward; a block and the prefetched next one.
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
-        # The root's unsharded gradients live until the end of backward; a block's unsharded gradients
+        # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
         "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
     }
@@ -834,7 +889,8 @@ ROWS = {
     "optimizer_state": "optimizer state (AdamW: 2 fp32 states)",
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
-    "reduce_scatter_buffers": "reduce-scatter buffers (root + 1 block)",
+    "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
+    "loss_backward": "loss backward (fp32 logits and their gradients)",
 }
 
 
@@ -884,6 +940,7 @@ def format_text(plan: Plan) -> str:
         used = " (used)" if mode == request.ac else ""
         lines.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
     lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")
+    lines.append(f"{'reserved by the CUDA caching allocator':<48}{_size(plan.reserved):>12}")
     if request.offload:
         lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
     lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
@@ -947,6 +1004,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "loss_chunks": request.loss_chunks,
         },
         "per_gpu_bytes": plan.per_gpu,
+        "reserved_bytes_per_gpu": plan.reserved,
         "activations_bytes": plan.activations,
         "host_bytes_per_gpu": plan.host_per_gpu,
         "full_checkpoint_rank0_host_bytes": plan.full_checkpoint_host,

@@ -346,7 +346,9 @@ def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
     # Every matrix of the 8b model has a row count divisible by 8: shards are exactly 1/8, fp32.
     assert per_gpu["parameters"] == per_gpu["gradients"] == 4 * params // 8
     assert per_gpu["optimizer_state"] == 2 * 4 * params // 8 + 4 * (2 + 9 * 32 + 1)
-    assert per_gpu["total"] == sum(v for k, v in per_gpu.items() if k != "total")
+    # The peak is the blocks' backward (every row but loss_backward) or the loss's, which adds at most loss_backward.
+    in_blocks = sum(v for k, v in per_gpu.items() if k not in ("total", "loss_backward"))
+    assert in_blocks <= per_gpu["total"] <= in_blocks + per_gpu["loss_backward"]
     activations = plan["activations_bytes"]
     assert activations["full"] < activations["selective"] < activations["layer"] < per_gpu["activations"]
     assert not plan["fits"]
@@ -360,15 +362,25 @@ def test_llama_8b_on_8_h100_needs_activation_checkpointing() -> None:
 
 def test_reference_8b_headline_run_fits_an_h100_with_op_level_ac_only() -> None:
     # torchtitan's headline run: 8 GPUs, local batch 2, seq 8192, bf16, op-level selective AC. Layer-level AC
-    # (every 2nd block whole, what "selective" meant before issue 26) does not fit an 80 GB H100.
+    # (every 2nd block whole, what "selective" meant before issue 26) does not fit an 80 GB H100. With the
+    # unchunked fp32 loss, whose backward holds 4 logits-sized fp32 tensors (23.5 GiB, measured by the simulated
+    # step: tests/test_plan_simulation.py), op-level AC fits only without that loss backward.
     args = ("--size", "8b", "--gpus", "8", "--precision", "bf16", "--seq", "8192", "--batch", "2")
     op = plan_json(*args, "--activation-checkpointing", "selective", "--gpu-type", "h100-80gb")
     layer = plan_json(*args, "--activation-checkpointing", "layer", "--gpu-type", "h100-80gb")
-    assert op["fits"] and not layer["fits"]
+    assert not layer["fits"]
+    op_gpu, usable = op["per_gpu_bytes"], op["gpu"]["usable_bytes"]
+    assert op_gpu["total"] - op_gpu["loss_backward"] <= usable < op_gpu["total"]
     assert (
+<<<<<<< ours
         # With the default training.loss_chunks 8: one eighth of the 8.4 GB of fp32 logits (64.1 and 92.1 whole).
         round(op["per_gpu_bytes"]["total"] / 2**30, 1) == 57.3
         and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 85.3
+=======
+        round(op_gpu["total"] / 2**30, 1) == 83.6
+        and round(op_gpu["loss_backward"] / 2**30, 1) == 23.5
+        and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 111.6
+>>>>>>> theirs
     )
 
 

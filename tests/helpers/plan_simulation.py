@@ -1,0 +1,137 @@
+"""`fsdp2gen plan` against the simulation of the same training step (a project's scripts/plan_memory.py: its own
+model and train.py under FakeTensorMode, the fake process group and torch's FSDPMemTracker).
+
+A Row is one configuration: the config.toml keys it sets in a generated project, and the options of plan that
+say the same. tests/test_plan_simulation.py runs the matrix; README.md shows its table (`table`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp2gen.plan import build_request, estimate
+
+GIB = 2**30
+# Llama 3 70B (Meta's config.json); the template's model.size names go up to 8b.
+LLAMA_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_dim": 28672, "vocab_size": 128256,
+             "max_seq_len": 8192}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the matrix: `model` (model.size, or [model] keys), the parallel and training keys."""
+
+    id: str
+    model: str | dict = "1b"
+    gpus: int = 8
+    tp: int = 1
+    ac: str = "none"
+    offload: bool = False
+    seq_len: int = 2048
+    global_batch_size: int = 8
+    grad_accum_steps: int = 1
+    grad_sync: str = "every_micro_batch"
+    extra: dict = field(default_factory=dict)  # more config keys: {"section.key": value}
+
+    def keys(self) -> dict[str, object]:
+        """The config.toml keys this row sets, as "section.key"."""
+        if isinstance(self.model, str):
+            model = {"model.size": self.model}
+        else:
+            model = {f"model.{key}": value for key, value in self.model.items()}
+        return (
+            model
+            | {
+                "parallel.tp": self.tp,
+                "parallel.activation_checkpointing": self.ac,
+                "parallel.cpu_offload": self.offload,
+                "training.seq_len": self.seq_len,
+                "training.global_batch_size": self.global_batch_size,
+                "training.grad_accum_steps": self.grad_accum_steps,
+                "training.grad_sync": self.grad_sync,
+            }
+            | self.extra
+        )
+
+    @property
+    def label(self) -> str:
+        model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
+        parts = [f"llama {model}", f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
+        micro_batch = self.global_batch_size // (self.gpus // self.tp * self.grad_accum_steps)
+        parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
+        if self.grad_accum_steps > 1:
+            parts.append(f"accum {self.grad_accum_steps} {self.grad_sync}")
+        return ", ".join(parts + (["CPU offload"] if self.offload else []))
+
+
+def write_config(project: Path, row: Row) -> Path:
+    """project/<row id>.toml: the project's config.toml with the row's keys set (its other keys as generated)."""
+    text = (project / "config.toml").read_text()
+    for dotted, value in row.keys().items():
+        section, key = dotted.split(".")
+        literal = json.dumps(value)  # a TOML literal for str, int and bool alike
+        line = re.compile(rf"^{key} = [^\n#]*?([ \t]*#[^\n]*)?$", re.M)
+        body = re.search(rf"^\[{section}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+        assert body is not None, section
+        match = line.search(body[1])
+        if match:
+            replaced = body[1][: match.start()] + f"{key} = {literal}{match[1] or ''}" + body[1][match.end() :]
+        else:
+            replaced = f"{key} = {literal}\n" + body[1]
+        text = text[: body.start(1)] + replaced + text[body.end(1) :]
+    path = project / f"{row.id}.toml"
+    path.write_text(text)
+    return path
+
+
+def plan_bytes(config: Path, row: Row) -> dict[str, int]:
+    """`fsdp2gen plan --config` of the row: per-GPU allocated and reserved bytes."""
+    request = build_request(config=config, gpus=row.gpus, cpu_offload=row.offload, activation_checkpointing=row.ac)
+    plan = estimate(request, with_levers=False)
+    return {"allocated": plan.per_gpu["total"], "reserved": plan.reserved}
+
+
+def simulate(project: Path, config: Path, gpus: int) -> dict:
+    """scripts/plan_memory.py --json of the project, run by this Python (the project's own dependencies)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/plan_memory.py", "--config", str(config), "--gpus", str(gpus), "--json"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def difference(plan: int, simulated: int) -> float:
+    """plan relative to the simulation, in %."""
+    return 100 * (plan - simulated) / simulated
+
+
+TABLE_HEAD = (
+    "| Configuration (bf16, Llama 3 shapes) | plan allocated | simulated allocated | difference | plan reserved | "
+    "simulated reserved | simulated peak: params / grads / AdamW / activations / temporaries (GiB) |\n"
+    "|---|---|---|---|---|---|---|\n"
+)
+
+
+def table(rows: list[Row], results: dict[str, dict]) -> str:
+    """The README's table of the matrix, one line per row, from the measured `results` (row id -> figures)."""
+    lines = []
+    for row in rows:
+        r = results[row.id]
+        plan, sim = r["plan"], r["sim"]
+        off = difference(plan["allocated"], sim["allocated"])
+        parts = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+        breakdown = " / ".join(f"{sim[part] / GIB:.2f}" for part in parts)
+        lines.append(
+            f"| {row.label} | {plan['allocated'] / GIB:.2f} GiB | {sim['allocated'] / GIB:.2f} GiB | {off:+.1f}% | "
+            f"{plan['reserved'] / GIB:.2f} GiB | {sim['reserved'] / GIB:.2f} GiB | {breakdown} |"
+        )
+    return TABLE_HEAD + "\n".join(lines) + "\n"

@@ -1,0 +1,114 @@
+"""`fsdp2gen plan` within 10% of the simulated step (a generated project's scripts/plan_memory.py: its own model and
+train.py under FakeTensorMode with the fake process group, measured by torch's FSDPMemTracker), for a matrix of
+real Llama 3 shapes; README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
+
+To add a configuration, add a Row to ROWS (tests/helpers/plan_simulation.py says what a Row sets), then rerun this
+file with FSDP2GEN_UPDATE_DOCS=1 to put it in the README's table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, generate
+from tests.helpers.plan_simulation import LLAMA_70B, TABLE_HEAD, Row, difference, plan_bytes, simulate, table
+from tests.helpers.plan_simulation import write_config as write_row_config
+
+pytest.importorskip("torch")
+
+# One project whose config.toml can express every row: generated with TP, op-level AC and CPU offload (each then
+# a config key: parallel.tp, parallel.activation_checkpointing, parallel.cpu_offload), bf16, 8 GPUs.
+OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "selective", "--cpu-offload")
+# Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
+# the sizes cost no memory or compute, the number of ops does).
+ROWS = [
+    Row("1b-none", "1b", ac="none"),
+    Row("1b-selective", "1b", ac="selective"),
+    Row("1b-layer", "1b", ac="layer"),
+    Row("1b-full", "1b", ac="full"),
+    Row("1b-accum-every", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2),
+    Row("1b-accum-last", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2, grad_sync="last_micro_batch"),
+    Row("8b-selective", "8b", ac="selective"),
+    Row("8b-tp2-selective", "8b", tp=2, ac="selective", global_batch_size=4),
+    Row("8b-tp8-full", "8b", tp=8, ac="full", global_batch_size=1, seq_len=8192),
+    Row("8b-offload-full", "8b", ac="full", offload=True),
+    # torchtitan's headline run: local batch 2 x 8192 tokens.
+    Row("8b-headline", "8b", ac="selective", global_batch_size=16, seq_len=8192),
+    # 8 nodes of 8 GPUs: FSDP over 8 x TP 8, all 80 blocks: the slowest row (about 2 minutes on 2 cores).
+    Row("70b-tp8-full", LLAMA_70B, gpus=64, tp=8, ac="full", global_batch_size=8),
+]
+README = REPO / "README.md"
+TOLERANCE = 10  # %
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("plan_simulation") / "project", *OPTIONS)
+
+
+MEASURED: dict[str, dict] = {}
+
+
+def measured(project: Path, row: Row) -> dict:
+    """plan's and the simulation's figures for `row` (each row simulated once per test session)."""
+    if row.id not in MEASURED:
+        config = write_row_config(project, row)
+        MEASURED[row.id] = {"plan": plan_bytes(config, row), "sim": simulate(project, config, row.gpus)}
+    return MEASURED[row.id]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_plan_is_within_10_percent_of_the_simulated_step(project: Path, row: Row) -> None:
+    figures = measured(project, row)
+    plan, sim = figures["plan"], figures["sim"]
+    # The breakdown adds up to the simulated peak, and the allocator reserves at least what is allocated.
+    parts = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+    assert sum(sim[part] for part in parts) == sim["allocated"], sim
+    assert sim["allocated"] <= sim["reserved"] < 1.1 * sim["allocated"], sim
+    for kind in ("allocated", "reserved"):
+        off = difference(plan[kind], sim[kind])
+        assert abs(off) <= TOLERANCE, f"{row.label}: plan {kind} {plan[kind]:,}, simulated {sim[kind]:,} ({off:+.1f}%)"
+
+
+def test_offload_leaves_only_the_gathered_parameters_on_the_gpu(project: Path) -> None:
+    """CPU offload: the sharded parameters, gradients and AdamW state are not GPU memory in the simulation."""
+    on_gpu = measured(project, Row("8b-full", "8b", ac="full"))["sim"]
+    offloaded = measured(project, next(row for row in ROWS if row.offload))["sim"]
+    assert offloaded["optimizer_state"] == 0 and on_gpu["optimizer_state"] > 0
+    assert on_gpu["allocated"] - offloaded["allocated"] >= on_gpu["optimizer_state"]
+
+
+def test_script_prints_the_breakdown_and_refuses_bad_input(project: Path) -> None:
+    config = write_row_config(project, Row("tiny-text", "debug", seq_len=128, global_batch_size=8))
+    run = [sys.executable, "scripts/plan_memory.py", "--config", str(config)]
+    result = subprocess.run([*run, "--gpus", "2"], cwd=project, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for line in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "allocated (peak)",
+                 "reserved (estimate)", "simulated: 2 GPU(s), micro-batch 4 x 128 tokens"):  # fmt: skip
+        assert line in result.stdout, (line, result.stdout)
+    bad = subprocess.run([*run, "--gpus", "0"], cwd=project, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "plan_memory.py: error: --gpus must be at least 1, got 0; give --gpus 1 or more"
+    ]
+    as_json = subprocess.run([*run, "--gpus", "2", "--json"], cwd=project, capture_output=True, text=True, timeout=300)
+    assert json.loads(as_json.stdout.splitlines()[-1])["allocated"] > 0
+
+
+def test_readme_table_is_the_matrix(project: Path) -> None:
+    """README.md's table is the matrix as this file measures it (FSDP2GEN_UPDATE_DOCS=1 writes it)."""
+    text = README.read_text()
+    head, found, rest = text.partition(TABLE_HEAD)
+    assert found, "README.md has no plan-vs-simulation table"
+    rows, _, tail = rest.partition("\n\n")
+    expected = table(ROWS, {row.id: measured(project, row) for row in ROWS})
+    if os.environ.get("FSDP2GEN_UPDATE_DOCS") == "1":
+        README.write_text(head + expected + "\n" + tail)
+        return
+    assert TABLE_HEAD + rows + "\n" == expected
