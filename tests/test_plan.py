@@ -372,15 +372,9 @@ def test_reference_8b_headline_run_fits_an_h100_with_op_level_ac_only() -> None:
     op_gpu, usable = op["per_gpu_bytes"], op["gpu"]["usable_bytes"]
     assert op_gpu["total"] - op_gpu["loss_backward"] <= usable < op_gpu["total"]
     assert (
-<<<<<<< ours
-        # With the default training.loss_chunks 8: one eighth of the 8.4 GB of fp32 logits (64.1 and 92.1 whole).
-        round(op["per_gpu_bytes"]["total"] / 2**30, 1) == 57.3
-        and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 85.3
-=======
         round(op_gpu["total"] / 2**30, 1) == 83.6
         and round(op_gpu["loss_backward"] / 2**30, 1) == 23.5
         and round(layer["per_gpu_bytes"]["total"] / 2**30, 1) == 111.6
->>>>>>> theirs
     )
 
 
