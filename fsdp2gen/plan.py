@@ -19,13 +19,13 @@ The estimate follows what a generated project's train.py and model.py actually d
   counted op by op (see `block_activation_bytes`). The attention is scaled_dot_product_attention with a
   flash/memory-efficient kernel: no seq x seq matrix is kept.
 - The step's peak is the highest of three moments: the blocks' backward (gathered root and blocks, reduce-scatter
-  buffers, all activations); the loss's backward, which comes first (`loss_backward_bytes`): train_step still
-  holds the fp32 logits, and the cross-entropy's backward makes two (loss_parallel: three) more fp32 tensors of
-  the logits' size; and the end of backward, where every gradient shard exists beside the root's unsharded
-  gradients and their reduce_dtype copy. The last two were missing, and the root's unsharded gradients counted
-  the embedding's during the blocks' backward (it comes last): plan was 13-21% under torch's FSDPMemTracker
-  (1B without TP, the 8B headline run at batch 2 x 8192, 70B with TP 8) and 16% over with CPU offload, against
-  the simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py; every row is now
+  buffers, all activations); the loss's backward, which comes first (`loss_backward_bytes`): the cross-entropy's
+  backward makes two (loss_parallel: three) fp32 tensors of the logits' size (of one chunk's with training.loss_chunks
+  > 1, beside the output layer's gradient); and the end of backward, where every gradient shard exists beside the
+  root's unsharded gradients and their reduce_dtype copy. The last two were missing, and the root's unsharded
+  gradients counted the embedding's during the blocks' backward (it comes last): plan was 13-21% under torch's
+  FSDPMemTracker (1B without TP, the 8B headline run at batch 2 x 8192, 70B with TP 8) and 16% over with CPU offload,
+  against the simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py; every row is now
   within 10% (the largest gap, -9% for 70B with TP 8: DTensor copies at the end of backward not modelled).
 - `reserved` is what the CUDA caching allocator holds at that peak (RESERVED_RATIO, measured the same way).
 
@@ -300,16 +300,23 @@ def head_activation_bytes(
     )
 
 
-def loss_backward_bytes(model: LlamaShape, batch: int, seq_len: int, tp: int = 1) -> int:
-    """What the loss's backward adds to the saved activations, at its peak: the fp32 logits train_step still holds
-    (`output`, the root's output_dtype float32; the cross-entropy saved its log-softmax, counted in
-    head_activation_bytes) and the backward's own fp32 tensors of the logits' size: two (the gradients of the
-    log-softmax's output and of its input) without tensor parallelism, three with loss_parallel (its backward
-    builds the one-hot mask, adds exp(log-softmax) and scales by the incoming gradient; each is a new tensor).
+def loss_backward_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, loss_chunks: int = 1
+) -> int:
+    """What the loss's backward adds to the saved activations, at its peak. The loss is computed inside the
+    model's forward (chunked_loss.py), so nothing outside it holds the logits; the cross-entropy saved its fp32
+    log-softmax (head_activation_bytes). Its backward makes fp32 tensors of the logits' size: two (the gradients
+    of the log-softmax's output and of its input) without tensor parallelism, three with loss_parallel (the
+    one-hot mask, exp(log-softmax), the scaled gradient). With loss_chunks > 1 those are one chunk's, and the
+    output layer's unsharded gradient (compute dtype) is there from the first chunk on, summing the chunks'.
     Measured with scripts/plan_memory.py (FSDPMemTracker); tests/test_plan_simulation.py checks it.
     """
-    logits = FP32 * batch * seq_len * math.ceil(model.vocab_size / tp)
-    return logits + (3 if tp > 1 else 2) * logits
+    vocab = math.ceil(model.vocab_size / tp)
+    chunk_logits = FP32 * batch * math.ceil(seq_len / loss_chunks) * vocab
+    gradients = (3 if tp > 1 else 2) * chunk_logits
+    if loss_chunks == 1:
+        return gradients
+    return gradients + compute * vocab * model.dim
 
 
 def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
@@ -404,7 +411,9 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
     unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
-    per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, request.seq_len, request.tp)
+    per_gpu["loss_backward"] = loss_backward_bytes(
+        model, request.batch, request.seq_len, compute, request.tp, request.loss_chunks
+    )
     per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
@@ -430,7 +439,6 @@ def _peak(
     request: PlanRequest, per_gpu: dict[str, int], shapes: list[tuple[str, tuple[int, ...]]], compute: int
 ) -> int:
     """The step's peak per GPU: the highest of the three moments of the module docstring."""
-    model = request.model
     # The blocks' backward (the gathered root and blocks and the reduce-scatter buffers, all the activations
     # counted) and the loss's backward, before any block's (only the root is gathered, no reduce-scatter yet, but
     # the logits-sized tensors of loss_backward).
@@ -440,9 +448,8 @@ def _peak(
     in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
     in_loss += per_gpu["loss_backward"]
     # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
-    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input; the logits train_step holds.
-    logits = FP32 * request.batch * request.seq_len * math.ceil(model.vocab_size / request.tp)
-    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit + logits
+    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input.
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit
     total = max(in_blocks, in_loss, at_root_reduce)
     if request.grad_accum_steps == 1:
         # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
