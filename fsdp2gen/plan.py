@@ -53,6 +53,7 @@ from fsdp2gen.plan_families import (
     hf_parameter_shapes,
     is_trainable,
     lora_activation_delta,
+    lora_op_level_delta,
     read_hf_config,
     read_lora,
 )
@@ -443,7 +444,7 @@ def _peak(
     # counted) and the loss's backward, before any block's (only the root is gathered, no reduce-scatter yet, but
     # the logits-sized tensors of loss_backward).
     in_blocks = sum(size for key, size in per_gpu.items() if key != "loss_backward")
-    root_unit = sum(math.prod(shape) for name, shape in shapes if not name.startswith("layers."))
+    root_unit = sum(math.prod(shape) for name, shape in shapes if not _in_block(name))  # llama's or hf's names
     at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
     in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
     in_loss += per_gpu["loss_backward"]
@@ -460,6 +461,10 @@ def _peak(
     return total
 
 
+# The input embedding's weight: llama's name, and hf's.
+EMBEDDINGS = ("tok_embeddings.weight", "model.embed_tokens.weight")
+
+
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
     """The model's buffers and FSDP2's all-gather and reduce-scatter buffers, per GPU."""
     model = request.model
@@ -469,7 +474,8 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     # the accumulated ones (deferred_gradients), not more memory.
     # The root's unsharded gradients during the blocks' backward: the output layer's and the final norm's (computed
     # first, reduce-scattered with the root's at the end of backward); an untied embedding's come only then.
-    embedding = 0 if model.tie_embeddings else math.prod(dict(shapes)["tok_embeddings.weight"])
+    # (llama's tok_embeddings, hf's model.embed_tokens; none in LoRA's trainable subset, which has no root weight.)
+    embedding = sum(math.prod(shape) for name, shape in shapes if name in EMBEDDINGS) if not model.tie_embeddings else 0
     root_grads = root_unit - embedding
     unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
     return {
@@ -519,7 +525,9 @@ def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute
         model, batch, seq_len, compute
     )
     kept = {"none": model.n_layers, "selective": 1, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
-    return rotary + final_norm + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
+    # Selective AC with LoRA: every block keeps more matmul outputs (lora_op_level_delta).
+    matmuls = model.n_layers * lora_op_level_delta(model, batch, seq_len, compute) if ac == "selective" else 0
+    return rotary + final_norm + matmuls + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
 
 
 def _levers(plan: Plan) -> list[Lever]:

@@ -1,6 +1,7 @@
 """`fsdp2gen plan` within 10% of the simulated step (a generated project's scripts/plan_memory.py: its own model and
 train.py under FakeTensorMode with the fake process group, measured by torch's FSDPMemTracker), for a matrix of
-real Llama 3 shapes; README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
+real Llama 3 shapes, the llama family's and a Hugging Face model's (Llama 3.1 8B's config.json, no weights: plain,
+with LoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
 
 To add a configuration, add a Row to ROWS (tests/helpers/plan_simulation.py says what a Row sets), then rerun this
 file with FSDP2GEN_UPDATE_DOCS=1 to put it in the README's table.
@@ -12,12 +13,22 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate
-from tests.helpers.plan_simulation import LLAMA_70B, TABLE_HEAD, Row, difference, plan_bytes, simulate, table
+from tests.conftest import REPO, generate, save_tiny_llama
+from tests.helpers.plan_simulation import (
+    LLAMA_31_8B_CONFIG,
+    LLAMA_70B,
+    TABLE_HEAD,
+    Row,
+    difference,
+    plan_bytes,
+    simulate,
+    table,
+)
 from tests.helpers.plan_simulation import write_config as write_row_config
 
 pytest.importorskip("torch")
@@ -25,6 +36,11 @@ pytest.importorskip("torch")
 # One project whose config.toml can express every row: generated with TP, op-level AC and CPU offload (each then
 # a config key: parallel.tp, parallel.activation_checkpointing, parallel.cpu_offload), bf16, 8 GPUs.
 OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "selective", "--cpu-offload")
+# The hf projects: generated on a tiny pretrained model (the generator checks its folder), then each row points
+# model.path at a folder holding Llama 3.1 8B's config.json only (scripts/plan_memory.py reads no weights).
+HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")
+HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-sft": ("--task", "sft")}
+HF_8B = {"path": "the test's folder with Llama 3.1 8B's config.json"}
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
 # the sizes cost no memory or compute, the number of ops does).
 ROWS = [
@@ -42,6 +58,11 @@ ROWS = [
     Row("8b-headline", "8b", ac="selective", global_batch_size=16, seq_len=8192),
     # 8 nodes of 8 GPUs: FSDP over 8 x TP 8, all 80 blocks: the slowest row (about 2 minutes on 2 cores).
     Row("70b-tp8-full", LLAMA_70B, gpus=64, tp=8, ac="full", global_batch_size=8),
+    # A Hugging Face model from its config.json (transformers' modules, pretrained: its weights not read), with
+    # LoRA (rank 16 on the 7 linear layers, the project's defaults: only the adapters train) and with task sft.
+    Row("hf-8b-selective", HF_8B, project="hf", ac="selective"),
+    Row("hf-8b-lora-selective", HF_8B, project="hf-lora", ac="selective"),
+    Row("hf-8b-sft-selective", HF_8B, project="hf-sft", ac="selective"),
 ]
 README = REPO / "README.md"
 TOLERANCE = 10  # %
@@ -50,6 +71,33 @@ TOLERANCE = 10  # %
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("plan_simulation") / "project", *OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def hf_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The hf projects (HF_KINDS), and "8b": a folder with Llama 3.1 8B's config.json and nothing else."""
+    root = tmp_path_factory.mktemp("plan_simulation_hf")
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"  # for task sft
+    special = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
+    tiny = save_tiny_llama(root / "tiny", "the cat sat on the mat " * 50, special, chat_template=template)
+    projects = {kind: generate(root / kind, *HF_OPTIONS, "--hf-model", str(tiny), *extra)
+                for kind, extra in HF_KINDS.items()}  # fmt: skip
+    (root / "8b").mkdir()
+    (root / "8b" / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
+    return {**projects, "8b": root / "8b"}
+
+
+@pytest.fixture
+def project_of(request: pytest.FixtureRequest):
+    """row -> (the project it is a config of, the row with model.path set for hf rows)."""
+
+    def find(row: Row) -> tuple[Path, Row]:
+        if row.project == "llama":
+            return request.getfixturevalue("project"), row
+        projects = request.getfixturevalue("hf_projects")
+        return projects[row.project], replace(row, model={"path": str(projects["8b"])})
+
+    return find
 
 
 MEASURED: dict[str, dict] = {}
@@ -64,8 +112,8 @@ def measured(project: Path, row: Row) -> dict:
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
-def test_plan_is_within_10_percent_of_the_simulated_step(project: Path, row: Row) -> None:
-    figures = measured(project, row)
+def test_plan_is_within_10_percent_of_the_simulated_step(project_of, row: Row) -> None:
+    figures = measured(*project_of(row))
     plan, sim = figures["plan"], figures["sim"]
     # The breakdown adds up to the simulated peak, and the allocator reserves at least what is allocated.
     parts = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -101,13 +149,13 @@ def test_script_prints_the_breakdown_and_refuses_bad_input(project: Path) -> Non
     assert json.loads(as_json.stdout.splitlines()[-1])["allocated"] > 0
 
 
-def test_readme_table_is_the_matrix(project: Path) -> None:
+def test_readme_table_is_the_matrix(project_of) -> None:
     """README.md's table is the matrix as this file measures it (FSDP2GEN_UPDATE_DOCS=1 writes it)."""
     text = README.read_text()
     head, found, rest = text.partition(TABLE_HEAD)
     assert found, "README.md has no plan-vs-simulation table"
     rows, _, tail = rest.partition("\n\n")
-    expected = table(ROWS, {row.id: measured(project, row) for row in ROWS})
+    expected = table(ROWS, {row.id: measured(*project_of(row)) for row in ROWS})
     if os.environ.get("FSDP2GEN_UPDATE_DOCS") == "1":
         README.write_text(head + expected + "\n" + tail)
         return

@@ -1,7 +1,8 @@
 """`fsdp2gen plan` against the simulation of the same training step (a project's scripts/plan_memory.py: its own
 model and train.py under FakeTensorMode, the fake process group and torch's FSDPMemTracker).
 
-A Row is one configuration: the config.toml keys it sets in a generated project, and the options of plan that
+A Row is one configuration: the config.toml keys it sets in a generated project (a llama one, or an hf one:
+plain, --lora or --task sft, whose model.path is a folder holding only a config.json), and the options of plan that
 say the same. tests/test_plan_simulation.py runs the matrix; README.md shows its table (`table`).
 """
 
@@ -20,14 +21,29 @@ GIB = 2**30
 # Llama 3 70B (Meta's config.json); the template's model.size names go up to 8b.
 LLAMA_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_dim": 28672, "vocab_size": 128256,
              "max_seq_len": 8192}  # fmt: skip
+# Llama 3.1 8B's config.json as Meta publishes it: the hf rows' model (config.json only: the simulation reads no
+# weights, and plan reads this file).
+LLAMA_31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}  # fmt: skip
+# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --task sft).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-sft")
 
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration of the matrix: `model` (model.size, or [model] keys), the parallel and training keys."""
+    """One configuration of the matrix: `project` (PROJECTS), `model` (model.size, or [model] keys; hf projects:
+    model.path, set by the test), the parallel and training keys."""
 
     id: str
     model: str | dict = "1b"
+    project: str = "llama"
     gpus: int = 8
     tp: int = 1
     ac: str = "none"
@@ -44,12 +60,13 @@ class Row:
             model = {"model.size": self.model}
         else:
             model = {f"model.{key}": value for key, value in self.model.items()}
+        # The hf projects have neither key (TP is llama's; generated without --cpu-offload).
+        llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
         return (
             model
+            | llama
             | {
-                "parallel.tp": self.tp,
                 "parallel.activation_checkpointing": self.ac,
-                "parallel.cpu_offload": self.offload,
                 "training.seq_len": self.seq_len,
                 "training.global_batch_size": self.global_batch_size,
                 "training.grad_accum_steps": self.grad_accum_steps,
@@ -61,7 +78,11 @@ class Row:
     @property
     def label(self) -> str:
         model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
-        parts = [f"llama {model}", f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
+        name = f"llama {model}"
+        if self.project != "llama":
+            kind = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft"}[self.project]
+            name = f"hf Llama-3.1-8B config.json{kind}"
+        parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
         micro_batch = self.global_batch_size // (self.gpus // self.tp * self.grad_accum_steps)
         parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
         if self.grad_accum_steps > 1:
