@@ -905,7 +905,7 @@ ROWS = {
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
     "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
-    "loss_backward": "loss backward (fp32 logits and their gradients)",
+    "loss_backward": "loss backward (fp32 logit gradients)",
 }
 
 

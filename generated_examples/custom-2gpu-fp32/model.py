@@ -2,7 +2,8 @@
 
 - `Model(args)` builds it from `ModelArgs` (model_args.py: the [model] section of config.toml) without reading its
   parameters: train.py builds it under `torch.device("meta")`, where nothing is allocated;
-- `model(tokens)` maps token ids (batch, seq) to logits (batch, seq, vocab_size);
+- `model(tokens)` maps token ids (batch, seq) to logits (batch, seq, vocab_size), and `model(tokens, targets, ...)`
+  to the loss, which the output layer computes chunk by chunk (chunked_loss.py);
 - `init_weights(seed)` fills every parameter and buffer: train.py calls it after `to_empty`, on the
   sharded model, where the memory holds garbage until then;
 - the class names of its repeated blocks are listed in config.toml's `parallel.shard_modules`: each such
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data import IGNORE
+from chunked_loss import chunked_cross_entropy
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, ModelArgs
 from sharded_init import fill_by_blocks
 
@@ -76,12 +77,18 @@ class Model(nn.Module):
         # Tied: the output layer reuses the token embedding matrix. Both stay in the root's FSDP group.
         self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean", loss_chunks: int = 1
+    ) -> torch.Tensor:
+        """The logits (batch, seq, vocab_size); with `targets`, the loss instead (chunked_loss.py), computed
+        here so that FSDP2's hooks around this call gather the output layer's weight for it."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        if targets is None:
+            return self.output(self.norm(h))
+        return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -130,9 +137,11 @@ def output_logits(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def loss(output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """The cross-entropy of model(tokens) against `targets` (batch, seq), in fp32 whatever the compute dtype;
-    targets equal to IGNORE are not counted. Change it if your model's loss is not plain cross-entropy (e.g. add an
-    auxiliary loss that forward returns beside the logits)."""
-    logits = output_logits(output).flatten(0, 1).float()
-    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)
+def loss(
+    model: Model, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunks: int = 1
+) -> torch.Tensor:
+    """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
+    targets equal to IGNORE not counted; the logits computed in `chunks` sequence chunks (training.loss_chunks), one
+    at a time, inside model(...) (chunked_loss.py). Change it, and forward, if your model's loss is not plain
+    cross-entropy (e.g. add an auxiliary loss)."""
+    return model(tokens, targets=targets, reduction=reduction, loss_chunks=chunks)

@@ -16,6 +16,7 @@ code: they are not in the checkpoint, and `to_empty` leaves them as garbage.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed import checkpoint as dcp
@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from data import IGNORE
+from chunked_loss import chunked_cross_entropy
 from errors import stop
 from model_args import HUB_FILES, MODEL_RULES, RESUME_MAY_CHANGE, ModelArgs
 
@@ -342,7 +342,36 @@ def build_model(config: Config) -> PreTrainedModel:
     sharded master weights, which mixed precision casts for compute. train.py calls it under torch.device("meta")."""
     model = AutoModelForCausalLM.from_config(config.model.hf_config, dtype=torch.float32)
     model.config.use_cache = False  # training never reuses past keys and values
+    add_chunked_loss(model, config.training.loss_chunks)
     return model
+
+
+# config.json keys of models whose logits are more than lm_head's output (Gemma 2/3 soft-capping, Cohere's and
+# Granite's scales), with the value that means "nothing more".
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def add_chunked_loss(model: PreTrainedModel, loss_chunks: int) -> None:
+    """model(tokens, targets=..., reduction=..., loss_chunks=N) returns the loss: the decoder's hidden states
+    (the base model's forward), projected by lm_head chunk by chunk (chunked_loss.py). model(tokens) stays
+    transformers' forward. It replaces forward on this instance (the weights and their names do not change)
+    because the loss must run inside the root's __call__, where FSDP2 gathers lm_head's weight."""
+    hf_forward = model.forward
+    transforms = [key for key, plain in LOGIT_TRANSFORMS.items() if getattr(model.config, key, plain) != plain]
+    if transforms and loss_chunks > 1 and dist.is_initialized() and dist.get_rank() == 0:
+        print(f"warning: {type(model).__name__} transforms lm_head's logits ({', '.join(transforms)}): its loss is "
+              "computed from its whole logits, training.loss_chunks does not apply", flush=True)  # fmt: skip
+
+    @functools.wraps(hf_forward)
+    def forward(*args, targets=None, reduction="mean", loss_chunks=1, **kwargs):
+        if targets is None:
+            return hf_forward(*args, **kwargs)
+        if transforms:  # the model's own logits, whole
+            return chunked_cross_entropy(hf_forward(*args, **kwargs).logits, nn.Identity(), targets, 1, reduction)
+        hidden = model.base_model(*args, **kwargs).last_hidden_state
+        return chunked_cross_entropy(hidden, model.get_output_embeddings(), targets, loss_chunks, reduction)
+
+    model.forward = forward
 
 
 def block_classes(model: PreTrainedModel, shard_modules: list[str]) -> list[str]:
@@ -368,8 +397,11 @@ def output_logits(output: CausalLMOutputWithPast) -> torch.Tensor:
     return output.logits
 
 
-def loss(output: CausalLMOutputWithPast, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """The cross-entropy of model(tokens)'s logits against `targets` (batch, seq), in fp32 whatever the compute
-    dtype; targets equal to IGNORE are not counted. (train.py shifts the targets itself: the model gets no labels.)"""
-    logits = output_logits(output).flatten(0, 1).float()
-    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)
+def loss(
+    model: PreTrainedModel, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunks: int = 1
+) -> torch.Tensor:
+    """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
+    targets equal to IGNORE not counted; lm_head's logits computed in `chunks` sequence chunks (training.loss_chunks),
+    one at a time, inside model(...) (add_chunked_loss). (train.py shifts the targets itself: the model gets no
+    labels.)"""
+    return model(tokens, targets=targets, reduction=reduction, loss_chunks=chunks)

@@ -191,17 +191,18 @@ def train_step(
     # FSDP averages the gradients over the ranks: multiplying by the world size makes that average their sum.
     scale = dist.get_world_size() / targets_in_step.clamp(min=1)
     loss_sum = torch.zeros((), device=device)
+    # model.py's loss calls model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
+    # Its logits are computed training.loss_chunks sequence chunks at a time (chunked_loss.py).
+    chunks = training.loss_chunks
     for index, (inputs, targets) in enumerate(batches):
         # training.grad_sync: "every_micro_batch" reduce-scatters each micro-batch into the sharded gradients
         # (1/N of the model per rank); "last_micro_batch" keeps the unsharded gradients (the whole model on
         # every rank) until the last micro-batch, then reduces once (FSDP2 has no no_sync()).
         model.set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)
-        # Call model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
-        output = model(inputs.to(device, non_blocking=True))
-        targets = targets.to(device)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
         # Cross-entropy in fp32 whatever the compute dtype (model.py's loss), summed over this micro-batch's
         # targets and scaled so that the accumulated gradient is that of the mean over all the step's targets.
-        loss = model_loss(output, targets, reduction="sum") * scale
+        loss = model_loss(model, inputs, targets, reduction="sum", chunks=chunks) * scale
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
@@ -253,15 +254,15 @@ def evaluate(
     training = config.training
     model.eval()  # no dropout (in models that have it)
     totals = torch.zeros(2, device=device)  # the loss summed over the targets, and their number
+    chunks = training.loss_chunks  # the loss's logits, computed this many sequence chunks at a time
     with torch.no_grad():
         for batch in range(config.eval.batches):
             for inputs, targets in micro_batches(
                 val_samples, batch, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
             ):
-                output = model(inputs.to(device, non_blocking=True))
-                targets = targets.to(device)
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
                 # Only the assistant's tokens are targets.
-                totals[0] += model_loss(output, targets, reduction="sum")
+                totals[0] += model_loss(model, inputs, targets, reduction="sum", chunks=chunks)
                 totals[1] += (targets != IGNORE).sum()
     model.train()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)

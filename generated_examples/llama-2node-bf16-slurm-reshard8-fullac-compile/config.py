@@ -51,6 +51,9 @@ class TrainingConfig:
     # (in reduce_dtype) from the first micro-batch until the last one's backward.
     grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     max_norm: float = setting(1.0, low=0, zero="no clipping")
+    # The loss's logits are computed in this many chunks of the sequence, one at a time (chunked_loss.py);
+    # 1 = all at once. It must divide seq_len (RULES).
+    loss_chunks: int = setting(8, low=1, high=MAX_COUNT)
 
 
 @dataclass
@@ -130,6 +133,12 @@ RULES = [
         "training.lr x training.weight_decay = {c.training.lr} x {c.training.weight_decay} is above 1: AdamW "
         "multiplies the weights by 1 - lr x weight_decay each step, which would flip their sign; lower "
         "--training.weight_decay",
+    ),
+    # Equal chunks: each chunk's logits have the same shape, so its memory (and a compiled kernel) is the same.
+    Rule(
+        lambda c: c.training.seq_len % c.training.loss_chunks == 0,
+        "training.loss_chunks = {c.training.loss_chunks} does not divide training.seq_len = {c.training.seq_len} "
+        "(the loss is computed in equal sequence chunks); pick a divisor of seq_len, e.g. --training.loss_chunks 1",
     ),
     # ShuffledEpochs draws a permutation of the sample indices (8 bytes each) on every rank.
     Rule(

@@ -9,8 +9,8 @@ nothing is printed once per rank, and nothing is retried by --max-restarts, whic
 killed process, a lost node). train.py runs the same checks on rank 0 before it builds the model, for runs
 started some other way (`torchrun train.py`, Ray).
 
-This module orders the checks; the modules whose files or settings they are (data.py, checkpoint_files.py,
-run_folder.py, profiling.py) check them, and their errors become that one line here.
+This module orders the checks. The modules whose files or settings they are check them, and their errors become
+that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py, activation_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import run_folder
+from activation_checkpoint import ActivationCheckpointError, check_op_level
 from checkpoint_files import CheckpointFolderError, check_free_space
 from config import Config, parse_args
 from data import DataError, check_token_data
@@ -35,7 +36,14 @@ from run_folder import RunFolderError
 from schema import total_memory
 
 # The errors of the rooms above, each a line that names the mistake and its fix.
-ROOM_ERRORS = (LayoutError, DataError, CheckpointFolderError, RunFolderError, ProfileError)
+ROOM_ERRORS = (
+    LayoutError,
+    DataError,
+    CheckpointFolderError,
+    RunFolderError,
+    ProfileError,
+    ActivationCheckpointError,
+)
 
 
 class PreflightError(Exception):
@@ -51,6 +59,7 @@ def preflight(config: Config, world_size: int) -> None:
         model = meta_model(config)
         check_memory(config, world_size, vocab_size, model)
         check_shard_modules(config, model)
+        check_activation_checkpointing(config, model)
         check_data(config, vocab_size)
         output_dir = Path(config.job.output_dir)
         run_folder.check_not_inside_a_run(output_dir)  # before check_output_dir creates it
@@ -150,6 +159,13 @@ def check_shard_modules(config: Config, model: torch.nn.Module) -> None:
             f"parallel.shard_modules: no module of class {', '.join(unmatched or names) or '(none listed)'} in the "
             f"model; list the class(es) of its repeated blocks (classes in the model: {', '.join(classes)})"
         )
+
+
+def check_activation_checkpointing(config: Config, model: torch.nn.Module) -> None:
+    """Op-level "selective" finds matmuls to keep in the model's blocks (activation_checkpoint.py: one block run on
+    the meta device under its policy)."""
+    if config.parallel.activation_checkpointing == "selective":
+        check_op_level(model, block_classes(model, config.parallel.shard_modules), config.training.seq_len)
 
 
 def check_data(config: Config, vocab_size: int) -> None:

@@ -38,7 +38,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             # The final norm, like the blocks' norms, normalises this rank's tokens.
             "norm": SequenceParallel(),
             # Gathers the full sequence and computes this rank's slice of the vocabulary, left a DTensor
-            # (Shard(-1)) so that train_step's loss_parallel can compute the loss from the slices.
+            # (Shard(-1)) so that train_step's loss_parallel can compute the loss from the slices. With
+            # training.loss_chunks > 1 the model splits the final norm's output (split by sequence) into chunks
+            # first: DTensor gathers the sequence once for that split, and each chunk comes here whole.
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         },
     )

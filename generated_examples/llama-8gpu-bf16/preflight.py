@@ -9,8 +9,8 @@ nothing is printed once per rank, and nothing is retried by --max-restarts, whic
 killed process, a lost node). train.py runs the same checks on rank 0 before it builds the model, for runs
 started some other way (`torchrun train.py`, Ray).
 
-This module orders the checks; the modules whose files or settings they are (data.py, checkpoint_files.py,
-run_folder.py, profiling.py) check them, and their errors become that one line here.
+This module orders the checks. The modules whose files or settings they are check them, and their errors become
+that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,13 @@ from run_folder import RunFolderError
 from schema import total_memory
 
 # The errors of the rooms above, each a line that names the mistake and its fix.
-ROOM_ERRORS = (LayoutError, DataError, CheckpointFolderError, RunFolderError, ProfileError)
+ROOM_ERRORS = (
+    LayoutError,
+    DataError,
+    CheckpointFolderError,
+    RunFolderError,
+    ProfileError,
+)
 
 
 class PreflightError(Exception):

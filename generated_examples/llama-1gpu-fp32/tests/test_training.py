@@ -15,6 +15,8 @@ from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, train
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 1e-5
+# training.loss_chunks 4 vs 1: the same sums in another order.
+CHUNKED_TOLERANCE = 1e-6
 
 
 def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
@@ -44,6 +46,19 @@ def test_ranks_match_one_process(tmp_path: Path) -> None:
     for a, b in zip(single, sharded, strict=True):
         assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path) -> None:
+    # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
+    # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole.
+    steps = ["--training.steps", "3", "--eval.every", "3", "--eval.batches", "1"]
+    whole = train(tmp_path / "whole", *steps, "--training.loss_chunks", "1")
+    chunked = train(tmp_path / "chunked", *steps, "--training.loss_chunks", "4")
+    assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
+    for a, b in zip(whole, chunked, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
 
 
 def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
