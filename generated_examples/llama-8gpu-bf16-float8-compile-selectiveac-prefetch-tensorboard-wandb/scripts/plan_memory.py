@@ -6,7 +6,8 @@ Builds this project's own model from config.toml with train.py's own code (build
 tensor parallelism, activation checkpointing, fully_shard with the mixed-precision and offload policies,
 build_optimizer, train_step over training.grad_accum_steps micro-batches with training.grad_sync) under torch's
 FakeTensorMode, on fake CUDA tensors, in a "fake" process group of --gpus ranks (collectives do nothing). Every
-tensor has its shape, dtype and device, but no storage: an 8B or 70B model costs no memory here. torch's
+tensor has its shape, dtype and device, but no storage: an 8B or 70B model costs no memory here. Nothing fills the
+shards (no init, no weights read): a Hugging Face model needs only its config.json in model.path. torch's
 FSDPMemTracker counts what a CUDA rank would hold (rank 0's shards: FSDP2 pads every rank's to the same size)
 through forward, backward and the optimizer step, and this prints its peak broken down (parameters, gradients,
 optimizer state, activations, temporaries) and the reserved estimate: what the caching allocator would hold at
@@ -36,6 +37,7 @@ from torch.distributed.tensor import _sharding_prop as sharding_prop  # noqa: E4
 from torch.distributed.tensor import _utils as dtensor_utils  # noqa: E402
 from torch.nn.modules.module import register_module_forward_pre_hook  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train  # noqa: E402
 from checkpoint import TrainState  # noqa: E402
@@ -118,6 +120,17 @@ def real_mesh_arithmetic() -> None:
     sharding_prop.detect_fake_mode = lambda *args: None
 
 
+class ValuesReadOnTheHost(TorchDispatchMode):
+    """A value the step reads on the host (a tensor's .item() or int(): with task sft, the number of the step's
+    targets) reads as 1: fake tensors hold no values, and no memory depends on it. (The step reads no other: it
+    makes no host syncs.)"""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
 def simulate(config: Config, gpus: int) -> dict[str, int]:
     """One train_step of `config` on rank 0 of `gpus` ranks: the tracker's peak of GPU memory, by category.
 
@@ -126,6 +139,11 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
     implementation CUDA runs (see below).
     """
     real_mesh_arithmetic()
+    # Fake tensors hold no values: filling them (model.py's initialize: the model's random init, a pretrained
+    # model's weights read from model.path, LoRA's adapters) would only cost time, and reading files cannot be
+    # faked. The shards are allocated (to_empty) as in training; only their filling is skipped. So a config.json
+    # alone (no weights) simulates a pretrained hf model.
+    train.initialize = lambda model, config, device: None
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
     try:
         layout = ParallelLayout.of(config.parallel, gpus)
@@ -148,8 +166,10 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
                        for _ in range(training.grad_accum_steps)]  # fmt: skip
             # A step of training's steady state: AdamW's state exists (it is created at the first step), and the
             # gradients were freed by the previous step's zero_grad.
+            # (Frozen parameters, e.g. the pretrained weights under LoRA's adapters, never have gradients.)
             for param in model.parameters():
-                param.grad = torch.zeros_like(param)
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tracker = Tracker(model, optimizer, offload=offload)
@@ -162,7 +182,7 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
                     tracker.reset_mod_stats()
 
             hook = register_module_forward_pre_hook(reset_at_root)
-            with tracker:
+            with tracker, ValuesReadOnTheHost():
                 train.train_step(state, batches, config)
             hook.remove()
     finally:
