@@ -87,9 +87,14 @@ FLOAT8_CALL = "        convert_blocks_to_float8([block for _, block in blocks], 
 ROOT_SHARD = "    fully_shard(model, **root_options)\n"
 # Each mistake, planted in the generated train.py as (old, new) edits, is reported once, on the line holding `at`.
 PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
-    # train_step's call (evaluate's, indented deeper, stays right).
+    # train_step's loss (evaluate's, indented deeper, stays right) computed by calling forward directly.
     "FSDP003": (
-        [("\n        output = model(inputs", "\n        output = model.forward(inputs")],
+        [
+            (
+                "\n        loss = model_loss(model, inputs, targets, chunks=chunks)",
+                "\n        loss = model.forward(inputs, targets)",
+            )
+        ],
         "model.forward(inputs",
     ),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),

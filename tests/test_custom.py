@@ -80,7 +80,7 @@ def test_generated_custom_projects_own_training_tests_pass(project: Path) -> Non
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py"],
                             cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
-    assert re.search(r"^4 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    assert re.search(r"^5 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
 
 
 # The user's block computes its linear layers with einsum (aten.bmm), where op-level AC looks for aten.mm/addmm.
