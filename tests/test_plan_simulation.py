@@ -45,6 +45,7 @@ HF_8B = {"path": "the test's folder with Llama 3.1 8B's config.json"}
 # the sizes cost no memory or compute, the number of ops does).
 ROWS = [
     Row("1b-none", "1b", ac="none"),
+    Row("1b-none-whole-logits", "1b", ac="none", loss_chunks=1),
     Row("1b-selective", "1b", ac="selective"),
     Row("1b-layer", "1b", ac="layer"),
     Row("1b-full", "1b", ac="full"),

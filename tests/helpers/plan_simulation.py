@@ -52,6 +52,7 @@ class Row:
     global_batch_size: int = 8
     grad_accum_steps: int = 1
     grad_sync: str = "every_micro_batch"
+    loss_chunks: int = 8  # the template's default; 1 is the whole logits
     extra: dict = field(default_factory=dict)  # more config keys: {"section.key": value}
 
     def keys(self) -> dict[str, object]:
@@ -71,6 +72,7 @@ class Row:
                 "training.global_batch_size": self.global_batch_size,
                 "training.grad_accum_steps": self.grad_accum_steps,
                 "training.grad_sync": self.grad_sync,
+                "training.loss_chunks": self.loss_chunks,
             }
             | self.extra
         )
@@ -87,7 +89,8 @@ class Row:
         parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
         if self.grad_accum_steps > 1:
             parts.append(f"accum {self.grad_accum_steps} {self.grad_sync}")
-        return ", ".join(parts + (["CPU offload"] if self.offload else []))
+        parts += ["CPU offload"] if self.offload else []
+        return ", ".join(parts + (["whole logits (loss_chunks 1)"] if self.loss_chunks == 1 else []))
 
 
 def write_config(project: Path, row: Row) -> Path:
