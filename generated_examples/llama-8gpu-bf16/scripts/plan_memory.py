@@ -2,17 +2,17 @@
 
     python scripts/plan_memory.py --gpus 8 [--json] [--config config.toml] [--section.key VALUE ...]
 
-Builds this project's own model from config.toml with train.py's own code (build_model_meta: meta device,
-tensor parallelism, activation checkpointing, fully_shard with the mixed-precision and offload policies,
-build_optimizer, train_step over training.grad_accum_steps micro-batches with training.grad_sync) under torch's
-FakeTensorMode, on fake CUDA tensors, in a "fake" process group of --gpus ranks (collectives do nothing). Every
+Builds this project's own model from config.toml with train.py's own code (build_model_meta: meta device, tensor
+parallelism, activation checkpointing, fully_shard with the mixed-precision and offload policies, build_optimizer,
+train_step over training.grad_accum_steps micro-batches with training.grad_sync) under torch's FakeTensorMode (fake
+tensors on the CPU device: see simulate), in a "fake" process group of --gpus ranks (collectives do nothing). Every
 tensor has its shape, dtype and device, but no storage: an 8B or 70B model costs no memory here. Nothing fills the
 shards (no init, no weights read): a Hugging Face model needs only its config.json in model.path. torch's
 FSDPMemTracker counts what a CUDA rank would hold (rank 0's shards: FSDP2 pads every rank's to the same size)
 through forward, backward and the optimizer step, and this prints its peak broken down (parameters, gradients,
-optimizer state, activations, temporaries) and the reserved estimate: what the caching allocator would hold at
-that peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --config config.toml` is the
-analytic estimate of the same step; this is the measurement it is checked against.
+optimizer state, activations, temporaries) and the reserved estimate: what the caching allocator would hold at that
+peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --config config.toml` is the analytic
+estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
 fragmentation beyond block rounding over many steps, and torch.compile's (parallel.compile) fused kernels.
