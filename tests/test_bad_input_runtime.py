@@ -331,11 +331,13 @@ def write_prepared(folder: Path, complete: bool = True, vocab_size: int = 100, t
     folder.mkdir()
     shards = {"train": [("train-00000.bin", 1000), ("train-00001.bin", 600)], "val": [("val-00000.bin", 600)]}
     index = {"format": "fsdp2gen-tokens/1", "tokenizer": tokenizer, "vocab_size": vocab_size, "eos_id": 0,
-             "dtype": "uint16", "complete": complete, "pieces_done": 3}  # fmt: skip
+             "dtype": "uint16", "complete": complete, "pieces_done": 3, "documents": True}  # fmt: skip
     for split, files in shards.items():
-        index[split] = [{"file": name, "tokens": tokens, "max_id": 99} for name, tokens in files]
+        index[split] = [{"file": name, "tokens": tokens, "max_id": 99, "docs_file": name.replace(".bin", ".docs")}
+                        for name, tokens in files]  # fmt: skip
         for name, tokens in files:
             (np.arange(tokens) % 100).astype(np.uint16).tofile(folder / name)
+            np.arange(0, tokens, 100, dtype=np.int64).tofile(folder / name.replace(".bin", ".docs"))  # documents
     (folder / "index.json").write_text(json.dumps(index))
 
 

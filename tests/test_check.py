@@ -91,11 +91,11 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     "FSDP003": (
         [
             (
-                "\n        loss = model_loss(model, inputs, targets, chunks=chunks)",
-                "\n        loss = model.forward(inputs, targets)",
+                "\n        loss = model_loss(model, *batch, chunks=chunks)",
+                "\n        loss = model.forward(batch.inputs, batch.targets)",
             )
         ],
-        "model.forward(inputs",
+        "model.forward(batch.inputs",
     ),
     "FSDP004": ([(TO_EMPTY, TO_EMPTY + "    torch.save(model.state_dict(), 'm.pt')\n")], "torch.save("),
     "FSDP005": (

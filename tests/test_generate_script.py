@@ -78,6 +78,7 @@ def train(style: str, corpus: tuple[Path, Path, int], root: Path, *options: str)
     project = generate(root / "run", "--gpus", "2", "--fp32", "--checkpoint", style)
     torchrun(project, "train.py", *TINY, "--job.device", "cpu", "--model.vocab_size", str(vocab_size),
              "--training.steps", "30", "--eval.every", "0", "--data.path", str(tokens),
+             "--data.document_mask", "false",
              "--job.output_dir", str(root / "out"), *options)  # fmt: skip
     return project, root / "out"
 

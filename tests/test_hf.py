@@ -205,6 +205,7 @@ def test_training_seed_seeds_every_run_of_a_pretrained_model(
         result = subprocess.run(
             [sys.executable, "train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed),
              "--model.path", str(model), "--data.path", str(tmp_path / "tokens.bin"), "--eval.every", "0",
+             "--data.document_mask", "false",
              "--job.output_dir", str(tmp_path / run)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]

@@ -122,7 +122,7 @@ def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
     assert json.loads(result.stdout) == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], result.stderr
     # ...and train.py's train_step computes the loss exactly that way (model.py's loss, summed).
     source = (chat["project"] / "train.py").read_text()
-    assert 'model_loss(model, inputs, targets, reduction="sum", chunks=chunks)' in source
+    assert 'model_loss(model, *batch, reduction="sum", chunks=chunks)' in source
     loss = (chat["project"] / "chunked_loss.py").read_text()
     assert "F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)" in loss
     # Chunked (training.loss_chunks), each chunk's loss is that sum over its own targets.

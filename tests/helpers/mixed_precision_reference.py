@@ -66,7 +66,7 @@ with open(out / "metrics.jsonl", "w") as metrics:
         loss_sum = 0.0
         for rank in range(ranks):
             batches = micro_batches(samples, step, training.global_batch_size, training.grad_accum_steps, rank, ranks)
-            for inputs, targets in batches:
+            for inputs, targets, *_ in batches:
                 # What FSDP2 all-gathers: the fp32 master weights cast to the compute dtype.
                 cast = {
                     name: (p if name in float8_weights else p.to(dtype)).detach().requires_grad_()

@@ -124,7 +124,7 @@ def main() -> None:
     project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     sys.path.insert(0, str(project))
     from config import parse_args
-    from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
+    from train import MicroBatch, TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
@@ -159,7 +159,7 @@ def main() -> None:
     # The project's own forward, loss (with tp: loss_parallel over vocabulary-split logits) and backward.
     # Everything saved stays alive until backward starts, so the sum of what was saved is the peak.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        train_step(state, [(inputs, targets)], config)
+        train_step(state, [MicroBatch(inputs, targets)], config)
     activations = sum(saved.values())
 
     params = list(model.parameters())
@@ -183,7 +183,7 @@ def main() -> None:
     }
     tokens = torch.randint(0, config.model.vocab_size, (training.grad_accum_steps, micro_batch, training.seq_len + 1),
                            generator=generator)  # fmt: skip
-    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    batches = [MicroBatch(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     measured |= measure_train_step(state, config, batches)
     measured["grad_accum_steps"], measured["grad_sync"] = training.grad_accum_steps, training.grad_sync
     gathered: list[dict] = [{} for _ in range(world_size)]

@@ -35,7 +35,7 @@ out.mkdir(parents=True, exist_ok=True)
 with open(out / "metrics.jsonl", "w") as metrics:
     for step in range(training.steps):
         # The whole global batch at once: what N ranks x grad_accum_steps micro-batches must add up to.
-        [(inputs, targets)] = micro_batches(samples, step, training.global_batch_size, 1, 0, 1)
+        [(inputs, targets, *_)] = micro_batches(samples, step, training.global_batch_size, 1, 0, 1)
         loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
         loss.backward()
         max_norm = training.max_norm if training.max_norm > 0 else float("inf")
