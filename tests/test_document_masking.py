@@ -1,0 +1,246 @@
+"""Document masking for packed data (issue 27, data.document_mask), llama and custom projects, fp32, on CPU.
+
+scripts/prepare_data.py records where each document starts (.docs beside every shard); data.py hands each token
+its position (restarting at every document start) and document id; the model attends within documents only.
+Proven here: a packed batch's loss is the token-weighted mean of its documents' losses run one by one; a token's
+logits do not change when the document before it is replaced (and do with --data.document_mask false); 2 gloo
+ranks train on packed data; data without document starts is refused in one line; the loader's positions and ids
+match a plain loop for any drawn document lengths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import TINY, generate, metrics, torchrun, torchrun_env
+
+HELPERS = Path(__file__).parent / "helpers"
+WORDS = "the a cat dog runs sleeps on under red blue small big house tree river stone bird sings".split()
+VOCAB = 300
+
+
+def tiny(family: str) -> list[str]:
+    """TINY with the corpus tokenizer's vocabulary (custom models have no n_kv_heads or ffn_dim)."""
+    pairs = dict(zip(TINY[::2], TINY[1::2], strict=True)) | {"--model.vocab_size": str(VOCAB), "--job.device": "cpu"}
+    if family == "custom":
+        del pairs["--model.n_kv_heads"], pairs["--model.ffn_dim"]
+    return [item for pair in pairs.items() for item in pair]
+
+
+def documents(count: int, seed: int) -> list[str]:
+    """Short documents of 2 to 12 words: a window of 32 tokens holds several."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) + "." for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A JSON-lines file of 600 short documents, a text file (one long document), and a BPE tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("documents")
+    with open(root / "docs.jsonl", "w") as lines:
+        for text in documents(600, 0):
+            lines.write(json.dumps({"text": text}) + "\n")
+    (root / "long.txt").write_text("\n".join(documents(800, 1)) + "\n")  # ~9 pieces of 8 KiB, one document
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(root / "long.txt")], trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    return {"root": root, "tokenizer": root / "tokenizer.json"}
+
+
+def prepare(project: Path, output: Path, *inputs: Path, shard_tokens: int = 100_000) -> Path:
+    command = [sys.executable, "scripts/prepare_data.py", *map(str, inputs), "--output", str(output),
+               "--val-fraction", "0", "--shard-tokens", str(shard_tokens)]  # fmt: skip
+    result = subprocess.run(command, cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return output
+
+
+@pytest.fixture(scope="module")
+def families(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """A llama and a custom project with the corpus tokenizer, each with the JSON-lines documents prepared."""
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+    for family in ("llama", "custom"):
+        project = generate(root / family, "--family", family, "--gpus", "2", "--fp32", "--tokenizer",
+                           str(corpus["tokenizer"]))  # fmt: skip
+        made[family] = {"project": project, "data": prepare(project, root / f"{family}-data", corpus["root"] / "docs.jsonl")}
+    return made
+
+
+def probe(family: str, project: Path, data: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(HELPERS / "document_probe.py"), str(data), *tiny(family)],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("family", ["llama", "custom"])
+def test_a_packed_batch_scores_as_its_documents_alone(family: str, families: dict) -> None:
+    found = probe(family, families[family]["project"], families[family]["data"])
+    assert found["documents"] > 2 * 8  # several documents per window of the batch of 8
+    # The cross-document targets (a document's last token -> the next one's first) are left out: each window
+    # holds one fewer target than documents that start inside it.
+    assert found["ignored"] > 8
+    assert found["packed"] == pytest.approx(found["alone"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "custom"])
+def test_a_token_never_sees_the_document_before_it(family: str, families: dict) -> None:
+    found = probe(family, families[family]["project"], families[family]["data"])
+    assert found["last_document"] >= 3 and found["before_length"] > 0
+    assert found["kept"] < 1e-6
+    # The same change moves the logits when attention spans the window (--data.document_mask false).
+    assert found["changed"] > 1e-3
+
+
+def test_prepare_data_records_every_document_start(corpus: dict[str, Path], families: dict, tmp_path: Path) -> None:
+    """.docs lists exactly the tokens after an end-of-text token (and a shard's first token when the shard before
+    it ended a document), also for a long text file cut into pieces and shards of 700 tokens."""
+    project = families["llama"]["project"]
+    data = prepare(project, tmp_path / "data", corpus["root"] / "long.txt", corpus["root"] / "docs.jsonl",
+                   shard_tokens=700)  # fmt: skip
+    index = json.loads((data / "index.json").read_text())
+    assert index["documents"] is True and len(index["train"]) > 3
+    eos = index["eos_id"]
+    starts_next = True
+    for shard in index["train"]:
+        tokens = np.fromfile(data / shard["file"], dtype=np.uint16)
+        docs = np.fromfile(data / shard["docs_file"], dtype=np.int64)
+        expected = [0] if starts_next else []
+        expected += [i + 1 for i in np.flatnonzero(tokens == eos) if i + 1 < len(tokens)]
+        assert docs.tolist() == expected
+        starts_next = bool(tokens[-1] == eos)
+        assert shard["ends_document"] == starts_next
+    # The long text file is one document: its first shard's offsets start at 0, then none until its end.
+    assert np.fromfile(data / index["train"][1]["docs_file"], dtype=np.int64).size == 0
+
+
+def test_two_ranks_train_on_packed_documents(families: dict, tmp_path: Path) -> None:
+    project, data = families["llama"]["project"], families["llama"]["data"]
+    common = [*tiny("llama"), "--data.path", str(data), "--eval.every", "0", "--training.steps", "3"]
+    torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "masked"))
+    torchrun(project, "train.py", *common, "--data.document_mask", "false", "--job.output_dir", str(tmp_path / "plain"))
+    masked, plain = metrics(tmp_path / "masked"), metrics(tmp_path / "plain")
+    assert len(masked) == len(plain) == 3
+    assert all(np.isfinite(record["loss"]) for record in masked)
+    # The same tokens and weights: only the attention, the positions and the skipped targets differ.
+    assert abs(masked[0]["loss"] - plain[0]["loss"]) > 1e-4
+
+
+def preflight(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "preflight.py", "--world-size", "2", *tiny("llama"), "--eval.every", "0", *args],
+        cwd=project, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path) -> None:
+    project, data = families["llama"]["project"], families["llama"]["data"]
+    flat = tmp_path / "tokens.bin"
+    np.fromfile(data / "train-00000.bin", dtype=np.uint16).tofile(flat)
+    old = tmp_path / "old"
+    old.mkdir()
+    index = json.loads((data / "index.json").read_text())
+    for shard in index["train"]:
+        (old / shard["file"]).write_bytes((data / shard["file"]).read_bytes())
+        del shard["docs_file"], shard["ends_document"]
+    del index["documents"]
+    (old / "index.json").write_text(json.dumps(index))
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for file in data.iterdir():
+        (damaged / file.name).write_bytes(file.read_bytes())
+    docs = np.fromfile(data / "train-00000.docs", dtype=np.int64)
+    docs[::-1].tofile(damaged / "train-00000.docs")  # descending
+    tokens = index["train"][0]["tokens"]
+    cases = {
+        flat: f"data.path {flat} is a flat token file, which does not record where documents start, so "
+        "data.document_mask cannot keep them apart; prepare a folder with scripts/prepare_data.py, or pass "
+        "--data.document_mask false",
+        old: f"data.path {old} was prepared without document starts (an older scripts/prepare_data.py), so "
+        f"data.document_mask cannot keep its documents apart; prepare it again with scripts/prepare_data.py "
+        f"--output {old}-new and point --data.path there, or pass --data.document_mask false",
+        damaged: f"data.path {damaged}: train-00000.docs is not ascending int64 offsets within its shard of {tokens} "
+        f"tokens (it is damaged or belongs to another shard); prepare it again with scripts/prepare_data.py --output "
+        f"{damaged}-new and point --data.path there",
+    }
+    for path, line in cases.items():
+        refused = preflight(project, "--data.path", str(path))
+        assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", f"preflight.py: error: {line}\n")
+        # The fix named works: without document masking the same data passes.
+        assert preflight(project, "--data.path", str(path), "--data.document_mask", "false").returncode == 0
+
+
+# ---- The loader against a plain loop, for drawn document lengths -------------------------------------------
+
+DATA_PY = Path(__file__).parents[1] / "templates" / "project" / "data.py"
+
+
+def load_data_module():
+    spec = importlib.util.spec_from_file_location("project_data_for_document_masking", DATA_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DATA = load_data_module()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=30),
+    first_is_start=st.booleans(),
+    seq_len=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_positions_and_document_ids_match_a_plain_loop(
+    lengths: list[int], first_is_start: bool, seq_len: int, seed: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One shard of documents of the drawn lengths (the first one, unless drawn, continuing from a shard before):
+    every window's positions, document ids and targets are those of a loop over its tokens."""
+    total = sum(lengths)
+    if total < seq_len + 1:
+        return
+    folder = tmp_path_factory.mktemp("shard")
+    tokens = np.random.default_rng(seed).integers(0, 100, total).astype(np.uint16)
+    tokens.tofile(folder / "train-00000.bin")
+    starts = list(np.cumsum([0, *lengths[:-1]]))[(0 if first_is_start else 1) :]
+    np.array(starts, dtype=np.int64).tofile(folder / "train-00000.docs")
+    shard = {"file": "train-00000.bin", "tokens": total, "max_id": int(tokens.max()), "docs_file": "train-00000.docs"}
+    (folder / "index.json").write_text(json.dumps({"dtype": "uint16", "train": [shard], "val": []}))
+    samples = DATA.TokenShards(folder, "train", seq_len, documents=True)
+    [batch] = DATA.micro_batches(samples, 0, len(samples), 1, 0, 1)
+    for window in range(len(samples)):
+        begin = window * seq_len
+        positions, ids, targets = [], [], []
+        for i in range(seq_len):
+            at = begin + i
+            if i == 0 or at in starts:
+                position, document = 0, (ids[-1] if ids else 0) + 1
+            positions.append(position)
+            ids.append(document)
+            targets.append(DATA.IGNORE if at + 1 in starts else int(tokens[at + 1]))
+            position += 1
+        assert batch.inputs[window].tolist() == tokens[begin : begin + seq_len].tolist()
+        assert batch.positions[window].tolist() == positions
+        assert batch.document_ids[window].tolist() == ids
+        assert batch.targets[window].tolist() == targets
