@@ -10,6 +10,7 @@ match a plain loop for any drawn document lengths.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import random
@@ -80,7 +81,8 @@ def families(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     for family in ("llama", "custom"):
         project = generate(root / family, "--family", family, "--gpus", "2", "--fp32", "--tokenizer",
                            str(corpus["tokenizer"]))  # fmt: skip
-        made[family] = {"project": project, "data": prepare(project, root / f"{family}-data", corpus["root"] / "docs.jsonl")}
+        data = prepare(project, root / f"{family}-data", corpus["root"] / "docs.jsonl")
+        made[family] = {"project": project, "data": data}
     return made
 
 
@@ -244,3 +246,51 @@ def test_positions_and_document_ids_match_a_plain_loop(
         assert batch.positions[window].tolist() == positions
         assert batch.document_ids[window].tolist() == ids
         assert batch.targets[window].tolist() == targets
+
+
+# ---- document_attention.py: both masks against attention run document by document ------------------------
+
+ATTENTION_PY = DATA_PY.parent / '{% if family != "hf" %}document_attention.py{% endif %}'
+
+
+# Eager flex_attention is the point here: the check of the mask_mod, not the speed of a fused kernel.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_both_masks_attend_as_each_document_alone() -> None:
+    """The CPU path (SDPA with a dense mask; forward and gradients) and the GPU path's mask_mod (FlexAttention's
+    BlockMask, run here eagerly: forward only, as CPU allows) equal causal attention over each document alone."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # The template's file name ends in jinja, not .py: name its loader.
+    loader = importlib.machinery.SourceFileLoader("document_attention_under_test", str(ATTENTION_PY))
+    attention = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(attention)
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, seq, head_dim = 3, 4, 2, 150, 8  # seq over one 128-token block, not a multiple
+    starts = torch.rand(batch, seq, generator=generator) < 0.05
+    starts[:, 0] = True
+    document_ids = starts.long().cumsum(1)
+    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=generator, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    dense = attention.attention(q, k, v, attention.document_mask(document_ids), enable_gqa=True)
+    reference = torch.zeros_like(dense)
+    for row in range(batch):
+        for document in document_ids[row].unique():
+            at = (document_ids[row] == document).nonzero().flatten()
+            reference[row, :, at] = F.scaled_dot_product_attention(
+                q[row : row + 1, :, at], k[row : row + 1, :, at], v[row : row + 1, :, at], is_causal=True,
+                enable_gqa=True,
+            )[0]  # fmt: skip
+    assert (dense - reference).abs().max().item() < 1e-6
+    weights = torch.randn(dense.shape, generator=generator)
+    gradients = [torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in (dense, reference)]
+    for mine, theirs in zip(*gradients, strict=True):
+        assert (mine - theirs).abs().max().item() < 1e-5
+    block_mask = create_block_mask(attention.document_causal(document_ids), batch, None, seq, seq, device="cpu")
+    with torch.no_grad():
+        flex = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=block_mask, enable_gqa=True)
+    assert (flex - reference.detach()).abs().max().item() < 1e-6
+    # Without document ids: plain causal attention over the whole row.
+    plain = attention.attention(q, k, v, attention.document_mask(None), enable_gqa=True)
+    assert torch.equal(plain, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

@@ -11,13 +11,13 @@ import json
 import sys
 
 import torch
-
 from config import load_config
 from data import IGNORE, micro_batches, open_tokens
 from model import build_model, loss, output_logits
 
 path, overrides = sys.argv[1], sys.argv[2:]
-config = load_config("config.toml", {key.removeprefix("--"): value for key, value in zip(overrides[::2], overrides[1::2], strict=True)})
+pairs = zip(overrides[::2], overrides[1::2], strict=True)
+config = load_config("config.toml", {key.removeprefix("--"): value for key, value in pairs})
 torch.manual_seed(0)
 model = build_model(config)
 model.init_weights(seed=0)
