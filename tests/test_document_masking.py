@@ -294,3 +294,51 @@ def test_both_masks_attend_as_each_document_alone() -> None:
     # Without document ids: plain causal attention over the whole row.
     plain = attention.attention(q, k, v, attention.document_mask(None), enable_gqa=True)
     assert torch.equal(plain, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+# ---- SFT (hf family only): each conversation is a document -------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_prepare_chat_makes_each_conversation_a_document(tmp_path: Path) -> None:
+    """prepare_chat.py's .docs marks every conversation's first token, and the loader restarts positions there:
+    a conversation is context (mask 0) then the assistant's reply (mask 1), so its start is where 1 turns to 0."""
+    from tests.conftest import save_tiny_llama
+
+    rng = random.Random(0)
+    with open(tmp_path / "chats.jsonl", "w") as lines:
+        for _ in range(120):
+            prompt, reply = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10))) for _ in range(2))
+            lines.write(json.dumps({"prompt": prompt, "response": reply}) + "\n")
+    special = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
+    model = save_tiny_llama(tmp_path / "model", " ".join(WORDS) * 20, special, chat_template=CHAT_TEMPLATE)
+    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model), "--task", "sft", "--gpus", "2")
+    command = [sys.executable, "scripts/prepare_chat.py", str(tmp_path / "chats.jsonl"), "--output",
+               str(tmp_path / "data"), "--val-fraction", "0", "--shard-tokens", "1000"]  # fmt: skip
+    result = subprocess.run(command, cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    data = tmp_path / "data"
+    index = json.loads((data / "index.json").read_text())
+    assert index["documents"] is True and index["masks"] is True and len(index["train"]) > 1
+    for shard in index["train"]:
+        mask = np.fromfile(data / shard["mask_file"], dtype=np.uint8)
+        starts = [0, *(np.flatnonzero((mask[:-1] == 1) & (mask[1:] == 0)) + 1)]
+        assert np.fromfile(data / shard["docs_file"], dtype=np.int64).tolist() == starts
+    seq_len = 32
+    samples = DATA.TokenShards(data, "train", seq_len, documents=True)
+    [batch] = DATA.micro_batches(samples, 0, 16, 1, 0, 1)
+    rows = np.stack([samples[i] for i in range(16)]).astype(np.int64)
+    mask, starts = rows[:, 1], rows[:, 2]
+    assert (batch.positions.numpy()[starts[:, :-1] == 1] == 0).all()
+    assert ((batch.positions.numpy() == 0) == ((starts[:, :-1] == 1) | (np.arange(seq_len) == 0))).all()
+    # Targets: the reply's tokens only (the next conversation's first token is context, mask 0, anyway).
+    expected = np.where((mask[:, 1:] == 1) & (starts[:, 1:] == 0), rows[:, 0, 1:], DATA.IGNORE)
+    assert batch.targets.tolist() == expected.tolist()
+    # With data.document_mask false: (tokens, mask) only, no positions or ids.
+    [plain] = DATA.micro_batches(DATA.TokenShards(data, "train", seq_len), 0, 16, 1, 0, 1)
+    assert plain.positions is None and plain.document_ids is None
+    assert plain.inputs.tolist() == batch.inputs.tolist() and plain.targets.tolist() == batch.targets.tolist()
