@@ -91,7 +91,7 @@ PLANTED: dict[str, tuple[list[tuple[str, str]], str]] = {
     "FSDP003": (
         [
             (
-                "\n        loss = model_loss(model, *batch, chunks=chunks)",
+                '\n        loss = model_loss(model, *batch, reduction="sum", chunks=chunks) * scale',
                 "\n        loss = model.forward(batch.inputs, batch.targets)",
             )
         ],
