@@ -342,3 +342,33 @@ def test_prepare_chat_makes_each_conversation_a_document(tmp_path: Path) -> None
     [plain] = DATA.micro_batches(DATA.TokenShards(data, "train", seq_len), 0, 16, 1, 0, 1)
     assert plain.positions is None and plain.document_ids is None
     assert plain.inputs.tolist() == batch.inputs.tolist() and plain.targets.tolist() == batch.targets.tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    offsets=st.lists(st.integers(-3, 40), max_size=8),
+    ordered=st.booleans(),
+    tokens=st.integers(1, 36),
+    extra_bytes=st.integers(0, 9),
+)
+def test_a_docs_file_is_accepted_only_when_ascending_within_its_shard(
+    offsets: list[int], ordered: bool, tokens: int, extra_bytes: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Any drawn .docs content: check_docs (preflight's) refuses it in one line unless it is whole int64 offsets,
+    strictly ascending, each within the shard's tokens. (`ordered`: sorted, repeats kept: the near misses.)"""
+    offsets = sorted(offsets) if ordered else offsets
+    folder = tmp_path_factory.mktemp("docs")
+    content = np.array(offsets, dtype=np.int64).tobytes() + b"\0" * (extra_bytes % 8 if extra_bytes < 8 else 0)
+    (folder / "train-00000.docs").write_bytes(content)
+    shard = {"file": "train-00000.bin", "tokens": tokens, "docs_file": "train-00000.docs"}
+    valid = len(content) % 8 == 0 and all(0 <= o < tokens for o in offsets) and offsets == sorted(set(offsets))
+    try:
+        DATA.check_docs(folder, shard, "FIX")
+    except DATA.DataError as exc:
+        assert not valid
+        assert str(exc) == (
+            f"data.path {folder}: train-00000.docs is not ascending int64 offsets within its shard of {tokens} "
+            "tokens (it is damaged or belongs to another shard); FIX"
+        )
+    else:
+        assert valid
