@@ -65,9 +65,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "tokenizer": root / "tokenizer.json"}
 
 
-def prepare(project: Path, output: Path, *inputs: Path, shard_tokens: int = 100_000) -> Path:
+def prepare(project: Path, output: Path, *inputs: Path, shard_tokens: int = 100_000, val: str = "0") -> Path:
     command = [sys.executable, "scripts/prepare_data.py", *map(str, inputs), "--output", str(output),
-               "--val-fraction", "0", "--shard-tokens", str(shard_tokens)]  # fmt: skip
+               "--val-fraction", val, "--shard-tokens", str(shard_tokens)]  # fmt: skip
     result = subprocess.run(command, cwd=project, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return output
@@ -75,13 +75,14 @@ def prepare(project: Path, output: Path, *inputs: Path, shard_tokens: int = 100_
 
 @pytest.fixture(scope="module")
 def families(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """A llama and a custom project with the corpus tokenizer, each with the JSON-lines documents prepared."""
+    """A llama and a custom project with the corpus tokenizer, each with the JSON-lines documents prepared (every
+    10th document in the validation split)."""
     root = tmp_path_factory.mktemp("families")
     made = {}
     for family in ("llama", "custom"):
         project = generate(root / family, "--family", family, "--gpus", "2", "--fp32", "--tokenizer",
                            str(corpus["tokenizer"]))  # fmt: skip
-        data = prepare(project, root / f"{family}-data", corpus["root"] / "docs.jsonl")
+        data = prepare(project, root / f"{family}-data", corpus["root"] / "docs.jsonl", val="0.1")
         made[family] = {"project": project, "data": data}
     return made
 
@@ -136,16 +137,25 @@ def test_prepare_data_records_every_document_start(corpus: dict[str, Path], fami
     assert np.fromfile(data / index["train"][1]["docs_file"], dtype=np.int64).size == 0
 
 
-def test_two_ranks_train_on_packed_documents(families: dict, tmp_path: Path) -> None:
+def test_two_ranks_train_on_packed_documents(corpus: dict, families: dict, tmp_path: Path) -> None:
+    """2 gloo ranks (FSDP, and tp 2: the mask and per-token rotary tables under tensor parallelism) train on the
+    packed documents; the losses are not those of plain causal attention over the same windows."""
     project, data = families["llama"]["project"], families["llama"]["data"]
-    common = [*tiny("llama"), "--data.path", str(data), "--eval.every", "0", "--training.steps", "3"]
+    common = [*tiny("llama"), "--data.path", str(data), "--eval.every", "2", "--eval.batches", "1",
+              "--training.steps", "3"]  # fmt: skip
     torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "masked"))
     torchrun(project, "train.py", *common, "--data.document_mask", "false", "--job.output_dir", str(tmp_path / "plain"))
-    masked, plain = metrics(tmp_path / "masked"), metrics(tmp_path / "plain")
+    tp = generate(tmp_path / "tp", "--gpus", "2", "--tp", "2", "--fp32", "--tokenizer", str(corpus["tokenizer"]))
+    torchrun(tp, "train.py", *common, "--job.output_dir", str(tmp_path / "tp-masked"))
+    masked, plain, tp_masked = (metrics(tmp_path / run) for run in ("masked", "plain", "tp-masked"))
     assert len(masked) == len(plain) == 3
     assert all(np.isfinite(record["loss"]) for record in masked)
     # The same tokens and weights: only the attention, the positions and the skipped targets differ.
     assert abs(masked[0]["loss"] - plain[0]["loss"]) > 1e-4
+    # tp 2 splits the same model's heads: the same losses and validation losses as 2 data-parallel ranks.
+    for name in ("loss", "val_loss"):
+        ours, theirs = [r[name] for r in masked if name in r], [r[name] for r in tp_masked if name in r]
+        assert len(ours) == len(theirs) > 0 and np.allclose(ours, theirs, rtol=0, atol=1e-5), (name, ours, theirs)
 
 
 def preflight(project: Path, *args: str) -> subprocess.CompletedProcess:
@@ -162,7 +172,7 @@ def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path)
     old = tmp_path / "old"
     old.mkdir()
     index = json.loads((data / "index.json").read_text())
-    for shard in index["train"]:
+    for shard in index["train"] + index["val"]:
         (old / shard["file"]).write_bytes((data / shard["file"]).read_bytes())
         del shard["docs_file"], shard["ends_document"]
     del index["documents"]
