@@ -86,7 +86,7 @@ for reduction in ("mean", "sum"):
     expected = F.cross_entropy(model(tokens).logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                reduction=reduction)
     for chunks in (1, 4):
-        got = loss(model, tokens, targets, reduction, chunks)
+        got = loss(model, tokens, targets, reduction=reduction, chunks=chunks)
         print(kind, reduction, chunks, float((got - expected).abs() / expected.abs()))
 """
 

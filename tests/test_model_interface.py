@@ -43,8 +43,8 @@ build_model (config: 'Config') -> 'Model'
 block_classes (model: 'Model', shard_modules: 'list[str]') -> 'list[str]'
 initialize (model: 'Model', config: 'Config', device: 'torch.device') -> 'None'
 output_logits (output: '{output}') -> 'torch.Tensor'
-loss (model: 'Model', tokens: 'torch.Tensor', targets: 'torch.Tensor', reduction: 'str' = 'mean', \
-chunks: 'int' = 1) -> 'torch.Tensor'
+loss (model: 'Model', tokens: 'torch.Tensor', targets: 'torch.Tensor', positions: 'torch.Tensor | None' = None, \
+document_ids: 'torch.Tensor | None' = None, reduction: 'str' = 'mean', chunks: 'int' = 1) -> 'torch.Tensor'
 """
 
 
