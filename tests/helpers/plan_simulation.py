@@ -133,6 +133,22 @@ def simulate(project: Path, config: Path, gpus: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def simulate_rows(project: Path, configs: list[Path], gpus: list[int]) -> list[dict]:
+    """simulate() of each config in one process (simulate_rows.py): the same JSON, torch and the model's modules
+    imported once, and the fake tensors' dispatch cache shared by rows of the same shapes."""
+    pairs = [str(value) for config, count in zip(configs, gpus, strict=True) for value in (config, count)]
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "simulate_rows.py"), *pairs],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()[-len(configs) :]
+    return [json.loads(line) for line in lines]
+
+
 def difference(plan: int, simulated: int) -> float:
     """plan relative to the simulation, in %."""
     return 100 * (plan - simulated) / simulated
