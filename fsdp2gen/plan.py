@@ -381,20 +381,22 @@ def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: i
     kernel takes as they are under GQA).
 
     torch 2.13's context_parallel rotates K/V with an all-gather by default (_ContextParallelOptions.rotate_method
-    ALL_GATHER; set_rotate_method("alltoall") would hold 2 chunks instead of cp): the backward gathers the whole
-    sequence's K/V of the layer once (all_gather_single of the concatenated local K and V, beside that local
-    copy), accumulates the gradients of q, k and v in fp32 (convert_to_f32), and passes the K/V gradients around
-    the ring with all-to-all (the one sent and the one received, fp32).
+    ALL_GATHER; set_rotate_method("alltoall") would hold 2 chunks instead of cp). Its backward
+    (_templated_ring_attention_backward) gathers the whole sequence's K/V of the layer once; accumulates the
+    gradients of q, k and v in fp32 (convert_to_f32), passing the K/V gradients around the ring with all-to-all (the
+    one sent and the one received); the load balancing's partial updates copy the q accumulator and half of the
+    logsumexp. Per element of the rank's local q, K/V and logsumexp, the peak is exactly (measured with torch's
+    MemTracker on gloo ranks for bf16 and fp32, cp 2 and 4, GQA and not: tests/test_plan_cp.py):
+    q: 2 fp32 + compute / 2; K/V: 4 compute + 2 fp32; the gathered K/V: cp x compute; logsumexp: fp32 / 2.
+    (The flash kernel's own workspace is not counted, as it is not without CP.)
     """
     if cp == 1:
         return 0
     local = batch * (seq_len // cp)
     q = math.ceil(local * model.n_heads * model.head_dim / tp)
     kv = 2 * math.ceil(local * model.n_kv_heads * model.head_dim / tp)  # K and V
-    gathered = compute * (cp + 1) * kv  # the whole sequence's K/V, and the local concatenation sent
-    accumulators = FP32 * (q + kv)
-    in_flight = 2 * FP32 * kv
-    return gathered + accumulators + in_flight
+    lse = math.ceil(local * model.n_heads / tp)
+    return (2 * FP32 * q + compute * q // 2) + (4 * compute + 2 * FP32) * kv + compute * cp * kv + FP32 * lse // 2
 
 
 @dataclass
