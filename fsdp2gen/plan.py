@@ -609,12 +609,14 @@ def _levers(plan: Plan) -> list[Lever]:
 
 def _cp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
     """A larger context-parallel degree for a long sequence: the smallest that fits, else the largest the GPUs and
-    the sequence allow (a power of 2 times the current one, dividing the GPUs per tp group, with seq_len divisible by
-    2 x cp x tp). Fewer data ranks read more samples each: under a config's global batch, grad_accum_steps grows
-    by as much, so that each forward keeps the same micro-batch."""
+    the sequence allow (a power of 2 times the current one, dividing the GPUs per tp group, that cp_refusal takes).
+    Fewer data ranks read more samples each: under a config's global batch, grad_accum_steps grows by as much, so
+    that each forward keeps the same micro-batch."""
     request, found = plan.request, []
     cp = request.cp * 2
-    while request.world_size % (cp * request.tp) == 0 and request.seq_len % (2 * cp * request.tp) == 0:
+    while request.world_size % (cp * request.tp) == 0 and not cp_refusal(
+        request.seq_len, cp, request.tp, request.loss_chunks
+    ):
         factor = cp // request.cp
         changed = replace(request, cp=cp)
         label = f"--cp {cp}"
@@ -819,6 +821,14 @@ def _project_request(config: Path, tp: int | None, seq: int | None, cp: int | No
     if family != "llama":
         raise PlanError(f"family {family}: only llama and hf are planned; plan a llama of similar shape with --size")
     model_keys, training, answers = _read_config(config)
+    cp = cp or _project_parallel(config, answers, "cp")
+    data = _read_toml(config).get("data", {})
+    if cp > 1 and isinstance(data, dict) and data.get("document_mask") is True:
+        # As the project's preflight (context_parallel.py) refuses it.
+        raise PlanError(
+            f"{config}: cp {cp} cannot mask documents (ring attention is causal over the whole sequence); set "
+            "data.document_mask = false there, or plan with --cp 1"
+        )
     return PlanRequest(
         model=shape_of(model_keys),
         label=str(config),
@@ -826,7 +836,7 @@ def _project_request(config: Path, tp: int | None, seq: int | None, cp: int | No
         nodes=_default("nodes", answers),
         precision=str(_default("precision", answers)),
         tp=tp or _project_tp(config, answers),
-        cp=cp or _project_parallel(config, answers, "cp"),
+        cp=cp,
         seq_len=seq or training["seq_len"],
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
@@ -949,14 +959,32 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
             layout.check_batch(training)
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
-    if cp > 1 and seq_len % (2 * cp * tp):
-        # The project refuses it too (preflight): torch's load balancing cuts each sample into 2 x cp chunks, and
-        # tp's sequence parallelism splits each rank's tokens again; otherwise the balancing is silently off.
-        step = 2 * cp * tp
-        raise PlanError(
-            f"--cp {cp}: the sequence length ({seq_len}) must be divisible by 2 x cp x tp ({step}); e.g. --seq "
-            f"{max(step, seq_len // step * step)}"
+    refusal = cp_refusal(seq_len, cp, tp, request.loss_chunks)
+    if refusal:
+        raise PlanError(refusal)
+
+
+def cp_refusal(seq_len: int, cp: int, tp: int, loss_chunks: int) -> str | None:
+    """The line a project's preflight (layout.py) refuses a context-parallel sequence length with, worded with plan's
+    options, or None. torch's load balancing cuts each sample into 2 x cp pieces and tp's sequence parallelism
+    splits them again (otherwise the balancing is silently off); the chunked loss splits each rank's seq_len / cp
+    tokens into training.loss_chunks."""
+    if cp == 1:
+        return None
+    pieces = 2 * cp * tp
+    step = math.lcm(pieces, cp * loss_chunks)  # a length that passes both checks, as the suggestion
+    fitting = max(step, seq_len // step * step)
+    if seq_len % pieces:
+        return (
+            f"--cp {cp}: the sequence length ({seq_len}) must be divisible by 2 x cp x tp ({pieces}); e.g. --seq "
+            f"{fitting}"
         )
+    if seq_len // cp % loss_chunks:
+        return (
+            f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens each "
+            f"context-parallel rank holds (seq / cp); e.g. --seq {fitting}"
+        )
+    return None
 
 
 def _plan_wording(problem: str, request: PlanRequest) -> str:
@@ -1136,14 +1164,14 @@ SWEEP_CPS = (1, 2, 4, 8)
 
 def cp_sweep(request: PlanRequest) -> list[Plan]:
     """The plan of `request` at every sequence length of SWEEP_SEQ_LENS with every cp of SWEEP_CPS that the GPUs
-    allow (cp x tp dividing them; seq_len divisible by 2 x cp x tp), each forward keeping the request's micro-batch
+    allow (cp x tp dividing them) and the project takes (cp_refusal), each forward keeping the request's micro-batch
     of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
     if isinstance(request.model, HfShape):
         raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:
-            if request.world_size % (cp * request.tp) or seq_len % (2 * cp * request.tp):
+            if request.world_size % (cp * request.tp) or cp_refusal(seq_len, cp, request.tp, request.loss_chunks):
                 continue
             model = replace(request.model, max_seq_len=max(request.model.max_seq_len, seq_len))
             changed = replace(request, model=model, seq_len=seq_len, cp=cp, micro_batch=request.batch)

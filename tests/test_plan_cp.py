@@ -5,6 +5,7 @@ The figures are checked against references computed here from the shapes, and by
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -158,27 +159,33 @@ def test_cp_splits_the_sequence_and_leaves_the_state(setup: tuple[PlanRequest, i
 
 @PROPERTY
 @given(seq=st.integers(1, 2**20), cp=st.sampled_from([1, 2, 4, 8]), tp=st.sampled_from([1, 2, 4]))
-def test_a_sequence_not_divisible_by_2_cp_tp_is_refused(seq: int, cp: int, tp: int) -> None:
+def test_a_sequence_the_project_refuses_is_refused(seq: int, cp: int, tp: int) -> None:
+    # The project's layout.py refuses a sequence that does not cut into 2 x cp x tp equal pieces (load balancing),
+    # or whose seq / cp tokens per rank the chunked loss (training.loss_chunks, 8 for --size) does not divide.
     args = ["--size", "8b", "--gpus", "8", "--seq", str(seq), "--cp", str(cp), "--tp", str(tp)]
     result = invoke("plan", *args)
+    step = 2 * cp * tp
+    whole = math.lcm(step, 8 * cp)  # the suggested length passes both checks
+    suggested = max(whole, seq // whole * whole)
     if cp * tp > 8:
         assert result.exit_code == 2
         assert result.stderr == f"fsdp2gen: error: --cp {cp} x --tp {tp} does not divide 8 GPUs; choose degrees " \
             "whose product divides it\n"  # fmt: skip
-    elif seq % tp:
+        return
+    if seq % tp:
         assert result.exit_code == 2 and result.stderr.startswith(f"fsdp2gen: error: --tp {tp} must divide")
-    elif cp > 1 and seq % (2 * cp * tp):
-        step = 2 * cp * tp
-        message = (
-            f"--cp {cp}: the sequence length ({seq}) must be divisible by 2 x cp x tp ({step}); e.g. --seq "
-            f"{max(step, seq // step * step)}"
-        )
-        assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
-        # The suggested length is accepted.
-        suggested = str(max(step, seq // step * step))
-        assert invoke("plan", *args[:5], suggested, *args[6:]).exit_code == 0
+        return
+    if cp > 1 and seq % step:
+        message = f"--cp {cp}: the sequence length ({seq}) must be divisible by 2 x cp x tp ({step}); e.g. --seq "
+    elif cp > 1 and seq // cp % 8:
+        message = f"--cp {cp}: training.loss_chunks (8) must divide the {seq // cp} tokens each context-parallel " \
+            "rank holds (seq / cp); e.g. --seq "  # fmt: skip
     else:
         assert result.exit_code == 0, result.stderr
+        return
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}{suggested}\n")
+    # The suggested length is accepted.
+    assert invoke("plan", *args[:5], str(suggested), *args[6:]).exit_code == 0
 
 
 def test_cp_refusals_name_the_fix(tmp_path: Path) -> None:
@@ -213,6 +220,18 @@ def test_config_parallel_cp_is_read_and_a_flag_overrides_it(tmp_path: Path) -> N
     # 8 GPUs: dp_shard 2 x cp 4; the global batch of 8 samples is read by the 2 data ranks, 4 samples each.
     assert (plan["setup"]["cp"], plan["setup"]["fsdp_ranks"], plan["setup"]["micro_batch"]) == (4, 8, 4)
     assert plan_json("--config", str(config), "--gpus", "8", "--cp", "1")["setup"]["micro_batch"] == 1
+    # The project's preflight refuses ring attention with document masking: so does plan.
+    masked = tmp_path / "masked" / "config.toml"
+    masked.parent.mkdir()
+    masked.write_text(config.read_text() + "\n[data]\ndocument_mask = true\n")
+    result = invoke("plan", "--config", str(masked), "--gpus", "8")
+    assert (result.exit_code, result.stdout) == (2, "") and result.stderr == (
+        f"fsdp2gen: error: {masked}: cp 4 cannot mask documents (ring attention is causal over the whole sequence); "
+        "set data.document_mask = false there, or plan with --cp 1\n"
+    )
+    assert plan_json("--config", str(masked), "--gpus", "8", "--cp", "1")["setup"]["cp"] == 1
+    masked.write_text(masked.read_text().replace("document_mask = true", "document_mask = false"))
+    assert plan_json("--config", str(masked), "--gpus", "8")["setup"]["cp"] == 4
     config.write_text(config.read_text().replace("cp = 4", "cp = 0"))
     result = invoke("plan", "--config", str(config))
     assert result.exit_code == 2 and result.stderr == (
