@@ -208,6 +208,10 @@ def test_cp_refusals_name_the_fix(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr == "fsdp2gen: error: --cp 2: context parallelism is built in for family llama only; use " \
         "--cp 1\n"  # fmt: skip
+    result = invoke("plan", "--hf-config", str(hf), "--cp-sweep")
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == "fsdp2gen: error: --cp-sweep: context parallelism is built in for family llama only; " \
+        "plan a llama with --size\n"  # fmt: skip
 
 
 def test_config_parallel_cp_is_read_and_a_flag_overrides_it(tmp_path: Path) -> None:
