@@ -989,14 +989,14 @@ def cp_refusal(seq_len: int, cp: int, tp: int, loss_chunks: int) -> str | None:
 
 def _plan_wording(problem: str, request: PlanRequest) -> str:
     """layout.py's `problem` with plan's options as the fix."""
-    model, tp = request.model, request.tp
+    model, tp, cp = request.model, request.tp, request.cp
+    ranks = f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor"
+    if cp > 1:  # the degrees that split each sample's tokens (cp, and tp when there is one) must divide the GPUs
+        named = f"--cp {cp}" if tp == 1 else f"--cp {cp} x --tp {tp}"
+        fix = "a divisor" if tp == 1 else "degrees whose product divides it"
+        ranks = f"{named} does not divide {request.world_size} GPUs; choose {fix}"
     return {
-        "ranks": f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor"
-        if request.cp == 1
-        else f"--cp {request.cp} does not divide {request.world_size} GPUs; choose a divisor"
-        if tp == 1
-        else f"--cp {request.cp} x --tp {tp} does not divide {request.world_size} GPUs; choose degrees whose product "
-        "divides it",
+        "ranks": ranks,
         # n_heads is a multiple of n_kv_heads (checked above): tp divides both when it divides n_kv_heads.
         "tp_shape": f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim}); choose a "
         "--tp that divides both",
