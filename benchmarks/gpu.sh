@@ -116,6 +116,9 @@ if [[ -n "$LONG" ]]; then
   OVERRIDES=(--model.size 1b --model.max_seq_len $((2 * SEQ)) --parallel.compile false --job.device cuda
              --training.steps "${STEPS:-8}" --training.warmup_steps 2 --checkpoint.interval "${STEPS:-8}"
              --checkpoint.resume never --job.log_every 1)
+  if grep -q '^model_only_final' "$PROJECT/config.toml"; then
+    OVERRIDES+=(--checkpoint.model_only_final true)  # the final checkpoint is not what is measured
+  fi
   if grep -q '^document_mask' "$PROJECT/config.toml"; then
     # Synthetic tokens have no documents; CP with document masking is refused, so say it is off.
     OVERRIDES+=(--data.document_mask false)
