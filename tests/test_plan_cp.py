@@ -260,6 +260,22 @@ def test_a_long_sequence_that_does_not_fit_is_offered_the_smallest_cp_that_fits(
     assert [(lever["option"], lever["fits"]) for lever in cps] == [("--cp 8", False)]
 
 
+def test_the_cp_lever_of_a_project_keeps_its_global_batch(tmp_path: Path) -> None:
+    # A project's 8 samples per step on 8 GPUs: with cp 2 only 4 ranks read different samples, so the lever doubles
+    # grad_accum_steps to keep one sample per forward (and the global batch).
+    config = tmp_path / "config.toml"
+    config.write_text('[model]\nsize = "8b"\nmax_seq_len = 131072\n\n[training]\nseq_len = 131072\n'
+                      "global_batch_size = 8\n")  # fmt: skip
+    args = ("--config", str(config), "--gpus", "8", "--precision", "bf16", "--activation-checkpointing", "full")
+    plan = plan_json(*args)
+    assert plan["setup"]["micro_batch"] == 1 and not plan["fits"]
+    lever = plan["levers"][0]
+    assert lever["option"] == "--cp 2 (2x the grad_accum_steps)" and lever["fits"]
+    config.write_text(config.read_text() + "grad_accum_steps = 2\n")
+    with_cp = plan_json(*args, "--cp", "2")
+    assert with_cp["setup"]["micro_batch"] == 1 and with_cp["per_gpu_bytes"]["total"] == lever["total_bytes"]
+
+
 def test_cp_sweep_prints_a_table_of_seq_by_cp() -> None:
     args = ("plan", "--size", "8b", "--gpus", "8", "--precision", "bf16", "--activation-checkpointing", "full")
     result = invoke(*args, "--cp-sweep")
