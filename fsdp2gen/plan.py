@@ -386,7 +386,8 @@ def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: i
     gradients of q, k and v in fp32 (convert_to_f32), passing the K/V gradients around the ring with all-to-all (the
     one sent and the one received); the load balancing's partial updates copy the q accumulator and half of the
     logsumexp. Per element of the rank's local q, K/V and logsumexp, the peak is exactly (measured with torch's
-    MemTracker on gloo ranks for bf16 and fp32, cp 2 and 4, GQA and not: tests/test_plan_cp.py):
+    MemTracker on gloo ranks for bf16 and fp32, cp 2 and 4, grouped-query attention: tests/test_plan_cp.py; with
+    n_heads == n_kv_heads it peaks at another moment, a few % higher):
     q: 2 fp32 + compute / 2; K/V: 4 compute + 2 fp32; the gathered K/V: cp x compute; logsumexp: fp32 / 2.
     (The flash kernel's own workspace is not counted, as it is not without CP.)
     """
