@@ -8,12 +8,22 @@
 #   benchmarks/gpu.sh --reference-8b         # torchtitan's headline run: Llama 3.1 8B on 8 GPUs, local batch 2,
 #                                            # seq 8192, op-level selective AC; eager, compile, float8+compile,
 #                                            # beside `fsdp2gen plan`'s per-GPU figure
+#   benchmarks/gpu.sh --long-context         # context parallelism on GPUS (default 2) GPUs: see below
+#   benchmarks/gpu.sh --long-context --plan-only   # print the runs it would make (no GPU needed)
 #
 # Generates a project (`fsdp2gen new --gpus 1 --bf16 --compile [--float8]`), trains it with torchrun (1 process)
 # once per variant and reads outputs/metrics.jsonl. Prints one line per variant: tokens/s/GPU (median after the
 # first 10 steps), achieved TFLOP/s (ModelArgs.flops_per_token(seq_len) x tokens/s), MFU against the device's
 # bf16 dense peak (989e12 for H100 SXM / H200; PEAK_FLOPS overrides; float8 too is measured against the bf16
 # peak), and peak memory. Variants: eager (parallel.compile false), compile, and with --float8 float8+compile.
+#
+# --long-context: a project generated with --cp 2 (the 1b preset, bf16, eager, activation checkpointing $LC_AC,
+# default none: the shortest sequences that need CP, about a second a step) on $GPUS GPUs (2 or more, even), one
+# sample per data rank. `fsdp2gen plan` picks SEQ, the longest power-of-2 sequence that cp 1 fits on the GPU
+# ($GPU_TYPE, else from nvidia-smi), and three runs are made: cp 1 at SEQ (the baseline), cp 2 at SEQ (what CP
+# costs on the same work) and cp 2 at 2 x SEQ (a sequence cp 1 cannot hold). One line per run: tokens/s/GPU, step
+# time, TFLOP/s/GPU (ModelArgs.flops_per_token at that run's sequence length), peak memory beside the plan's
+# total, and the ratios of tokens/s and TFLOP/s to the baseline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -22,15 +32,66 @@ TINY=""
 FLOAT8=""
 NPROC=1
 REFERENCE=""
+LONG=""
+PLAN_ONLY=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --tiny) TINY=1; shift ;;
     --float8) FLOAT8=1; shift ;;
     --reference-8b) REFERENCE=1; FLOAT8=1; NPROC=8; shift ;;
-    *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8] [--reference-8b]" >&2; exit 2 ;;
+    --long-context) LONG=1; shift ;;
+    --plan-only) PLAN_ONLY=1; shift ;;
+    *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8] [--reference-8b]" \
+            "[--long-context [--plan-only]]" >&2; exit 2 ;;
   esac
 done
+if [[ -n "$PLAN_ONLY" && -z "$LONG" ]]; then
+  echo "benchmarks/gpu.sh: --plan-only goes with --long-context; add it" >&2; exit 2
+fi
+if [[ -n "$LONG" ]]; then
+  NPROC="${GPUS:-2}"
+  if [[ "$DEVICE" != cuda && -z "$PLAN_ONLY" ]]; then
+    # torch's context parallelism shards only the CUDA attention kernels (the CPU tests use a test-only shim).
+    echo "benchmarks/gpu.sh: --long-context needs CUDA GPUs (context parallelism has no CPU attention kernel);" \
+         "drop --device $DEVICE, or add --plan-only" >&2; exit 2
+  fi
+  if ! [[ "$NPROC" =~ ^[0-9]+$ ]] || (( NPROC < 2 || NPROC % 2 )); then
+    echo "benchmarks/gpu.sh: --long-context runs cp 2 on GPUS=$NPROC; set GPUS to an even number, 2 or more" >&2
+    exit 2
+  fi
+  LC_AC="${LC_AC:-none}"
+  if [[ -z "${GPU_TYPE:-}" ]]; then
+    GPU_TYPE=h100-80gb
+    if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      GPU_TYPE=h200-141gb
+    fi
+  fi
+  # SEQ: the longest power-of-2 sequence (from 4096) that cp 1 fits, and the plan's totals of the three runs.
+  read -r SEQ PLAN_CP1 PLAN_CP2 PLAN_LONG < <("$PYTHON" - "$NPROC" "$LC_AC" "$GPU_TYPE" <<'PY'
+import sys
+from fsdp2gen.plan import GIB, build_request, estimate
+
+gpus, ac, gpu_type = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+
+def plan(seq, cp):
+    request = build_request(size="1b", gpus=gpus, precision="bf16", activation_checkpointing=ac, seq=seq, cp=cp,
+                            batch=1, gpu_type=gpu_type)
+    return estimate(request, with_levers=False)
+
+
+seq = 4096
+while plan(2 * seq, 1).fits:
+    seq *= 2
+print(seq, *(f"{plan(s, cp).per_gpu['total'] / GIB:.1f}" for s, cp in ((seq, 1), (seq, 2), (2 * seq, 2))))
+PY
+  )
+  echo "long context: 1b, $NPROC GPUs ($GPU_TYPE), bf16, AC $LC_AC; plan: cp 1 fits seq $SEQ at most ($PLAN_CP1 GiB)"
+  echo "runs: cp1-seq$SEQ (plan $PLAN_CP1 GiB), cp2-seq$SEQ (plan $PLAN_CP2 GiB), cp2-seq$((2 * SEQ)) (plan" \
+       "$PLAN_LONG GiB)"
+  if [[ -n "$PLAN_ONLY" ]]; then exit 0; fi
+fi
 AC=none
 if [[ -n "$REFERENCE" ]]; then
   STEPS="${STEPS:-50}"
@@ -48,6 +109,58 @@ else
 fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+if [[ -n "$LONG" ]]; then
+  PROJECT="$WORK/llama-1b-cp2"
+  "$PYTHON" -m fsdp2gen new "$PROJECT" --gpus "$NPROC" --bf16 --cp 2 --activation-checkpointing "$LC_AC" --yes \
+    >/dev/null
+  OVERRIDES=(--model.size 1b --model.max_seq_len $((2 * SEQ)) --parallel.compile false --job.device cuda
+             --training.steps "${STEPS:-8}" --training.warmup_steps 2 --checkpoint.interval "${STEPS:-8}"
+             --checkpoint.resume never --job.log_every 1)
+  if grep -q '^model_only_final' "$PROJECT/config.toml"; then
+    OVERRIDES+=(--checkpoint.model_only_final true)  # the final checkpoint is not what is measured
+  fi
+  if grep -q '^document_mask' "$PROJECT/config.toml"; then
+    # Synthetic tokens have no documents; CP with document masking is refused, so say it is off.
+    OVERRIDES+=(--data.document_mask false)
+  fi
+  status=0
+  runs=()
+  # VARIANT CP SEQ: one sample per data rank (NPROC / cp of them).
+  for run in "cp1-seq$SEQ 1 $SEQ" "cp2-seq$SEQ 2 $SEQ" "cp2-seq$((2 * SEQ)) 2 $((2 * SEQ))"; do
+    read -r variant cp seq <<<"$run"
+    if (cd "$PROJECT" && OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+          train.py --config config.toml "${OVERRIDES[@]}" --parallel.cp "$cp" --training.seq_len "$seq" \
+          --training.global_batch_size $((NPROC / cp)) --job.output_dir "$WORK/$variant") >"$WORK/$variant.log" 2>&1
+    then
+      runs+=("$variant:$seq")
+    else
+      echo "$variant: FAILED"; tail -n 30 "$WORK/$variant.log"; status=1
+    fi
+  done
+  if [[ ${#runs[@]} -gt 0 ]]; then
+    (cd "$PROJECT" && "$PYTHON" - "$WORK" "${runs[@]}" <<'PY') || status=1
+import json, os, statistics, sys
+import torch
+from config import parse_args
+
+work, runs = sys.argv[1], [run.split(":") for run in sys.argv[2:]]
+model = parse_args(["--config", "config.toml", "--model.size", "1b"]).model
+print(f"device {torch.cuda.get_device_name(0)} | torch {torch.__version__}")
+base = None
+for variant, seq in runs:
+    with open(os.path.join(work, variant, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f][2:]  # after the CUDA context and the allocator's growth
+    tokens = statistics.median(r["tokens_per_s_per_gpu"] for r in records)
+    step = statistics.median(r["step_time_s"] for r in records)
+    tflops = model.flops_per_token(int(seq)) * tokens / 1e12
+    base = base or (tokens, tflops)
+    print(f"{variant}: {tokens:,.0f} tokens/s/GPU | step {step:.3f} s | {tflops:.1f} TFLOP/s/GPU | peak "
+          f"{max(r['peak_mem_mib'] for r in records) / 1024:.1f} GiB | vs {runs[0][0]}: tokens/s x{tokens / base[0]:.2f},"
+          f" TFLOP/s x{tflops / base[1]:.2f} | {len(records)} timed steps")
+PY
+  fi
+  exit "$status"
+fi
 PROJECT="$WORK/llama-1b"
 "$PYTHON" -m fsdp2gen new "$PROJECT" --gpus "$NPROC" --bf16 --compile ${FLOAT8:+--float8} \
   --activation-checkpointing "$AC" --yes >/dev/null

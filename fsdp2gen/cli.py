@@ -659,6 +659,22 @@ def plan(
             show_default=False,
         ),
     ] = None,
+    cp: Annotated[
+        int | None,
+        typer.Option(
+            help="Context parallelism (llama): each of cp GPUs holds seq / cp tokens of every sample (ring "
+            "attention); parameters are sharded over dp_shard x cp. [default: 1, or the project's parallel.cp]",
+            show_default=False,
+        ),
+    ] = None,
+    cp_sweep: Annotated[
+        bool,
+        typer.Option(
+            "--cp-sweep",
+            help="Instead of one plan, a table of activations and total per GPU for seq 32768 to 262144 with cp 1, "
+            "2, 4 and 8 (those the GPUs allow): when a long sequence needs context parallelism.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -666,12 +682,21 @@ def plan(
     from fsdp2gen import plan as planner
 
     try:
+        if cp_sweep and (seq is not None or cp is not None):
+            raise planner.PlanError(
+                f"--cp-sweep plans seq 32768 to 262144 with cp 1 to 8 itself; drop {'--seq' if seq else '--cp'}"
+            )
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
-            **_given_answers(answers),
+            cp=cp, **_given_answers(answers),
         )  # fmt: skip
+        if cp_sweep:
+            plans = planner.cp_sweep(request)
     except planner.PlanError as error:
         fail(str(error))
+    if cp_sweep:
+        typer.echo(planner.format_cp_sweep_json(plans) if as_json else planner.format_cp_sweep(plans))
+        return
     result = planner.estimate(request)
     typer.echo(planner.format_json(result) if as_json else planner.format_text(result))
 

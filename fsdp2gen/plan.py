@@ -84,7 +84,7 @@ class PlanError(ValueError):
 # Upper bounds of the inputs: GPUs per node and nodes as the generator's copier.yml bounds them; the rest far
 # above any model or run there is, so that a typo (an extra digit or ten) is refused instead of planned, and
 # the per-layer arithmetic stays instant. Every input is at least 1.
-LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--batch": 2**16, "--seq": 2**24}
+LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--batch": 2**16, "--seq": 2**24}
 MODEL_LIMITS = {
     "dim": 2**17,
     "n_layers": 2**12,
@@ -150,9 +150,10 @@ def layout_module() -> ModuleType:
     return module
 
 
-def parallel_layout(world_size: int, tp: int) -> Any:
-    """The ParallelLayout of a project with parallel.tp = `tp` on `world_size` ranks, FSDP over the rest."""
-    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp)
+def parallel_layout(world_size: int, tp: int, cp: int = 1) -> Any:
+    """The ParallelLayout of a project with parallel.tp = `tp` (and parallel.cp = `cp`) on `world_size` ranks,
+    FSDP over the rest. A project without context parallelism has no parallel.cp: only cp > 1 names it."""
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp, **({"cp": cp} if cp > 1 else {}))
     return layout_module().ParallelLayout.of(parallel, world_size)
 
 
@@ -166,6 +167,7 @@ class PlanRequest:
     offload: bool = False
     ac: str = "none"
     tp: int = 1
+    cp: int = 1  # context parallelism: each rank of a cp group holds seq_len / cp tokens of every sample
     seq_len: int = 8192
     micro_batch: int | None = None  # samples per GPU per forward; None: from global_batch_size
     global_batch_size: int | None = None
@@ -180,16 +182,27 @@ class PlanRequest:
         return self.gpus * self.nodes
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks that read different samples (layout.py's data_ranks: dp_shard, without cp and tp)."""
+        return parallel_layout(self.world_size, self.tp, self.cp).data_ranks
+
+    @property
     def fsdp_ranks(self) -> int:
-        """The ranks a parameter is sharded over, and that read different samples (layout.py's data_ranks)."""
-        return parallel_layout(self.world_size, self.tp).data_ranks
+        """The ranks a parameter is sharded over: dp_shard x cp (FSDP over the flattened mesh, as torchtitan), so
+        for a fixed number of GPUs and tp the state per GPU does not change with cp."""
+        return self.data_ranks * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """The tokens of each sample one rank holds: seq_len / cp (2 x cp load-balanced chunks, 2 per rank)."""
+        return self.seq_len // self.cp
 
     @property
     def batch(self) -> int:
         if self.micro_batch is not None:
             return self.micro_batch
         if self.global_batch_size is not None:
-            return self.global_batch_size // (self.fsdp_ranks * (self.grad_accum_steps or 1))
+            return self.global_batch_size // (self.data_ranks * (self.grad_accum_steps or 1))
         return 1
 
     @property
@@ -361,6 +374,32 @@ def activation_bytes(
     return kept + recompute + head
 
 
+def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, cp: int = 1) -> int:
+    """Working memory of one block's ring attention under context parallelism (0 without: plain SDPA), at its
+    largest, in the block's backward while every other block's activations are held. `seq_len` is the whole
+    sample's; a rank holds seq_len / cp of its tokens, and this tp rank's heads (K/V: the kv heads, which the flash
+    kernel takes as they are under GQA).
+
+    torch 2.13's context_parallel rotates K/V with an all-gather by default (_ContextParallelOptions.rotate_method
+    ALL_GATHER; set_rotate_method("alltoall") would hold 2 chunks instead of cp). Its backward
+    (_templated_ring_attention_backward) gathers the whole sequence's K/V of the layer once; accumulates the
+    gradients of q, k and v in fp32 (convert_to_f32), passing the K/V gradients around the ring with all-to-all (the
+    one sent and the one received); the load balancing's partial updates copy the q accumulator and half of the
+    logsumexp. Per element of the rank's local q, K/V and logsumexp, the peak is exactly (measured with torch's
+    MemTracker on gloo ranks for bf16 and fp32, cp 2 and 4, grouped-query attention: tests/test_plan_cp.py; with
+    n_heads == n_kv_heads it peaks at another moment, a few % higher):
+    q: 2 fp32 + compute / 2; K/V: 4 compute + 2 fp32; the gathered K/V: cp x compute; logsumexp: fp32 / 2.
+    (The flash kernel's own workspace is not counted, as it is not without CP.)
+    """
+    if cp == 1:
+        return 0
+    local = batch * (seq_len // cp)
+    q = math.ceil(local * model.n_heads * model.head_dim / tp)
+    kv = 2 * math.ceil(local * model.n_kv_heads * model.head_dim / tp)  # K and V
+    lse = math.ceil(local * model.n_heads / tp)
+    return (2 * FP32 * q + compute * q // 2) + (4 * compute + 2 * FP32) * kv + compute * cp * kv + FP32 * lse // 2
+
+
 @dataclass
 class Lever:
     option: str
@@ -400,9 +439,12 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         "gradients": FP32 * trained,
         "optimizer_state": 2 * FP32 * trained + FP32 * len(trainable),
     }
+    # Under context parallelism every sequence-linear part (activations, the loss's tokens) is a rank's
+    # seq_len / cp tokens (local_seq_len); only the ring attention's gathered K/V spans the whole sequence.
+    seq, tp = request.local_seq_len, request.tp
     activations = {
-        mode: activation_bytes(model, request.batch, request.seq_len, compute, mode, request.tp, request.loss_chunks)
-        + family_activation_bytes(model, request.batch, request.seq_len, compute, mode)
+        mode: activation_bytes(model, request.batch, seq, compute, mode, tp, request.loss_chunks)
+        + family_activation_bytes(model, request.batch, seq, compute, mode)
         for mode in AC_MODES
     }
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
@@ -412,9 +454,8 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
     unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
-    per_gpu["loss_backward"] = loss_backward_bytes(
-        model, request.batch, request.seq_len, compute, request.tp, request.loss_chunks
-    )
+    per_gpu["ring_attention"] = ring_attention_bytes(model, request.batch, request.seq_len, compute, tp, request.cp)
+    per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
     per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
@@ -552,9 +593,11 @@ def _levers(plan: Plan) -> list[Lever]:
         if request.grad_sync != "every_micro_batch":
             smaller += " --grad-sync every_micro_batch"
         options.append((smaller, replace(every, micro_batch=request.batch // 2, grad_accum_steps=accum)))
+    if not isinstance(request.model, HfShape):
+        options += _cp_levers(plan)
     more = replace(request, nodes=request.nodes * 2)
     if request.micro_batch is None and request.global_batch_size is not None:
-        if request.global_batch_size % (more.fsdp_ranks * (request.grad_accum_steps or 1)):
+        if request.global_batch_size % (more.data_ranks * (request.grad_accum_steps or 1)):
             more = replace(more, micro_batch=request.batch)  # the global batch cannot be split further
     options.append((f"--nodes {more.nodes} ({more.world_size} GPUs)", more))
     levers = []
@@ -563,6 +606,29 @@ def _levers(plan: Plan) -> list[Lever]:
         if total < plan.per_gpu["total"]:
             levers.append(Lever(option, plan.per_gpu["total"] - total, total, total <= plan.usable_bytes))
     return sorted(levers, key=lambda lever: -lever.saves_bytes)
+
+
+def _cp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
+    """A larger context-parallel degree for a long sequence: the smallest that fits, else the largest the GPUs and
+    the sequence allow (a power of 2 times the current one, dividing the GPUs per tp group, that cp_refusal takes).
+    Fewer data ranks read more samples each: under a config's global batch, grad_accum_steps grows by as much, so
+    that each forward keeps the same micro-batch."""
+    request, found = plan.request, []
+    cp = request.cp * 2
+    while request.world_size % (cp * request.tp) == 0 and not cp_refusal(
+        request.seq_len, cp, request.tp, request.loss_chunks
+    ):
+        factor = cp // request.cp
+        changed = replace(request, cp=cp)
+        label = f"--cp {cp}"
+        if request.micro_batch is None and request.global_batch_size is not None:
+            changed = replace(changed, grad_accum_steps=request.grad_accum_steps * factor)
+            label += f" ({factor}x the grad_accum_steps)"
+        found.append((label, changed))
+        if estimate(changed, with_levers=False).fits:
+            break
+        cp *= 2
+    return found[-1:]
 
 
 # The end of a message about a value in a project's config.toml.
@@ -673,12 +739,18 @@ def _read_answers(answers_file: Path) -> dict[str, Any]:
 def _project_tp(path: Path, answers: dict[str, Any]) -> int:
     """The tensor-parallel degree a project runs with: config.toml's parallel.tp, else the one it was generated
     with (.copier-answers.yml), else 1."""
+    return _project_parallel(path, answers, "tp")
+
+
+def _project_parallel(path: Path, answers: dict[str, Any], name: str) -> int:
+    """A degree a project runs with (tp, cp): config.toml's parallel.<name>, else the one it was generated with
+    (.copier-answers.yml), else 1."""
     with path.open("rb") as f:
         parallel = tomllib.load(f).get("parallel", {})
-    tp = parallel.get("tp", answers.get("tp", 1)) if isinstance(parallel, dict) else 1
-    if type(tp) is not int or tp < 1:
-        raise PlanError(f"{path}: parallel.tp must be a positive int, got {tp!r}; {FIX_CONFIG}")
-    return tp
+    degree = parallel.get(name, answers.get(name, 1)) if isinstance(parallel, dict) else 1
+    if type(degree) is not int or degree < 1:
+        raise PlanError(f"{path}: parallel.{name} must be a positive int, got {degree!r}; {FIX_CONFIG}")
+    return degree
 
 
 def build_request(
@@ -696,13 +768,15 @@ def build_request(
     gpu_type: str = "h100-80gb",
     grad_sync: str | None = None,
     hf_config: Path | None = None,
+    cp: int | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project or of --size, with the options given overriding them."""
     sources = [flag for flag, value in (("--size", size), ("--config", config), ("--hf-config", hf_config)) if value]
     if len(sources) > 1:
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
-    for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--batch", batch), ("--seq", seq)):
+    numbers = (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--cp", cp), ("--batch", batch), ("--seq", seq))
+    for name, value in numbers:
         _positive(name, value, LIMITS[name])
     ac = activation_checkpointing or "none"
     if ac not in AC_MODES:
@@ -714,17 +788,19 @@ def build_request(
     if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
     if config is not None:
-        request = _project_request(config, tp, seq)
+        request = _project_request(config, tp, seq, cp)
     elif size is not None:
         request = _size_request(size, seq)
     elif hf_config is not None:
         request = _hf_request(hf_config, seq)
+        if cp is not None and cp > 1:
+            raise PlanError(f"--cp {cp}: context parallelism is built in for family llama only; use --cp 1")
     else:
         raise PlanError(
             f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config "
             "PATH/config.json"
         )
-    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "micro_batch": batch}
+    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
     _check_request(request, config)
@@ -736,14 +812,24 @@ def _default(name: str, answers: dict[str, Any]) -> Any:
     return answers.get(name, questions()[name].default)
 
 
-def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
+def _project_request(config: Path, tp: int | None, seq: int | None, cp: int | None = None) -> PlanRequest:
     """The model, batch and setup of a generated project's config.toml and recorded answers."""
     family = _read_answers(config.parent / ".copier-answers.yml").get("family", "llama")
     if family == "hf":
+        if cp is not None and cp > 1:
+            raise PlanError(f"--cp {cp}: context parallelism is built in for family llama only; use --cp 1")
         return _hf_project_request(config, tp, seq)
     if family != "llama":
         raise PlanError(f"family {family}: only llama and hf are planned; plan a llama of similar shape with --size")
     model_keys, training, answers = _read_config(config)
+    cp = cp or _project_parallel(config, answers, "cp")
+    data = _read_toml(config).get("data", {})
+    if cp > 1 and isinstance(data, dict) and data.get("document_mask") is True:
+        # As the project's preflight (context_parallel.py) refuses it.
+        raise PlanError(
+            f"{config}: cp {cp} cannot mask documents (ring attention is causal over the whole sequence); set "
+            "data.document_mask = false there, or plan with --cp 1"
+        )
     return PlanRequest(
         model=shape_of(model_keys),
         label=str(config),
@@ -751,6 +837,7 @@ def _project_request(config: Path, tp: int | None, seq: int | None) -> PlanReque
         nodes=_default("nodes", answers),
         precision=str(_default("precision", answers)),
         tp=tp or _project_tp(config, answers),
+        cp=cp,
         seq_len=seq or training["seq_len"],
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
@@ -859,12 +946,13 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
     # layout.py's checks, as preflight.py runs them, worded with plan's options.
-    layout = parallel_layout(request.world_size, tp)
+    cp = request.cp
+    layout = parallel_layout(request.world_size, tp, cp)
     training = SimpleNamespace(
         seq_len=seq_len, global_batch_size=request.global_batch_size, grad_accum_steps=request.grad_accum_steps
     )
     try:
-        if layout.tp != tp:  # one rank has no mesh (layout.py gives it tp 1): tp > 1 needs as many GPUs
+        if layout.tp != tp or layout.cp != cp:  # one rank has no mesh (layout.py gives it tp 1, cp 1)
             raise layout_module().LayoutError("", "ranks")
         layout.check_product()
         layout.check_tensor_parallel(training, model)
@@ -872,20 +960,51 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
             layout.check_batch(training)
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
+    refusal = cp_refusal(seq_len, cp, tp, request.loss_chunks)
+    if refusal:
+        raise PlanError(refusal)
+
+
+def cp_refusal(seq_len: int, cp: int, tp: int, loss_chunks: int) -> str | None:
+    """The line a project's preflight (layout.py) refuses a context-parallel sequence length with, worded with plan's
+    options, or None. torch's load balancing cuts each sample into 2 x cp pieces and tp's sequence parallelism
+    splits them again (otherwise the balancing is silently off); the chunked loss splits each rank's seq_len / cp
+    tokens into training.loss_chunks."""
+    if cp == 1:
+        return None
+    pieces = 2 * cp * tp
+    step = math.lcm(pieces, cp * loss_chunks)  # a length that passes both checks, as the suggestion
+    fitting = max(step, seq_len // step * step)
+    if seq_len % pieces:
+        return (
+            f"--cp {cp}: the sequence length ({seq_len}) must be divisible by 2 x cp x tp ({pieces}); e.g. --seq "
+            f"{fitting}"
+        )
+    if seq_len // cp % loss_chunks:
+        return (
+            f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens each "
+            f"context-parallel rank holds (seq / cp); e.g. --seq {fitting}"
+        )
+    return None
 
 
 def _plan_wording(problem: str, request: PlanRequest) -> str:
     """layout.py's `problem` with plan's options as the fix."""
-    model, tp = request.model, request.tp
+    model, tp, cp = request.model, request.tp, request.cp
+    ranks = f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor"
+    if cp > 1:  # the degrees that split each sample's tokens (cp, and tp when there is one) must divide the GPUs
+        named = f"--cp {cp}" if tp == 1 else f"--cp {cp} x --tp {tp}"
+        fix = "a divisor" if tp == 1 else "degrees whose product divides it"
+        ranks = f"{named} does not divide {request.world_size} GPUs; choose {fix}"
     return {
-        "ranks": f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor",
+        "ranks": ranks,
         # n_heads is a multiple of n_kv_heads (checked above): tp divides both when it divides n_kv_heads.
         "tp_shape": f"--tp {tp} must divide n_kv_heads ({model.n_kv_heads}) and ffn_dim ({model.ffn_dim}); choose a "
         "--tp that divides both",
         # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
         "tp_seq_len": f"--tp {tp} must divide the sequence length ({request.seq_len}); change --seq or --tp",
         "batch": f"training.global_batch_size ({request.global_batch_size}) is not divisible by "
-        f"{request.fsdp_ranks} data-parallel ranks x grad_accum_steps ({request.grad_accum_steps}); change the "
+        f"{request.data_ranks} data-parallel ranks x grad_accum_steps ({request.grad_accum_steps}); change the "
         "config or pass --batch",
     }[problem]
 
@@ -905,6 +1024,7 @@ ROWS = {
     "model_buffers": "model buffers (rotary tables)",
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
     "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
+    "ring_attention": "ring attention (whole-sequence K/V, fp32 grads)",
     "loss_backward": "loss backward (fp32 logit gradients)",
 }
 
@@ -928,8 +1048,10 @@ def format_text(plan: Plan) -> str:
     lines = [
         f"{request.label}: {plan.parameters / 1e9:.2f}B parameters, {model.n_layers} blocks, dim {model.dim}",
         f"{request.gpus} GPU(s) x {request.nodes} node(s), FSDP over {request.fsdp_ranks} ranks"
+        + (f" (dp_shard {request.data_ranks} x cp {request.cp})" if request.cp > 1 else "")
         + (f" x TP {request.tp}" if request.tp > 1 else "")
-        + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens per GPU"
+        + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens"
+        + (f" (seq / cp = {request.local_seq_len} per GPU)" if request.cp > 1 else " per GPU")
         + (", state offloaded to CPU" if request.offload else ""),
         _sync_line(request),
         *family_lines(plan),
@@ -942,6 +1064,8 @@ def format_text(plan: Plan) -> str:
             label += " [CPU]"
         if key == "deferred_gradients" and not request.defers_gradients:
             continue  # every_micro_batch or no accumulation: the gradients stay sharded
+        if key == "ring_attention" and request.cp == 1:
+            continue  # no context parallelism: plain SDPA
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         lines.append(f"{label:<48}{_size(value):>12}")
@@ -1009,6 +1133,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "world_size": request.world_size,
             "fsdp_ranks": request.fsdp_ranks,
             "tp": request.tp,
+            "cp": request.cp,
             "precision": request.precision,
             "offload": request.offload,
             "ac": request.ac,
@@ -1031,3 +1156,58 @@ def to_json(plan: Plan) -> dict[str, Any]:
 
 def format_json(plan: Plan) -> str:
     return json.dumps(to_json(plan), indent=2)
+
+
+# `plan --cp-sweep`: the sequence lengths (32k to 256k tokens) and context-parallel degrees it tabulates.
+SWEEP_SEQ_LENS = (32768, 65536, 131072, 262144)
+SWEEP_CPS = (1, 2, 4, 8)
+
+
+def cp_sweep(request: PlanRequest) -> list[Plan]:
+    """The plan of `request` at every sequence length of SWEEP_SEQ_LENS with every cp of SWEEP_CPS that the GPUs
+    allow (cp x tp dividing them) and the project takes (cp_refusal), each forward keeping the request's micro-batch
+    of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
+    if isinstance(request.model, HfShape):
+        raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
+    plans = []
+    for seq_len in SWEEP_SEQ_LENS:
+        for cp in SWEEP_CPS:
+            if request.world_size % (cp * request.tp) or cp_refusal(seq_len, cp, request.tp, request.loss_chunks):
+                continue
+            model = replace(request.model, max_seq_len=max(request.model.max_seq_len, seq_len))
+            changed = replace(request, model=model, seq_len=seq_len, cp=cp, micro_batch=request.batch)
+            plans.append(estimate(changed, with_levers=False))
+    return plans
+
+
+def format_cp_sweep(plans: list[Plan]) -> str:
+    """cp_sweep's plans as a table: a row per sequence length, a column per cp, each cell the activations and the
+    total per GPU in GiB, marked where it does not fit."""
+    request = plans[0].request
+    cps = sorted({plan.request.cp for plan in plans})
+    cells = {(plan.request.seq_len, plan.request.cp): plan for plan in plans}
+    ac = {"none": "no AC", "selective": "selective AC (op-level)", "layer": "layer AC", "full": "full AC"}[request.ac]
+    lines = [
+        f"{request.label}: {request.gpus} GPU(s) x {request.nodes} node(s)"
+        + (f", TP {request.tp}" if request.tp > 1 else "")
+        + f", {request.precision}, {ac}, micro-batch {request.batch}, {request.gpu}",
+        "per GPU: activations / total in GiB (total: the step's peak, state and ring attention included); "
+        f"* does not fit ({_size(plans[0].usable_bytes)} usable)",
+        "",
+        f"{'seq_len':>8}" + "".join(f"{'cp ' + str(cp):>16}" for cp in cps),
+    ]
+    for seq_len in sorted({plan.request.seq_len for plan in plans}):
+        row = f"{seq_len:>8}"
+        for cp in cps:
+            plan = cells.get((seq_len, cp))
+            if plan is None:
+                row += f"{'-':>16}"
+                continue
+            mark = "" if plan.fits else "*"
+            row += f"{plan.activations[request.ac] / GIB:.1f} / {plan.per_gpu['total'] / GIB:.1f}{mark}".rjust(16)
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def format_cp_sweep_json(plans: list[Plan]) -> str:
+    return json.dumps([to_json(plan) for plan in plans], indent=2)

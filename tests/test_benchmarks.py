@@ -75,6 +75,38 @@ def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
         assert re.search(line, out, flags=re.M), (variant, out)
 
 
+def test_gpu_script_long_context_plans_its_runs_and_refuses_cpu() -> None:
+    # The long-context runs need 2+ CUDA GPUs (context parallelism has no CPU attention kernel): on CPU the script
+    # prints the runs `fsdp2gen plan` chose, and refuses to train. SEQ is checked against the plan itself here.
+    from fsdp2gen.plan import GIB, build_request, estimate
+
+    def plan(seq: int, cp: int, gpus: int):
+        request = build_request(size="1b", gpus=gpus, precision="bf16", seq=seq, cp=cp, batch=1)
+        return estimate(request, with_levers=False)
+
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "GPU_TYPE": "h100-80gb"}
+    for gpus in (2, 8):
+        script = ("bash", "benchmarks/gpu.sh", "--long-context", "--plan-only")
+        out = run_benchmark(*script, env={**env, "GPUS": str(gpus)})
+        seq = int(re.search(r"cp 1 fits seq (\d+) at most", out).group(1))
+        # The longest power of 2 that cp 1 fits; twice as long needs cp 2, which fits.
+        assert seq & (seq - 1) == 0 and plan(seq, 1, gpus).fits and not plan(2 * seq, 1, gpus).fits
+        assert plan(2 * seq, 2, gpus).fits
+        totals = [f"{plan(s, cp, gpus).per_gpu['total'] / GIB:.1f}" for s, cp in ((seq, 1), (seq, 2), (2 * seq, 2))]
+        assert out.splitlines()[1] == (
+            f"runs: cp1-seq{seq} (plan {totals[0]} GiB), cp2-seq{seq} (plan {totals[1]} GiB), cp2-seq{2 * seq} (plan "
+            f"{totals[2]} GiB)"
+        )
+    for gpus, extra, message in (
+        ("2", ["--device", "cpu"], "--long-context needs CUDA GPUs (context parallelism has no CPU attention kernel); "
+                                   "drop --device cpu, or add --plan-only"),
+        ("3", ["--plan-only"], "--long-context runs cp 2 on GPUS=3; set GPUS to an even number, 2 or more"),
+    ):  # fmt: skip
+        result = subprocess.run(["bash", "benchmarks/gpu.sh", "--long-context", *extra], cwd=REPO, capture_output=True,
+                                text=True, timeout=60, env={**env, "GPUS": gpus})  # fmt: skip
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", f"benchmarks/gpu.sh: {message}\n")
+
+
 def test_checkpoint_benchmark_runs_and_reports_the_ratio() -> None:
     out = run_benchmark(sys.executable, "benchmarks/checkpoint.py", "--tiny")
     assert re.search(r"^world size 2 \(gloo, CPU, 1 thread\(s\) per rank\), [\d.]+M parameters", out, flags=re.M), out

@@ -444,6 +444,7 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "world_size": 16,
         "fsdp_ranks": 16,
         "tp": 1,
+        "cp": 1,
         "precision": "bf16",
         "offload": False,
         "ac": "none",
