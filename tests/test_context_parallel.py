@@ -118,8 +118,12 @@ def test_the_rotary_positions_of_a_ranks_pieces_matter(project: Path, one_proces
     assert source.count("yield inputs, targets, positions\n") == 1
     mutation = source.replace("yield inputs, targets, positions\n", "yield inputs, targets, None\n")
     (mutated / "context_parallel.py").write_text(mutation)
-    ran(train(mutated, tmp_path / "out", "--training.steps", "1", nproc=4))
-    assert abs(numbers(tmp_path / "out")[1]["loss"] - one_process[1]["loss"]) > 1e-3
+    ran(train(mutated, tmp_path / "out", nproc=4))
+    got = numbers(tmp_path / "out")
+    # Far outside the tolerance (measured: 1.3e-5 at step 1, the model still nearly blind to order, 1.8e-2 in
+    # step 3's gradient norm).
+    differences = [abs(got[step][key] - value) for step, row in one_process.items() for key, value in row.items()]
+    assert max(differences) > 100 * TOLERANCE, differences
 
 
 REFUSALS = {
