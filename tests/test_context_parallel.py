@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp2gen.plan import layout_module
-from tests.conftest import HELPERS, TINY, fsdp2gen, generate, metrics, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, torchrun_env
 
 SHIM = HELPERS / "cp_cpu_shim"
 # 4 steps of 2 micro-batches per rank, validation after steps 2 and 4, checkpoints at steps 2 and 4.
@@ -163,23 +163,7 @@ def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_pat
     assert lines == ["train.py: error: " + REFUSALS["cpu"][2]], result.stderr[-2000:]
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (
-            ("--family", "custom", "--cp", "2"),
-            "--cp: context parallelism is built in for --family llama only; use --cp 1",
-        ),
-        (("--gpus", "4", "--cp", "3"), "--cp: 3 must divide the 4 GPUs, e.g. --cp 2"),
-        (("--gpus", "4", "--tp", "4", "--cp", "2"), "--cp: 2 x --tp 4 must divide the 4 GPUs, e.g. --cp 1"),
-        (("--gpus", "4", "--nodes", "2", "--cp", "3"), "--cp: 3 must divide the 8 GPUs (2 nodes x 4), e.g. --cp 2"),
-        (("--cp", "0"), "--cp: must be at least 1, e.g. --cp 2"),
-    ],
-)
-def test_the_generator_refuses_a_cp_it_cannot_lay_out(options: tuple[str, ...], message: str, tmp_path: Path) -> None:
-    result = fsdp2gen("new", str(tmp_path / "p"), "--yes", *options)
-    assert (result.returncode, result.stderr) == (2, f"fsdp2gen: error: {message}\n")
-    assert not (tmp_path / "p").exists()
+# The generator's refusals of --cp (family, GPUs it cannot divide) are cases of test_bad_input_generator.py.
 
 
 def test_cp_exists_only_in_projects_generated_with_it(project: Path, tmp_path: Path) -> None:
