@@ -108,6 +108,12 @@ def test_cp2_x_tp2_on_4_ranks_equals_one_process(one_process: dict, tmp_path: Pa
     assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
 
 
+def test_hsdp_2_x_cp2_on_4_ranks_equals_one_process(project: Path, one_process: dict, tmp_path: Path) -> None:
+    # Two replicas, each sharding over its dp_shard x cp = 1 x 2 ranks: FSDP's mesh is (dp_replicate, dp_shard_cp).
+    ran(train(project, tmp_path / "out", "--training.steps", "2", "--parallel.dp_replicate", "2", nproc=4))
+    assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
+
+
 def test_the_rotary_positions_of_a_ranks_pieces_matter(project: Path, one_process: dict, tmp_path: Path) -> None:
     # The equality above is not blind to positions: each rank holds an early and a late piece of every sequence
     # (load balancing), and a model that numbers them 0..seq_len/cp-1, as if they were the sequence's start, does
