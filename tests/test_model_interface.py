@@ -48,8 +48,7 @@ document_ids: 'torch.Tensor | None' = None, reduction: 'str' = 'mean', chunks: '
 """
 # Issue 27's interface (positions, document_ids) is llama's on this branch (context parallelism); the branch that
 # adds document masking gives it to every family. Until they merge, the other families keep the old signature.
-BEFORE_ISSUE_27 = ("positions: 'torch.Tensor | None' = None, \
-document_ids: 'torch.Tensor | None' = None, ", "")
+BEFORE_ISSUE_27 = ("positions: 'torch.Tensor | None' = None, document_ids: 'torch.Tensor | None' = None, ", "")
 
 
 @pytest.fixture(scope="module")
