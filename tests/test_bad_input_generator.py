@@ -260,6 +260,23 @@ CASES = [
         (*NEW, "--family", "custom", "--tp", "2"),
         "--tp: tensor parallelism is built in for --family llama only; use --tp 1",
     ),
+    Case("cp-zero", (*NEW, "--cp", "0"), "--cp: must be at least 1, e.g. --cp 2"),
+    Case("cp-not-a-divisor", (*NEW, "--cp", "3"), "--cp: 3 must divide the 8 GPUs, e.g. --cp 2"),
+    Case(
+        "cp-times-tp-not-a-divisor",
+        (*NEW, "--gpus", "4", "--tp", "4", "--cp", "2"),
+        "--cp: 2 x --tp 4 must divide the 4 GPUs, e.g. --cp 1",
+    ),
+    Case(
+        "cp-spans-nodes-not-a-divisor",
+        (*NEW, "--gpus", "4", "--nodes", "2", "--cp", "3"),
+        "--cp: 3 must divide the 8 GPUs (2 nodes x 4), e.g. --cp 2",
+    ),
+    Case(
+        "cp-family-custom",
+        (*NEW, "--family", "custom", "--cp", "2"),
+        "--cp: context parallelism is built in for --family llama only; use --cp 1",
+    ),
     Case(
         "reshard-zero",
         (*NEW, "--reshard-after-forward", "0"),
@@ -1052,7 +1069,9 @@ def _suggestion(message: str) -> tuple[str, str] | None:
 SUGGESTING = [
     {"gpus": 0}, {"gpus": 65}, {"nodes": 0}, {"nodes": 20000}, {"tp": 0}, {"tp": 3}, {"gpus": 6, "tp": 4},
     {"gpus": 6, "tp": 128}, {"gpus": 3, "tp": 2}, {"gpus": 1, "tp": 2}, {"family": "custom", "tp": 2},
-    {"float8": True, "tp": 2}, {"reshard_after_forward": "0"}, {"reshard_after_forward": "1"},
+    {"cp": 0}, {"cp": 3}, {"gpus": 4, "tp": 4, "cp": 2}, {"gpus": 4, "nodes": 3, "tp": 2, "cp": 5},
+    {"family": "custom", "cp": 2}, {"float8": True, "tp": 2}, {"reshard_after_forward": "0"},
+    {"reshard_after_forward": "1"},
     {"reshard_after_forward": "3"}, {"reshard_after_forward": "True"}, {"reshard_after_forward": "9" * 50},
     {"gpus": 1, "nodes": 2, "reshard_after_forward": "4"}, {"gpus": 1, "nodes": 1, "reshard_after_forward": "yes"},
     {"gpus": 1, "nodes": 3, "reshard_after_forward": "2"}, {"gpus": 6, "nodes": 5, "reshard_after_forward": "4"},

@@ -20,6 +20,7 @@ EXAMPLES = REPO / "generated_examples"
 # The parallelism and performance options at their defaults, for goldens that leave them so.
 DEFAULT_OPTIONS = {
     "tp": 1,
+    "cp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
     "compile": False,
@@ -103,6 +104,17 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
         "tp": 2,
+    },
+    # Long sequences: each one split over 2 GPUs (context parallelism), FSDP over all 8 (dp_shard 4 x cp 2).
+    "llama-8gpu-bf16-cp2": {
+        "family": "llama",
+        "gpus": 8,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "cp": 2,
     },
     "llama-4gpu-bf16-full-offload": {
         "family": "llama",
