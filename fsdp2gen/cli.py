@@ -626,6 +626,41 @@ def _size_names() -> str:
     return f"{', '.join(names)} or {last}"
 
 
+# `plan`'s options with long help, named here so that plan's signature stays one line an option.
+HfConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="A Hugging Face model's config.json, or its folder (Llama, Qwen2, Qwen3, Mistral), without a project.",
+        show_default=False,
+    ),
+]
+GradSyncOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Gradient accumulation: every_micro_batch (reduce-scatter each micro-batch, sharded gradients) or "
+        "last_micro_batch (the whole model's unsharded gradients on every GPU). [default: every_micro_batch, "
+        "or the project's training.grad_sync]",
+        show_default=False,
+    ),
+]
+CpOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Context parallelism (llama): each of cp GPUs holds seq / cp tokens of every sample (ring "
+        "attention); parameters are sharded over dp_shard x cp. [default: 1, or the project's parallel.cp]",
+        show_default=False,
+    ),
+]
+CpSweepOption = Annotated[
+    bool,
+    typer.Option(
+        "--cp-sweep",
+        help="Instead of one plan, a table of activations and total per GPU for seq 32768 to 262144 with cp 1, "
+        "2, 4 and 8 (those the GPUs allow): when a long sequence needs context parallelism.",
+    ),
+]
+
+
 @app.command()
 @answer_options(PLAN_OPTIONS)
 def plan(
@@ -638,13 +673,7 @@ def plan(
         Path | None,
         typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
     ] = None,
-    hf_config: Annotated[
-        Path | None,
-        typer.Option(
-            help="A Hugging Face model's config.json, or its folder (Llama, Qwen2, Qwen3, Mistral), without a project.",
-            show_default=False,
-        ),
-    ] = None,
+    hf_config: HfConfigOption = None,
     batch: Annotated[
         int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
     ] = None,
@@ -652,31 +681,9 @@ def plan(
         int | None, typer.Option(help="Sequence length. [default: the size's max_seq_len, or the project's]")
     ] = None,
     gpu_type: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
-    grad_sync: Annotated[
-        str | None,
-        typer.Option(
-            help="Gradient accumulation: every_micro_batch (reduce-scatter each micro-batch, sharded gradients) or "
-            "last_micro_batch (the whole model's unsharded gradients on every GPU). [default: every_micro_batch, "
-            "or the project's training.grad_sync]",
-            show_default=False,
-        ),
-    ] = None,
-    cp: Annotated[
-        int | None,
-        typer.Option(
-            help="Context parallelism (llama): each of cp GPUs holds seq / cp tokens of every sample (ring "
-            "attention); parameters are sharded over dp_shard x cp. [default: 1, or the project's parallel.cp]",
-            show_default=False,
-        ),
-    ] = None,
-    cp_sweep: Annotated[
-        bool,
-        typer.Option(
-            "--cp-sweep",
-            help="Instead of one plan, a table of activations and total per GPU for seq 32768 to 262144 with cp 1, "
-            "2, 4 and 8 (those the GPUs allow): when a long sequence needs context parallelism.",
-        ),
-    ] = False,
+    grad_sync: GradSyncOption = None,
+    cp: CpOption = None,
+    cp_sweep: CpSweepOption = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:

@@ -442,11 +442,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # Under context parallelism every sequence-linear part (activations, the loss's tokens) is a rank's
     # seq_len / cp tokens (local_seq_len); only the ring attention's gathered K/V spans the whole sequence.
     seq, tp = request.local_seq_len, request.tp
-    activations = {
-        mode: activation_bytes(model, request.batch, seq, compute, mode, tp, request.loss_chunks)
-        + family_activation_bytes(model, request.batch, seq, compute, mode)
-        for mode in AC_MODES
-    }
+    activations = _activations_by_mode(request, compute)
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
     per_gpu |= family_buffers(request, shapes, compute, trainable) | {"activations": activations[request.ac]}
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
@@ -475,6 +471,17 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     if with_levers and not plan.fits:
         plan.levers = _levers(plan)
     return plan
+
+
+def _activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
+    """Each AC mode's activations per GPU (the plan shows them all, whichever is used), of a rank's local_seq_len
+    tokens."""
+    model, seq = request.model, request.local_seq_len
+    return {
+        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks)
+        + family_activation_bytes(model, request.batch, seq, compute, mode)
+        for mode in AC_MODES
+    }
 
 
 def _peak(
@@ -775,10 +782,23 @@ def build_request(
     sources = [flag for flag, value in (("--size", size), ("--config", config), ("--hf-config", hf_config)) if value]
     if len(sources) > 1:
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
-    numbers = (("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--cp", cp), ("--batch", batch), ("--seq", seq))
-    for name, value in numbers:
-        _positive(name, value, LIMITS[name])
+    numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--batch": batch, "--seq": seq}
     ac = activation_checkpointing or "none"
+    _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
+    request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
+    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "micro_batch": batch}
+    given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
+    request = replace(request, **{name: value for name, value in given.items() if value is not None})
+    _check_request(request, config)
+    return request
+
+
+def _check_options(
+    numbers: dict[str, int | None], *, ac: str, gpu_type: str, precision: str | None, grad_sync: str | None
+) -> None:
+    """The options' own checks, before any file is read: counts in range, names among the choices."""
+    for name, value in numbers.items():
+        _positive(name, value, LIMITS[name])
     if ac not in AC_MODES:
         raise PlanError(f"--activation-checkpointing {ac}: choose one of {', '.join(AC_MODES)}")
     if gpu_type not in GPUS:
@@ -787,24 +807,24 @@ def build_request(
         raise PlanError(f"--precision {precision}: choose one of {', '.join(COMPUTE_BYTES)}")
     if grad_sync is not None and grad_sync not in GRAD_SYNC_MODES:
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
+
+
+def _model_request(
+    *, size: str | None, config: Path | None, hf_config: Path | None, tp: int | None, seq: int | None, cp: int | None
+) -> PlanRequest:
+    """The request of the one model source given (--config, --size or --hf-config), before the options override it."""
     if config is not None:
-        request = _project_request(config, tp, seq, cp)
-    elif size is not None:
-        request = _size_request(size, seq)
-    elif hf_config is not None:
+        return _project_request(config, tp, seq, cp)
+    if size is not None:
+        return _size_request(size, seq)
+    if hf_config is not None:
         request = _hf_request(hf_config, seq)
         if cp is not None and cp > 1:
             raise PlanError(f"--cp {cp}: context parallelism is built in for family llama only; use --cp 1")
-    else:
-        raise PlanError(
-            f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config "
-            "PATH/config.json"
-        )
-    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "micro_batch": batch}
-    given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
-    request = replace(request, **{name: value for name, value in given.items() if value is not None})
-    _check_request(request, config)
-    return request
+        return request
+    raise PlanError(
+        f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config PATH/config.json"
+    )
 
 
 def _default(name: str, answers: dict[str, Any]) -> Any:
@@ -1044,20 +1064,41 @@ def _sync_line(request: PlanRequest) -> str:
 
 def format_text(plan: Plan) -> str:
     request, model = plan.request, plan.request.model
-    compute = {"fp32": "fp32", "bf16": "bf16 compute", "fp16": "fp16 compute"}[request.precision]
     lines = [
         f"{request.label}: {plan.parameters / 1e9:.2f}B parameters, {model.n_layers} blocks, dim {model.dim}",
+        _setup_line(request),
+        _sync_line(request),
+        *family_lines(plan),
+        "",
+        f"{'per GPU':<48}{'memory':>12}",
+        *_memory_rows(plan),
+        *_activation_rows(plan),
+        f"{'total':<48}{_size(plan.per_gpu['total']):>12}",
+        f"{'reserved by the CUDA caching allocator':<48}{_size(plan.reserved):>12}",
+    ]
+    if request.offload:
+        lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
+    lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
+    lines += _verdict_lines(plan)
+    return "\n".join(lines)
+
+
+def _setup_line(request: PlanRequest) -> str:
+    """The GPUs, how they shard the model (FSDP, cp, TP), the precision and each GPU's tokens."""
+    compute = {"fp32": "fp32", "bf16": "bf16 compute", "fp16": "fp16 compute"}[request.precision]
+    return (
         f"{request.gpus} GPU(s) x {request.nodes} node(s), FSDP over {request.fsdp_ranks} ranks"
         + (f" (dp_shard {request.data_ranks} x cp {request.cp})" if request.cp > 1 else "")
         + (f" x TP {request.tp}" if request.tp > 1 else "")
         + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens"
         + (f" (seq / cp = {request.local_seq_len} per GPU)" if request.cp > 1 else " per GPU")
-        + (", state offloaded to CPU" if request.offload else ""),
-        _sync_line(request),
-        *family_lines(plan),
-        "",
-        f"{'per GPU':<48}{'memory':>12}",
-    ]
+        + (", state offloaded to CPU" if request.offload else "")
+    )
+
+
+def _memory_rows(plan: Plan) -> list[str]:
+    """A row per ROWS entry that this setup has, marked where it lives on the CPU or peaks after backward."""
+    request, rows = plan.request, []
     for key, label in ROWS.items():
         value = plan.per_gpu[key]
         if request.offload and key in ("parameters", "gradients", "optimizer_state"):
@@ -1068,24 +1109,31 @@ def format_text(plan: Plan) -> str:
             continue  # no context parallelism: plain SDPA
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
-        lines.append(f"{label:<48}{_size(value):>12}")
+        rows.append(f"{label:<48}{_size(value):>12}")
+    return rows
+
+
+def _activation_rows(plan: Plan) -> list[str]:
+    """The activations under every AC mode, so the plan compares them; the one planned is marked (used)."""
     labels = (
         ("none", "no AC"),
         ("selective", "selective AC (op-level)"),
         ("layer", "layer AC (every 2nd)"),
         ("full", "full AC"),
     )
+    rows = []
     for mode, label in labels:
-        used = " (used)" if mode == request.ac else ""
-        lines.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
-    lines.append(f"{'total':<48}{_size(plan.per_gpu['total']):>12}")
-    lines.append(f"{'reserved by the CUDA caching allocator':<48}{_size(plan.reserved):>12}")
-    if request.offload:
-        lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
-    lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
+        used = " (used)" if mode == plan.request.ac else ""
+        rows.append(f"{'activations, ' + label + used:<48}{_size(plan.activations[mode]):>12}")
+    return rows
+
+
+def _verdict_lines(plan: Plan) -> list[str]:
+    """Whether the total fits the GPU, then the levers that would save the most, largest first."""
+    request = plan.request
     gpu = GPUS[request.gpu]
     verdict = "fits" if plan.fits else f"does NOT fit (short by {_size(plan.per_gpu['total'] - plan.usable_bytes)})"
-    lines.append(f"{request.gpu}: {_size(plan.usable_bytes)} usable of {_size(gpu.memory_bytes)}: {verdict}")
+    lines = [f"{request.gpu}: {_size(plan.usable_bytes)} usable of {_size(gpu.memory_bytes)}: {verdict}"]
     if plan.levers:
         best = plan.levers[0]
         outcome = "fits" if best.fits else "still does not fit"
@@ -1094,7 +1142,7 @@ def format_text(plan: Plan) -> str:
         )
         for lever in plan.levers[1:]:
             lines.append(f"  other lever: {lever.option} saves {_size(lever.saves_bytes)}")
-    return "\n".join(lines)
+    return lines
 
 
 def family_lines(plan: Plan) -> list[str]:

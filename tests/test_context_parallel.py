@@ -121,8 +121,8 @@ def test_the_rotary_positions_of_a_ranks_pieces_matter(project: Path, one_proces
     mutated = tmp_path / "mutated"
     shutil.copytree(project, mutated)
     source = (mutated / "context_parallel.py").read_text()
-    assert source.count("yield inputs, targets, positions\n") == 1
-    mutation = source.replace("yield inputs, targets, positions\n", "yield inputs, targets, None\n")
+    assert source.count("yield MicroBatch(inputs, targets, positions)\n") == 1
+    mutation = source.replace("yield MicroBatch(inputs, targets, positions)\n", "yield MicroBatch(inputs, targets)\n")
     (mutated / "context_parallel.py").write_text(mutation)
     ran(train(mutated, tmp_path / "out", nproc=4))
     got = numbers(tmp_path / "out")

@@ -46,9 +46,6 @@ output_logits (output: '{output}') -> 'torch.Tensor'
 loss (model: 'Model', tokens: 'torch.Tensor', targets: 'torch.Tensor', positions: 'torch.Tensor | None' = None, \
 document_ids: 'torch.Tensor | None' = None, reduction: 'str' = 'mean', chunks: 'int' = 1) -> 'torch.Tensor'
 """
-# Issue 27's interface (positions, document_ids) is llama's on this branch (context parallelism); the branch that
-# adds document masking gives it to every family. Until they merge, the other families keep the old signature.
-BEFORE_ISSUE_27 = ("positions: 'torch.Tensor | None' = None, document_ids: 'torch.Tensor | None' = None, ", "")
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +71,6 @@ def test_model_py_exports_the_interface(rendered: dict[str, Path], family: str) 
     # An hf model returns transformers' CausalLMOutputWithPast; the others the logits themselves.
     output = "CausalLMOutputWithPast" if family.startswith("hf") else "torch.Tensor"
     expected = EXPECTED.format(output=output)
-    if family != "llama":
-        expected = expected.replace(*BEFORE_ISSUE_27)
     if family.startswith("hf"):
         # The model's class is transformers' PreTrainedModel (config.json names the subclass).
         expected = expected.replace("'Model'", "'PreTrainedModel'")

@@ -104,6 +104,7 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     # It imports sharded_init and schema, its siblings in the template, which are loaded the same way for the while.
     siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
                 "data": "data.py", "chunked_loss": "chunked_loss.py",
+                "document_attention": '{% if family != "hf" %}document_attention.py{% endif %}',
                 "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
     for name, file in siblings.items():
         sys.modules[name] = load_template_module(name, TEMPLATE / file)

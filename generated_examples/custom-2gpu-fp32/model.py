@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunked_loss import chunked_cross_entropy
+from document_attention import Mask, attention, document_mask
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, ModelArgs
 from sharded_init import fill_by_blocks
 
@@ -54,10 +55,11 @@ class Block(nn.Module):
         self.mlp_in = nn.Linear(args.dim, 4 * args.dim)
         self.mlp_out = nn.Linear(4 * args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq_len, dim = x.shape
         q, k, v = self.qkv(self.attention_norm(x)).view(batch, seq_len, 3, self.n_heads, -1).unbind(2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Causal, and within each document when `mask` keeps packed documents apart (document_attention.py).
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         x = x + self.attention_out(out.transpose(1, 2).reshape(batch, seq_len, dim))
         return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
 
@@ -78,14 +80,23 @@ class Model(nn.Module):
         self.output.weight = self.tok_embeddings.weight
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean", loss_chunks: int = 1
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        loss_chunks: int = 1,
     ) -> torch.Tensor:
         """The logits (batch, seq, vocab_size); with `targets`, the loss instead (chunked_loss.py), computed
-        here so that FSDP2's hooks around this call gather the output layer's weight for it."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        here so that FSDP2's hooks around this call gather the output layer's weight for it. `positions` and
+        `document_ids` (batch, seq): see loss()."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        mask = document_mask(document_ids)  # None: plain causal attention
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, mask)
         if targets is None:
             return self.output(self.norm(h))
         return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
@@ -138,10 +149,19 @@ def output_logits(output: torch.Tensor) -> torch.Tensor:
 
 
 def loss(
-    model: Model, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunks: int = 1
+    model: Model,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunks: int = 1,
 ) -> torch.Tensor:
     """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
     targets equal to IGNORE not counted; the logits computed in `chunks` sequence chunks (training.loss_chunks), one
-    at a time, inside model(...) (chunked_loss.py). Change it, and forward, if your model's loss is not plain
-    cross-entropy (e.g. add an auxiliary loss)."""
-    return model(tokens, targets=targets, reduction=reduction, loss_chunks=chunks)
+    at a time, inside model(...) (chunked_loss.py). `positions`: each token's position (None: 0..seq-1);
+    `document_ids`: a token attends only to earlier tokens of the same id (None: one document per row). Change
+    it, and forward, if your model's loss is not plain cross-entropy (e.g. add an auxiliary loss)."""
+    return model(
+        tokens, positions=positions, document_ids=document_ids, targets=targets, reduction=reduction, loss_chunks=chunks
+    )

@@ -32,7 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint import Checkpointer, TrainState
 from checkpoint_common import seed_everything
 from config import Config, ParallelConfig, TrainingConfig, parse_args
-from data import ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
+from data import IGNORE, MicroBatch, ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
 from errors import stop
 from layout import ParallelLayout
 from metrics import MetricsLog
@@ -97,11 +97,13 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     shards that fully_shard left on this rank.
     """
     parallel = config.parallel
+    # What fully_shard shards over (layout.py): the data-parallel dimensions.
+    fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = build_model(config)
     blocks = modules_to_shard(model, block_classes(model, parallel.shard_modules))
-    shard_model(model, [block for _, block in blocks], mesh, parallel)
+    shard_model(model, [block for _, block in blocks], fsdp_mesh, parallel)
     materialize(model, config, device)
     return model
 
@@ -117,7 +119,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, par
     """fully_shard each block, then the root (embeddings, final norm, output layer). Bottom-up order gives
     one all-gather per block, overlapped with the previous block's compute."""
     reshard = parallel.reshard_after_forward
-    shard_ranks = mesh["dp_shard"].size()  # the ranks a parameter is sharded over (all, unless HSDP or TP)
+    shard_ranks = mesh.size(mesh.ndim - 1)  # the ranks a parameter is sharded over (all, unless HSDP or TP)
     if not isinstance(reshard, bool) and reshard >= shard_ranks:
         # Groups at least as large as the shard group (e.g. a run on fewer GPUs than configured): reshard fully.
         # Smaller groups divide the shard group (preflight.py checked).
@@ -175,7 +177,9 @@ def build_optimizer(
 
 # fsdp2gen: block train_step
 def train_step(
-    state: TrainState, batches: list[tuple[torch.Tensor, torch.Tensor]], config: Config
+    state: TrainState,
+    batches: list[MicroBatch],
+    config: Config,
 ) -> dict[str, float | torch.Tensor]:
     """One optimizer step over this rank's micro-batches. Returns the step's numbers for metrics.jsonl: the loss
     averaged over ranks, the learning rate the step used, and optimizer_step's. The loss and optimizer_step's
@@ -183,19 +187,30 @@ def train_step(
     metrics.py copies them on the steps that report."""
     model, device, training = state.model, state.device, config.training
     lr = state.scheduler.get_last_lr()[0]
+    # Targets equal to IGNORE are not counted: a chat prompt's tokens (--task sft), and with data.document_mask
+    # a document's last token (the next document's first is not its to predict). The loss is the mean over the
+    # targets of the whole step, every micro-batch of every rank: each token weighs the same wherever it falls
+    # (a mean of per-rank means would weigh one rank's few targets as much as another's many).
+    # Counted on the host, where the batches still are (a count read from the device would be a sync per step).
+    targets_in_step = sum((batch.targets != IGNORE).sum() for batch in batches).to(device)
+    dist.all_reduce(targets_in_step, op=dist.ReduceOp.SUM)
+    # FSDP averages the gradients over the ranks: multiplying by the world size makes that average their sum.
+    scale = dist.get_world_size() / targets_in_step.clamp(min=1)
     loss_sum = torch.zeros((), device=device)
     # model.py's loss calls model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
     # Its logits are computed training.loss_chunks sequence chunks at a time (chunked_loss.py).
     chunks = training.loss_chunks
-    for index, (inputs, targets) in enumerate(batches):
+    for index, batch in enumerate(batches):
         # training.grad_sync: "every_micro_batch" reduce-scatters each micro-batch into the sharded gradients
         # (1/N of the model per rank); "last_micro_batch" keeps the unsharded gradients (the whole model on
         # every rank) until the last micro-batch, then reduces once (FSDP2 has no no_sync()).
         model.set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
-        # Cross-entropy in fp32 whatever the compute dtype (model.py's loss); dividing by the number of
-        # micro-batches makes the accumulated gradient equal to the gradient of one big batch.
-        loss = model_loss(model, inputs, targets, chunks=chunks) / len(batches)
+        # model_loss(model, *batch): the inputs, targets and (with data.document_mask) the tokens' positions and
+        # document ids, loss's arguments in its order (data.MicroBatch).
+        batch = batch.to(device)
+        # Cross-entropy in fp32 whatever the compute dtype (model.py's loss), summed over this micro-batch's
+        # targets and scaled so that the accumulated gradient is that of the mean over all the step's targets.
+        loss = model_loss(model, *batch, reduction="sum", chunks=chunks) * scale
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
@@ -250,12 +265,14 @@ def evaluate(
     chunks = training.loss_chunks  # the loss's logits, computed this many sequence chunks at a time
     with torch.no_grad():
         for batch in range(config.eval.batches):
-            for inputs, targets in micro_batches(
+            micros = micro_batches(
                 val_samples, batch, training.global_batch_size, training.grad_accum_steps, data_rank, data_ranks
-            ):
-                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device)
-                totals[0] += model_loss(model, inputs, targets, reduction="sum", chunks=chunks)
-                totals[1] += targets.numel()
+            )
+            for micro in micros:
+                micro = micro.to(device)
+                counted = (micro.targets != IGNORE).sum()  # targets the loss counts (IGNORE: see data.py)
+                totals[0] += model_loss(model, *micro, reduction="sum", chunks=chunks)
+                totals[1] += counted
     model.train()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return (totals[0] / totals[1].clamp(min=1)).item()
@@ -284,9 +301,10 @@ def open_datasets(config: Config) -> tuple[Samples, Samples | None]:
     data, training, vocab_size = config.data, config.training, config.model.vocab_size
     val_samples = None
     if data.path:
-        train_samples = open_tokens(data.path, "train", training.seq_len, vocab_size)
+        # data.document_mask: the samples carry where documents start (positions and document ids per token).
+        train_samples = open_tokens(data.path, "train", training.seq_len, vocab_size, data.document_mask)
         if config.eval.every:
-            val_samples = open_tokens(data.path, "val", training.seq_len, vocab_size)
+            val_samples = open_tokens(data.path, "val", training.seq_len, vocab_size, data.document_mask)
         described = data.path
     else:
         train_samples = SyntheticTokens(vocab_size, training.seq_len, data.synthetic_samples, training.seed)

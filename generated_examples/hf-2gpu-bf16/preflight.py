@@ -29,7 +29,7 @@ from config import Config, parse_args
 from data import DataError, check_token_data
 from errors import USAGE_ERROR, reason
 from layout import LayoutError, ParallelLayout
-from model import block_classes, build_model
+from model import block_classes, build_model, document_mask_error
 from profiling import ProfileError, check_profile
 from run_folder import RunFolderError
 from schema import total_memory
@@ -57,6 +57,7 @@ def preflight(config: Config, world_size: int) -> None:
         model = meta_model(config)
         check_memory(config, world_size, vocab_size, model)
         check_shard_modules(config, model)
+        check_document_mask(config, world_size, model)
         check_data(config, vocab_size)
         output_dir = Path(config.job.output_dir)
         run_folder.check_not_inside_a_run(output_dir)  # before check_output_dir creates it
@@ -158,13 +159,25 @@ def check_shard_modules(config: Config, model: torch.nn.Module) -> None:
         )
 
 
+def check_document_mask(config: Config, world_size: int, model: torch.nn.Module) -> None:
+    """With data.document_mask, transformers must mask attention between the documents packed in a row, for this
+    model and attention implementation (model.document_mask_error's probe). Checked once, here, on the meta model."""
+    if config.data.document_mask and config.data.path:  # synthetic tokens have no documents
+        layout = ParallelLayout.of(config.parallel, world_size)
+        rows = config.training.global_batch_size // (layout.data_ranks * config.training.grad_accum_steps)
+        error = document_mask_error(model, rows)
+        if error:
+            raise PreflightError(error)
+
+
 def check_data(config: Config, vocab_size: int) -> None:
     """data.path (and, with eval.every, its validation split) holds enough valid samples for this run."""
     if not config.data.path:
         return  # synthetic tokens: always valid, and validation has its own held-out synthetic samples
     val_samples = config.eval.batches * config.training.global_batch_size if config.eval.every else 0
     chat = False  # --task sft trains on chat data, with a loss mask per token
-    check_token_data(Path(config.data.path), config.training.seq_len, vocab_size, val_samples, chat)
+    documents = config.data.document_mask  # the data must record where documents start
+    check_token_data(Path(config.data.path), config.training.seq_len, vocab_size, val_samples, chat, documents)
 
 
 def main() -> None:

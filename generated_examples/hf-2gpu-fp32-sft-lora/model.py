@@ -16,9 +16,12 @@ code: they are not in the checkpoint, and `to_empty` leaves them as garbage.
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -417,6 +420,100 @@ def add_chunked_loss(model: PreTrainedModel, loss_chunks: int) -> None:
     model.forward = forward
 
 
+# The functions of transformers' masking_utils that a model's forward calls to build its attention masks; with
+# position_ids, no attention_mask and no cache, each detects packed documents (find_packed_sequence_indices: a
+# position that does not follow the previous one starts a document) and masks attention across them.
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+# Layer kinds that attend through those masks; others (mamba, linear attention, convolutions) carry state across
+# the documents of a row whatever the mask.
+MASKED_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+class MaskBuilt(Exception):
+    """Stops the probe's forward at its first mask, with the arguments the model gave it."""
+
+
+def document_mask_error(model: PreTrainedModel, rows: int) -> str | None:
+    """Why this model would attend across the documents packed in a row (micro-batches of `rows` rows), or None.
+
+    A behavioural probe, not a list of models: the base model's own forward runs on the meta device (nothing
+    computed) with a 2-document position_ids until it calls its mask builder; the builder is then run for real, on
+    a 6-token CPU stand-in, with exactly the arguments the model gave it, and the mask must be block-diagonal. That
+    catches models that do not pass position_ids to the builder (OPT, Bloom, MPT ...) and implementations with no
+    mask (a kernel registered under another name). flex_attention is checked through sdpa's mask: both come from
+    the same mask function (create_causal_mask), and building a BlockMask compiles (seconds on a CPU). Flash
+    attention gets no mask: it finds the documents in position_ids itself, in micro-batches of one row only
+    (modeling_flash_attention_utils._is_packed_sequence)."""
+    config = model.config
+    implementation = config._attn_implementation
+    fix = (
+        "use --data.document_mask false, or an attention implementation that masks documents "
+        '("attn_implementation": "sdpa", "eager" or "flex_attention" in the model\'s config.json)'
+    )
+    name = type(model).__name__.removeprefix("FSDP")
+    layers = set(getattr(config, "layer_types", None) or []) - MASKED_LAYERS
+    if layers:
+        return (f"data.document_mask: {name} has {', '.join(sorted(layers))} layers, which carry state across packed "
+                "documents whatever the attention mask; use --data.document_mask false")  # fmt: skip
+    if implementation.startswith("flash_attention"):
+        if rows == 1:
+            return None
+        return (
+            f"data.document_mask: {implementation} separates packed documents only in micro-batches of one row "
+            f"(this run's have {rows}); {fix}, or one row per micro-batch (--training.grad_accum_steps)"
+        )
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)  # two rows of two 3-token documents
+    mask = first_mask(model, positions)
+    if isinstance(mask, torch.Tensor):
+        allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # eager's: 0 where allowed
+        same_document = (positions[:, :, None] >= positions[:, None, :]) & BLOCKS
+        if torch.equal(allowed, same_document.expand_as(allowed)):
+            return None
+    return (
+        f"data.document_mask: {name} with attn_implementation {implementation} does not build transformers' "
+        f"packed-sequence mask from position_ids, so packed documents would attend to each other; {fix}"
+    )
+
+
+# Which of the probe's 6 tokens may attend to which: the same 3-token document.
+BLOCKS = torch.arange(6)[:, None] // 3 == torch.arange(6)[None, :] // 3
+
+
+def first_mask(model: PreTrainedModel, positions: torch.Tensor) -> torch.Tensor | None:
+    """The first attention mask the base model builds for `positions` (batch, seq) and no attention_mask: its
+    forward runs on the meta device until it calls a mask builder, which then runs on CPU with the same arguments.
+    None if the forward builds none, gives it no position_ids, or the builder returns none (sdpa skipped as plain
+    causal, or an implementation masking_utils has no function for)."""
+    module = sys.modules[type(model.base_model).__module__]
+    builders = {builder: getattr(module, builder) for builder in MASK_BUILDERS if hasattr(module, builder)}
+    calls = []
+
+    def spy(builder: str) -> Callable:
+        def record(*args, **kwargs):
+            calls.append((builder, inspect.signature(builders[builder]).bind(*args, **kwargs).arguments))
+            raise MaskBuilt
+
+        return record
+
+    try:
+        for builder in builders:
+            setattr(module, builder, spy(builder))
+        model.base_model(input_ids=torch.zeros_like(positions, device="meta"), position_ids=positions.to("meta"))
+    except Exception:  # MaskBuilt; anything else (a forward the meta device cannot run) proves no mask: refused
+        pass
+    finally:
+        for builder, function in builders.items():
+            setattr(module, builder, function)
+    if not calls or calls[0][1].get("position_ids") is None:
+        return None
+    builder, arguments = calls[0]
+    config = copy.copy(arguments["config"])
+    if config._attn_implementation == "flex_attention":
+        config._attn_implementation_internal = "sdpa"  # the same mask function, without compiling a BlockMask
+    return builders[builder](**{**arguments, "config": config, "position_ids": positions,
+                                "inputs_embeds": torch.zeros(*positions.shape, 1)})  # fmt: skip
+
+
 def block_classes(model: PreTrainedModel, shard_modules: list[str]) -> list[str]:
     """The decoder layers, each fully_shard-ed on its own: the classes the model lists in _no_split_modules,
     unless parallel.shard_modules names others."""
@@ -442,10 +539,21 @@ def output_logits(output: CausalLMOutputWithPast) -> torch.Tensor:
 
 
 def loss(
-    model: PreTrainedModel, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunks: int = 1
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunks: int = 1,
 ) -> torch.Tensor:
     """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
     targets equal to IGNORE not counted; lm_head's logits computed in `chunks` sequence chunks (training.loss_chunks),
     one at a time, inside model(...) (add_chunked_loss). (train.py shifts the targets itself: the model gets no
-    labels.)"""
-    return model(tokens, targets=targets, reduction=reduction, loss_chunks=chunks)
+    labels.)
+
+    `positions` (batch, seq), restarting at 0 where each packed document starts, go in as position_ids with no
+    attention_mask: transformers derives the documents from them and attends within each only (the packed-sequence
+    mask; document_mask_error checks before training that this model and attention implementation build it).
+    `document_ids` say the same thing, so they are not passed."""
+    return model(tokens, position_ids=positions, targets=targets, reduction=reduction, loss_chunks=chunks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -71,9 +72,12 @@ class TokenShards:
 
     Sample i is the i-th window of seq_len + 1 tokens counted across the shards in order (a window never
     spans two shards), so a sample index names the same tokens on any number of ranks, as with TokenFile.
+    A sample is its token ids, or, for chat data or with `documents`, rows (tokens, target mask, document
+    starts) as micro_batches reads them: the mask is 1 where the token is a target (all 1 for plain text), the
+    starts row (with `documents` only) 1 where a token begins a document.
     """
 
-    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
+    def __init__(self, folder: str | Path, split: str, seq_len: int, documents: bool = False) -> None:
         index = read_index(folder)
         self.seq_len = seq_len
         shards = [shard for shard in index[split] if shard["tokens"] > seq_len]
@@ -81,6 +85,8 @@ class TokenShards:
         # Chat data (scripts/prepare_chat.py): a mask per token, 1 where the token is a target of the loss.
         self.masks = [np.memmap(Path(folder) / shard["mask_file"], dtype=np.uint8, mode="r") for shard in shards
                       if "mask_file" in shard]  # fmt: skip
+        # data.document_mask: each shard's .docs file, the ascending offsets of the tokens that begin a document.
+        self.docs = [read_docs(Path(folder) / shard["docs_file"]) for shard in shards] if documents else []
         windows = [(len(tokens) - 1) // seq_len for tokens in self.shards]
         # starts[k]: the index of shard k's first sample.
         self.starts = np.cumsum([0, *windows])
@@ -93,15 +99,30 @@ class TokenShards:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         start = (index - int(self.starts[shard])) * self.seq_len
         window = slice(start, start + self.seq_len + 1)
-        if self.masks:
-            return np.stack([self.shards[shard][window], self.masks[shard][window]])  # (tokens, target mask)
-        return self.shards[shard][window]
+        tokens = self.shards[shard][window]
+        if not self.masks and not self.docs:
+            return tokens
+        rows = [tokens, self.masks[shard][window] if self.masks else np.ones_like(tokens)]
+        if self.docs:
+            docs = self.docs[shard]
+            starts = np.zeros_like(tokens)
+            starts[docs[np.searchsorted(docs, window.start) : np.searchsorted(docs, window.stop)] - start] = 1
+            rows.append(starts)
+        return np.stack(rows)  # (tokens, target mask[, document starts])
 
 
-def open_tokens(path: str | Path, split: str, seq_len: int, vocab_size: int) -> TokenFile | TokenShards:
-    """data.path as samples: a prepared folder's `split`, or a flat token file (which has a training split only)."""
+def read_docs(path: Path) -> np.ndarray:
+    """A shard's .docs file (int64 offsets), memory-mapped; empty when no document begins in the shard."""
+    return np.memmap(path, dtype=np.int64, mode="r") if path.stat().st_size else np.empty(0, np.int64)
+
+
+def open_tokens(
+    path: str | Path, split: str, seq_len: int, vocab_size: int, documents: bool = False
+) -> TokenFile | TokenShards:
+    """data.path as samples: a prepared folder's `split`, or a flat token file (which has a training split only).
+    `documents` (data.document_mask): samples carry where documents start (preflight.py refused data without)."""
     if Path(path).is_dir():
-        return TokenShards(path, split, seq_len)
+        return TokenShards(path, split, seq_len, documents)
     if split != "train":
         raise ValueError(f"{path} is a flat token file: it has no {split} split")
     return TokenFile(path, seq_len, vocab_size)
@@ -121,6 +142,22 @@ class ShuffledEpochs:
         return self.dataset[int(self._order[offset])]
 
 
+class MicroBatch(NamedTuple):
+    """One micro-batch: model.py's loss(model, *batch) arguments, in its order. Each (batch, seq) int64."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # the next token of each input, or IGNORE where the loss skips it
+    # Each token's rotary position, restarting at 0 at every document start (and at the window start); None
+    # without document masking (then 0..seq-1).
+    positions: torch.Tensor | None = None
+    # The running count of document starts: a token attends only to earlier tokens of the same id. None: one
+    # document per row, plain causal attention.
+    document_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
+
+
 def micro_batches(
     samples: ShuffledEpochs | TokenShards | SyntheticTokens,
     step: int,
@@ -128,23 +165,41 @@ def micro_batches(
     grad_accum_steps: int,
     rank: int,
     world_size: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's (inputs, targets) micro-batches for optimizer step `step` (0-based)."""
+) -> list[MicroBatch]:
+    """This rank's micro-batches for optimizer step `step` (0-based)."""
     per_rank = global_batch_size // world_size
     micro = per_rank // grad_accum_steps
     first = step * global_batch_size + rank * per_rank
     batches = []
     for m in range(grad_accum_steps):
         rows = np.stack([samples[first + m * micro + i] for i in range(micro)]).astype(np.int64)
-        if rows.ndim == 3:
-            # Chat samples: a target whose mask is 0 (a prompt token) becomes IGNORE, which the loss skips.
-            tokens, mask = rows[:, 0], rows[:, 1]
-            targets = np.where(mask[:, 1:] == 1, tokens[:, 1:], IGNORE)
-            batches.append((torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)))
+        if rows.ndim == 2:
+            tokens = torch.from_numpy(rows)
+            batches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:]))
             continue
-        tokens = torch.from_numpy(rows)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+        # Chat samples: a target whose mask is 0 (a prompt token) becomes IGNORE, which the loss skips.
+        tokens, mask = rows[:, 0], rows[:, 1]
+        targets = np.where(mask[:, 1:] == 1, tokens[:, 1:], IGNORE)
+        if rows.shape[1] == 2:
+            batches.append(MicroBatch(torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)))
+            continue
+        positions, document_ids = document_positions(rows[:, 2, :-1])
+        # A document's last token would be asked for the next document's first, which nothing it may attend to
+        # predicts: IGNORE (as transformers' DataCollatorWithFlattening does).
+        targets = np.where(rows[:, 2, 1:] == 1, IGNORE, targets)
+        batches.append(MicroBatch(*(torch.from_numpy(a) for a in (tokens[:, :-1], targets, positions, document_ids))))
     return batches
+
+
+def document_positions(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, document_ids) of (batch, seq) document-start flags: each row's first token starts a document
+    (the part of one that began before the window), positions count from 0 at each start, and the ids count the
+    starts so far (1 for the window's first document)."""
+    starts = starts.copy()
+    starts[:, 0] = 1
+    index = np.broadcast_to(np.arange(starts.shape[1]), starts.shape)
+    last_start = np.maximum.accumulate(np.where(starts == 1, index, 0), axis=1)
+    return index - last_start, np.cumsum(starts, axis=1)
 
 
 # ---- The checks preflight.py runs on data.path before a run (each mistake: one line naming it and the fix) ----
@@ -156,11 +211,14 @@ class DataError(Exception):
     """data.path cannot feed the run: the message is one line that names why and the fix."""
 
 
-def check_token_data(path: Path, seq_len: int, vocab_size: int, val_samples: int, chat: bool) -> None:
+def check_token_data(
+    path: Path, seq_len: int, vocab_size: int, val_samples: int, chat: bool, documents: bool = False
+) -> None:
     """data.path (a prepared folder or a flat token file) holds enough valid samples for the run, and
-    `val_samples` validation samples (0: no validation)."""
+    `val_samples` validation samples (0: no validation); with `documents` (data.document_mask), where each
+    document starts."""
     if path.is_dir():
-        check_prepared_folder(path, seq_len, vocab_size, chat)
+        check_prepared_folder(path, seq_len, vocab_size, chat, documents)
         found = len(TokenShards(path, "val", seq_len)) if val_samples else 0
         if found < val_samples:
             raise DataError(
@@ -175,11 +233,18 @@ def check_token_data(path: Path, seq_len: int, vocab_size: int, val_samples: int
             f"data.path {path} is a flat token file, which has no validation split; prepare a folder with "
             "scripts/prepare_data.py, or set --eval.every 0"
         )
+    if documents:
+        raise DataError(
+            f"data.path {path} is a flat token file, which does not record where documents start, so "
+            "data.document_mask cannot keep them apart; prepare a folder with scripts/prepare_data.py, or pass "
+            "--data.document_mask false"
+        )
 
 
-def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool) -> None:
+def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool, documents: bool = False) -> None:
     """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole. `chat`: the
-    project trains on chat data (--task sft), whose shards have a loss mask each; others refuse masked data."""
+    project trains on chat data (--task sft), whose shards have a loss mask each; others refuse masked data.
+    `documents`: every shard has a .docs file of ascending offsets within it."""
     fix = f"prepare it again with scripts/prepare_data.py --output {path}-new and point --data.path there"
     if not (path / INDEX_FILE).is_file():
         raise DataError(
@@ -203,6 +268,11 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool)
             f"data.path {path} holds chat data with a loss mask (scripts/prepare_chat.py), which a --task sft "
             "project trains on; prepare plain text with scripts/prepare_data.py"
         )
+    if documents and not index.get("documents"):
+        raise DataError(
+            f"data.path {path} was prepared without document starts (an older scripts/prepare_data.py), so "
+            f"data.document_mask cannot keep its documents apart; {fix}, or pass --data.document_mask false"
+        )
     if vocabulary > vocab_size:
         raise DataError(
             f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "
@@ -212,6 +282,8 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool)
         mask = path / shard.get("mask_file", "")
         if "mask_file" in shard and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
             raise DataError(f"data.path {path}: {mask.name} is missing or not one byte per token; {fix}")
+    for shard in index["train"] + index["val"] if documents else []:
+        check_docs(path, shard, fix)
     for file, tokens, largest in splits["train"] + splits["val"]:
         shard = path / file
         if not shard.is_file():
@@ -239,6 +311,19 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool)
         raise DataError(
             f"data.path {path} holds no training sample of training.seq_len + 1 = {seq_len + 1} tokens; give it "
             "more text or a shorter --training.seq_len"
+        )
+
+
+def check_docs(path: Path, shard: dict, fix: str) -> None:
+    """A shard's .docs file: int64 offsets, ascending, each within the shard (read whole: 8 bytes a document)."""
+    docs, tokens = path / str(shard.get("docs_file", f"{shard['file']}.docs")), shard["tokens"]
+    if not docs.is_file():
+        raise DataError(f"data.path {path}: {docs.name}, where {shard['file']}'s documents start, is missing; {fix}")
+    offsets = read_docs(docs) if docs.stat().st_size % 8 == 0 else np.array([-1])
+    if np.any(np.diff(offsets) <= 0) or (len(offsets) and not 0 <= offsets[0] <= offsets[-1] < tokens):
+        raise DataError(
+            f"data.path {path}: {docs.name} is not ascending int64 offsets within its shard of {tokens} tokens "
+            f"(it is damaged or belongs to another shard); {fix}"
         )
 
 

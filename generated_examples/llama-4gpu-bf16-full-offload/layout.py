@@ -7,12 +7,13 @@ Every rank has a coordinate on each parallelism dimension, in this order (torcht
 tp varies fastest, so a tp group is consecutive ranks (the GPUs of one node, over their fast links). dp_shard
 groups the ranks a parameter is sharded over (FSDP); dp_replicate > 1 makes it HSDP: dp_replicate copies of those
 groups (typically one per node), so parameters are all-gathered inside a group only, and gradients are
-reduce-scattered in the group, then all-reduced across groups. A dimension the project's config does not have
-(parallel.tp only exists in projects generated with --tp) has size 1, and so do the slots for the dimensions not
-built yet:
+reduce-scattered in the group, then all-reduced across groups. cp (context parallelism) splits every sequence over
+cp ranks, which read the same samples; since each of them computes gradients on different tokens, FSDP shards
+(and averages gradients) over dp_shard x cp, as torchtitan does: fsdp_mesh() is the mesh fully_shard uses. A
+dimension the project's config does not have (parallel.tp and parallel.cp only exist in projects generated with
+--tp, --cp) has size 1, and so do the slots for the dimensions not built yet:
 
-- pp (pipeline stages) and cp (context parallelism: each rank holds a slice of every sequence) will split the
-  model's layers and the sequence; until then they are 1 and no config key names them.
+- pp (pipeline stages) will split the model's layers; until then it is 1 and no config key names it.
 - ep (expert parallelism, for mixture-of-experts models) is not a mesh dimension of its own: as in torchtitan
   it will borrow ranks from dp_shard x cp for the experts only. It is 1 and not in the mesh.
 
@@ -23,6 +24,8 @@ imports no torch at import time.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +37,8 @@ SAME_DATA_DIMS = ("cp", "tp")
 
 class LayoutError(ValueError):
     """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix.
-    `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "batch", "reshard") for callers that word it
-    their own way (`fsdp2gen plan` names its options)."""
+    `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "cp_seq_len", "cp_loss_chunks", "batch",
+    "reshard") for callers that word it their own way (`fsdp2gen plan` names its options)."""
 
     def __init__(self, message: str, problem: str) -> None:
         super().__init__(message)
@@ -109,7 +112,30 @@ class ParallelLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = self.mesh_sizes
-        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        if self.cp > 1:
+            # One dimension for FSDP's shard groups: the ranks of a dp_shard x cp block (a collective, made once).
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh
+
+    def fsdp_mesh(self, mesh: Any) -> Any:
+        """The sub-mesh of build_mesh()'s `mesh` that fully_shard shards over: (dp_replicate,) dp_shard, with cp
+        folded into dp_shard. Its last dimension is the shard group; tp ranks are left out (each keeps its slice)."""
+        replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()
+        if self.cp == 1:
+            return mesh[(*replicate, "dp_shard")]
+        if not replicate:
+            return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # build_mesh made it: this returns it
+        with warnings.catch_warnings():
+            # torch 2.13 asks callers to keep flattened meshes themselves, but has no other way to pair one with
+            # dp_replicate for HSDP (torchtitan slices it the same way).
+            warnings.filterwarnings("ignore", "Slicing a flattened dim")
+            return mesh["dp_replicate", "dp_shard_cp"]
+
+    @property
+    def shard_ranks(self) -> int:
+        """How many ranks each parameter is sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     def check(self, training: Any, model: Any) -> None:
         """Raise LayoutError unless the mesh covers the ranks, the model and batch split over it evenly, and the
@@ -117,6 +143,8 @@ class ParallelLayout:
         self.check_product()
         if self.tp > 1:
             self.check_tensor_parallel(training, model)
+        if self.cp > 1:
+            self.check_context_parallel(training)
         self.check_batch(training)
         self.check_reshard()
 
@@ -151,6 +179,29 @@ class ParallelLayout:
                 "tp_seq_len",
             )
 
+    def check_context_parallel(self, training: Any) -> None:
+        # Each of the cp ranks holds 2 pieces of every sequence (one early, one late: the causal mask's work
+        # balanced), each split again over tp. torch falls back to unbalanced pieces, silently, when the sequence
+        # does not divide into 2 x cp pieces; the tp split needs equal pieces too.
+        pieces = 2 * self.cp * self.tp
+        if training.seq_len % pieces:
+            fitting = max(pieces, training.seq_len // pieces * pieces)
+            tp = f" x parallel.tp ({self.tp})" if self.tp > 1 else ""
+            raise LayoutError(
+                f"training.seq_len ({training.seq_len}) must be divisible by 2 x parallel.cp ({self.cp}){tp}: context "
+                f"parallelism gives each rank an early and a late piece of every sample; e.g. --training.seq_len "
+                f"{fitting}",
+                "cp_seq_len",
+            )
+        per_rank = training.seq_len // self.cp
+        if per_rank % training.loss_chunks:
+            raise LayoutError(
+                f"training.loss_chunks ({training.loss_chunks}) must divide the {per_rank} tokens of a sample each "
+                f"context-parallel rank holds (training.seq_len / parallel.cp); e.g. --training.loss_chunks "
+                f"{math.gcd(per_rank, training.loss_chunks)}",
+                "cp_loss_chunks",
+            )
+
     def check_batch(self, training: Any) -> None:
         per_step = self.data_ranks * training.grad_accum_steps
         if training.global_batch_size % per_step:
@@ -163,7 +214,7 @@ class ParallelLayout:
             )
 
     def check_reshard(self) -> None:
-        reshard, shard = self.reshard_after_forward, self.dp_shard
+        reshard, shard = self.reshard_after_forward, self.shard_ranks
         # Groups at least as large as the shard group (a run on fewer GPUs than configured) reshard fully.
         if not isinstance(reshard, bool) and reshard < shard and shard % reshard:
             raise LayoutError(

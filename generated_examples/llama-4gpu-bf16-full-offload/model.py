@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunked_loss import chunked_cross_entropy
+from document_attention import Mask, attention, document_mask
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, SIZES, ModelArgs
 from sharded_init import fill_by_blocks
 
@@ -41,8 +42,12 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seq, head_dim / 2) tables -> the (1, seq, 1, head_dim) factors of `apply_rotary`: (cos, cos), (-sin, sin)."""
-    return torch.cat((cos, cos), dim=-1)[None, :, None, :], torch.cat((-sin, sin), dim=-1)[None, :, None, :]
+    """(seq, head_dim / 2) or (batch, seq, head_dim / 2) tables -> the (1 or batch, seq, 1, head_dim) factors of
+    `apply_rotary`: (cos, cos), (-sin, sin)."""
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    return cos[:, :, None, :], sin[:, :, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,16 +72,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        # Causal, and within each document when `mask` keeps packed documents apart (document_attention.py).
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -99,8 +103,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -126,16 +130,27 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean", loss_chunks: int = 1
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        loss_chunks: int = 1,
     ) -> torch.Tensor:
         """The logits (batch, seq, vocab_size); with `targets`, the loss instead (chunked_loss.py), computed
-        here so that FSDP2's hooks around this call gather the output layer's weight for it."""
+        here so that FSDP2's hooks around this call gather the output layer's weight for it. `positions` and
+        `document_ids` (batch, seq): see loss()."""
         seq_len = tokens.shape[1]
-        # Built once per forward for all blocks: (seq, head_dim) each, a few KB.
-        cos, sin = rotary_tables(self.rope_cos[:seq_len], self.rope_sin[:seq_len])
+        # Built once per forward for all blocks: (seq, head_dim) each, a few KB (per row with positions).
+        if positions is None:
+            cos, sin = rotary_tables(self.rope_cos[:seq_len], self.rope_sin[:seq_len])
+        else:  # per-token positions: restarting per document, or a context-parallel rank's slice of the sequence
+            cos, sin = rotary_tables(self.rope_cos[positions], self.rope_sin[positions])
+        mask = document_mask(document_ids)  # None: plain causal attention
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if targets is None:
             return self.output(self.norm(h))
         return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
@@ -202,9 +217,18 @@ def output_logits(output: torch.Tensor) -> torch.Tensor:
 
 
 def loss(
-    model: Model, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", chunks: int = 1
+    model: Model,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunks: int = 1,
 ) -> torch.Tensor:
     """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
     targets equal to IGNORE not counted; the logits computed in `chunks` sequence chunks (training.loss_chunks), one
-    at a time, inside model(...) (chunked_loss.py)."""
-    return model(tokens, targets=targets, reduction=reduction, loss_chunks=chunks)
+    at a time, inside model(...) (chunked_loss.py). `positions`: each token's rotary position (None: 0..seq-1);
+    `document_ids`: a token attends only to earlier tokens of the same id (None: one document per row)."""
+    return model(
+        tokens, positions=positions, document_ids=document_ids, targets=targets, reduction=reduction, loss_chunks=chunks
+    )

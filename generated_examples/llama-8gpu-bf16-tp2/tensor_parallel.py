@@ -56,9 +56,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
                 # A norm works token by token: each rank normalises its own tokens.
                 "attention_norm": SequenceParallel(),
                 # Attention needs the whole sequence (causal mask, rotary positions 0..seq_len-1): gather it.
-                # The rotary tables (cos, sin) are passed as they are.
+                # The rotary tables (cos, sin) and the document mask (document_attention.py) pass as they are.
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
                 ),
                 "attention.wq": ColwiseParallel(),  # this rank's heads; model.py views them as (-1, head_dim)
                 "attention.wk": ColwiseParallel(),

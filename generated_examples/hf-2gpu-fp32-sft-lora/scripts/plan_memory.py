@@ -162,7 +162,8 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
                     group.update(fused=True, foreach=False)
             state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, "plan_memory")
             shape = (micro_batch, training.seq_len)
-            batches = [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
+            # Plain causal attention (no document ids): on GPUs FlexAttention's document masks add no activations.
+            batches = [train.MicroBatch(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))
                        for _ in range(training.grad_accum_steps)]  # fmt: skip
             # A step of training's steady state: AdamW's state exists (it is created at the first step), and the
             # gradients were freed by the previous step's zero_grad.

@@ -10,7 +10,8 @@ tokens) are targets of the loss; everything else is context.
 
 Conversations are packed one after another into windows of training.seq_len + 1 tokens, with no padding. A
 conversation starts with the template's own tokens, which are never targets, so nothing is predicted across two
-conversations; attention does see the end of the previous conversation in a window (packing's usual trade).
+conversations. Each conversation is a document (its shard's .docs file records where it starts): with
+data.document_mask (the default) a token attends only to its own conversation, with positions restarting at 0.
 An interrupted run resumes from its last finished shard; every round(1 / val_fraction)-th conversation goes to
 the validation split.
 """

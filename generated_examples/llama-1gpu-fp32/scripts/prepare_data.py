@@ -9,7 +9,8 @@ save_to_disk (its train split; needs datasets: pip install -e '.[data]'), or a f
 The tokenizer is data.tokenizer in config.toml, or --tokenizer (a tokenizer.json, its folder, or a hub id).
 
 Documents are tokenized in batches on all CPU cores (the tokenizer's Rust threads), each followed by the
-end-of-text token, and written as shards of uint16 ids (uint32 for vocabularies over 65536) plus index.json.
+end-of-text token, and written as shards of uint16 ids (uint32 for vocabularies over 65536), each with the offsets
+of its documents' first tokens (.docs), plus index.json.
 Text is read in pieces of ~8 KiB, so no file is held in memory whole; every round(1 / val_fraction)-th piece
 goes to the validation split. An interrupted run resumes where its last finished shard ended when started
 again with the same arguments; a finished folder is left as it is.
@@ -308,6 +309,8 @@ def start_index(output: Path, settings: dict, tokenizer: Tokenizer) -> dict:
         "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
         "train": [],
         "val": [],
+        # Every shard has a .docs file: where its documents start (data.document_mask keeps them apart).
+        "documents": True,
         "pieces_done": 0,
         "complete": False,
     }
@@ -323,7 +326,10 @@ class ShardWriter:
     A shard is written as NAME.tmp and renamed when finished; index.json records it, and how many pieces the
     finished shards hold, at the same moment. A run stopped at any point therefore leaves only finished shards
     in the index, and the next run rewrites whatever came after them. With index["masks"] (chat data) each
-    shard has a .mask file beside it: one byte per token, 1 where the token is a target of the loss.
+    shard has a .mask file beside it: one byte per token, 1 where the token is a target of the loss. Every shard
+    has a .docs file: the int64 offsets (within the shard, ascending) of the tokens that begin a document, where
+    a piece begins one when the previous piece of its split ended one (data.py's loader reads them to keep
+    packed documents from attending to each other).
     """
 
     def __init__(self, output: Path, index: dict) -> None:
@@ -331,7 +337,10 @@ class ShardWriter:
         self.dtype = np.dtype(index["dtype"])
         self.limit = index["settings"]["shard_tokens"]
         self.open: dict[str, OpenShard] = {}
-        for leftover in [*output.glob("*.bin.tmp"), *output.glob("*.mask.tmp")]:
+        # Whether the last piece written to each split ended a document (a split's first piece starts one).
+        self.ended = {split: not shards or shards[-1].get("ends_document", True)
+                      for split, shards in (("train", index["train"]), ("val", index["val"]))}  # fmt: skip
+        for leftover in [*output.glob("*.bin.tmp"), *output.glob("*.mask.tmp"), *output.glob("*.docs.tmp")]:
             leftover.unlink()  # an unfinished shard of the interrupted run: its pieces are tokenized again
 
     def write(self, batch: list[tuple[int, str, bool, bool]], tokenizer: Tokenizer) -> None:
@@ -339,16 +348,18 @@ class ShardWriter:
         eos = [tokenizer.eos_id]
         encoded = tokenizer.encode_batch([text for _, text, _, _ in batch])
         for (number, _, ends_document, validation), ids in zip(batch, encoded, strict=True):
-            self.append("val" if validation else "train", ids + eos if ends_document else ids)
+            self.append("val" if validation else "train", ids + eos if ends_document else ids, None, ends_document)
             self.close_if_full(pieces_done=number + 1)
 
-    def append(self, split: str, ids: list[int], mask: list[int] | None = None) -> None:
+    def append(self, split: str, ids: list[int], mask: list[int] | None = None, ends_document: bool = True) -> None:
+        """Append one piece of text (`ends_document`: its document ends with it; a conversation is one piece)."""
         if not ids:
             return
         if split not in self.open:
             stem = self.output / f"{split}-{len(self.index[split]):05d}"
             self.open[split] = OpenShard(stem, masked=bool(self.index.get("masks")))
-        self.open[split].append(np.asarray(ids, dtype=np.int64).astype(self.dtype), mask)
+        self.open[split].append(np.asarray(ids, dtype=np.int64).astype(self.dtype), mask, self.ended[split])
+        self.open[split].ends_document = self.ended[split] = ends_document
 
     def close_if_full(self, pieces_done: int) -> None:
         if "train" in self.open and self.open["train"].tokens >= self.limit:
@@ -374,23 +385,28 @@ class ShardWriter:
 
 
 class OpenShard:
-    """A shard being written: NAME.bin.tmp (and NAME.mask.tmp), renamed to NAME.bin (NAME.mask) by close()."""
+    """A shard being written: NAME.bin.tmp, NAME.docs.tmp (and NAME.mask.tmp), renamed to NAME.bin, NAME.docs
+    (NAME.mask) by close()."""
 
     def __init__(self, stem: Path, masked: bool) -> None:
-        self.stem, self.tokens, self.largest = stem, 0, 0
+        self.stem, self.tokens, self.largest, self.ends_document = stem, 0, 0, True
         self.file = open(stem.with_name(stem.name + ".bin.tmp"), "wb")
+        self.docs_file = open(stem.with_name(stem.name + ".docs.tmp"), "wb")
         self.mask_file = open(stem.with_name(stem.name + ".mask.tmp"), "wb") if masked else None
 
-    def append(self, ids: np.ndarray, mask: list[int] | None) -> None:
+    def append(self, ids: np.ndarray, mask: list[int] | None, starts_document: bool) -> None:
         self.file.write(ids.tobytes())
+        if starts_document:
+            self.docs_file.write(np.int64(self.tokens).tobytes())
         if self.mask_file is not None:
             self.mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
         self.tokens += len(ids)
         self.largest = max(self.largest, int(ids.max()))
 
     def close(self, pieces_done: int) -> dict:
-        shard = {"file": self.stem.name + ".bin", "tokens": self.tokens, "max_id": self.largest}
-        for file, suffix in ((self.file, ".bin"), (self.mask_file, ".mask")):
+        shard = {"file": self.stem.name + ".bin", "tokens": self.tokens, "max_id": self.largest,
+                 "docs_file": self.stem.name + ".docs", "ends_document": self.ends_document}  # fmt: skip
+        for file, suffix in ((self.file, ".bin"), (self.docs_file, ".docs"), (self.mask_file, ".mask")):
             if file is not None:
                 file.close()
                 Path(file.name).rename(self.stem.with_name(self.stem.name + suffix))

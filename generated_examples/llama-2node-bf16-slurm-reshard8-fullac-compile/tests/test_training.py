@@ -51,8 +51,9 @@ def test_ranks_match_one_process(tmp_path: Path) -> None:
 
 def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path) -> None:
     # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
-    # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole.
-    steps = ["--training.steps", "3", "--eval.every", "3", "--eval.batches", "1"]
+    # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
+    # with 2 micro-batches, each one's chunks add into the same gradients.
+    steps = ["--training.steps", "3", "--eval.every", "3", "--eval.batches", "1", "--training.grad_accum_steps", "2"]
     whole = train(tmp_path / "whole", *steps, "--training.loss_chunks", "1")
     chunked = train(tmp_path / "chunked", *steps, "--training.loss_chunks", "4")
     assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
