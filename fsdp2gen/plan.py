@@ -1242,17 +1242,17 @@ def format_cp_sweep(plans: list[Plan]) -> str:
         "per GPU: activations / total in GiB (total: the step's peak, state and ring attention included); "
         f"* does not fit ({_size(plans[0].usable_bytes)} usable)",
         "",
-        f"{'seq_len':>8}" + "".join(f"{'cp ' + str(cp):>16}" for cp in cps),
+        f"{'seq_len':>8}" + "".join(f"{'cp ' + str(cp):>18}" for cp in cps),
     ]
     for seq_len in sorted({plan.request.seq_len for plan in plans}):
         row = f"{seq_len:>8}"
         for cp in cps:
             plan = cells.get((seq_len, cp))
             if plan is None:
-                row += f"{'-':>16}"
+                row += f"{'-':>18}"
                 continue
             mark = "" if plan.fits else "*"
-            row += f"{plan.activations[request.ac] / GIB:.1f} / {plan.per_gpu['total'] / GIB:.1f}{mark}".rjust(16)
+            row += f"{plan.activations[request.ac] / GIB:.1f} / {plan.per_gpu['total'] / GIB:.1f}{mark}".rjust(18)
         lines.append(row)
     return "\n".join(lines)
 
