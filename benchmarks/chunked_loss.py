@@ -43,6 +43,7 @@ def worker(project: Path, args: list[str], out: Path) -> None:
 
     sys.path.insert(0, str(project))
     from config import parse_args
+    from data import MicroBatch
     from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
     config = parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", *args])
@@ -54,7 +55,7 @@ def worker(project: Path, args: list[str], out: Path) -> None:
     generator = torch.Generator().manual_seed(dist.get_rank())
     micro_batch = training.global_batch_size // dist.get_world_size()
     tokens = torch.randint(config.model.vocab_size, (micro_batch, training.seq_len + 1), generator=generator)
-    batches = [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
+    batches = [MicroBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
     train_step(state, batches, config)  # AdamW's state, the kernels' and gloo's one-off buffers: the baseline
     gc.collect()
     dist.barrier()

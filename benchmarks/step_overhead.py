@@ -48,7 +48,7 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
 
     sys.path.insert(0, str(project))
     from config import parse_args
-    from data import ShuffledEpochs, SyntheticTokens, micro_batches
+    from data import MicroBatch, ShuffledEpochs, SyntheticTokens, micro_batches
     from model import Transformer
     from train import TrainState, build_model_meta, build_optimizer, init_distributed, train_step
 
@@ -97,12 +97,12 @@ def worker(project: Path, steps: int, repeat: int, overrides: list[str]) -> None
         micro_batches(samples, step, training.global_batch_size, training.grad_accum_steps, rank, world_size)
         for step in range(steps)
     ]
-    loops: dict[str, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], object]] = {
+    loops: dict[str, Callable[[list[MicroBatch]], object]] = {
         "generated train_step": lambda b: train_step(state, b, config),
-        "hand-written loop": lambda b: [reference_step(inputs, targets) for inputs, targets in b],
+        "hand-written loop": lambda b: [reference_step(micro.inputs, micro.targets) for micro in b],
     }
 
-    def seconds_per_step(loop: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], object]) -> float:
+    def seconds_per_step(loop: Callable[[list[MicroBatch]], object]) -> float:
         dist.barrier()
         started = time.perf_counter()
         for step_batches in batches:
