@@ -617,12 +617,12 @@ def _levers(plan: Plan) -> list[Lever]:
 
 def _cp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
     """A larger context-parallel degree for a long sequence: the smallest that fits, else the largest the GPUs and
-    the sequence allow (a power of 2 times the current one, dividing the GPUs per tp group, that cp_refusal takes).
+    the sequence allow (a power of 2 times the current one, dividing the GPUs per tp group, that cp_takes takes).
     Fewer data ranks read more samples each: under a config's global batch, grad_accum_steps grows by as much, so
     that each forward keeps the same micro-batch."""
     request, found = plan.request, []
     cp = request.cp * 2
-    while request.world_size % (cp * request.tp) == 0 and not cp_refusal(
+    while request.world_size % (cp * request.tp) == 0 and cp_takes(
         request.seq_len, cp, request.tp, request.loss_chunks
     ):
         factor = cp // request.cp
@@ -969,7 +969,10 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     cp = request.cp
     layout = parallel_layout(request.world_size, tp, cp)
     training = SimpleNamespace(
-        seq_len=seq_len, global_batch_size=request.global_batch_size, grad_accum_steps=request.grad_accum_steps
+        seq_len=seq_len,
+        global_batch_size=request.global_batch_size,
+        grad_accum_steps=request.grad_accum_steps,
+        loss_chunks=request.loss_chunks,
     )
     try:
         if layout.tp != tp or layout.cp != cp:  # one rank has no mesh (layout.py gives it tp 1, cp 1)
@@ -978,39 +981,28 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
         layout.check_tensor_parallel(training, model)
         if request.micro_batch is None and request.global_batch_size is not None:
             layout.check_batch(training)
+        if cp > 1:
+            layout.check_context_parallel(training)
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
-    refusal = cp_refusal(seq_len, cp, tp, request.loss_chunks)
-    if refusal:
-        raise PlanError(refusal)
 
 
-def cp_refusal(seq_len: int, cp: int, tp: int, loss_chunks: int) -> str | None:
-    """The line a project's preflight (layout.py) refuses a context-parallel sequence length with, worded with plan's
-    options, or None. torch's load balancing cuts each sample into 2 x cp pieces and tp's sequence parallelism
-    splits them again (otherwise the balancing is silently off); the chunked loss splits each rank's seq_len / cp
-    tokens into training.loss_chunks."""
+def cp_takes(seq_len: int, cp: int, tp: int, loss_chunks: int) -> bool:
+    """Whether a project's layout.py (check_context_parallel, as its preflight runs it) takes a sequence of seq_len
+    tokens split over cp x tp ranks with training.loss_chunks."""
     if cp == 1:
-        return None
-    pieces = 2 * cp * tp
-    step = math.lcm(pieces, cp * loss_chunks)  # a length that passes both checks, as the suggestion
-    fitting = max(step, seq_len // step * step)
-    if seq_len % pieces:
-        return (
-            f"--cp {cp}: the sequence length ({seq_len}) must be divisible by 2 x cp x tp ({pieces}); e.g. --seq "
-            f"{fitting}"
-        )
-    if seq_len // cp % loss_chunks:
-        return (
-            f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens each "
-            f"context-parallel rank holds (seq / cp); e.g. --seq {fitting}"
-        )
-    return None
+        return True
+    layout = layout_module().ParallelLayout(cp * tp, cp=cp, tp=tp)
+    try:
+        layout.check_context_parallel(SimpleNamespace(seq_len=seq_len, loss_chunks=loss_chunks))
+    except layout_module().LayoutError:
+        return False
+    return True
 
 
 def _plan_wording(problem: str, request: PlanRequest) -> str:
     """layout.py's `problem` with plan's options as the fix."""
-    model, tp, cp = request.model, request.tp, request.cp
+    model, tp, cp, seq_len, loss_chunks = request.model, request.tp, request.cp, request.seq_len, request.loss_chunks
     ranks = f"--tp {tp} does not divide {request.world_size} GPUs; choose a divisor"
     if cp > 1:  # the degrees that split each sample's tokens (cp, and tp when there is one) must divide the GPUs
         named = f"--cp {cp}" if tp == 1 else f"--cp {cp} x --tp {tp}"
@@ -1023,10 +1015,22 @@ def _plan_wording(problem: str, request: PlanRequest) -> str:
         "--tp that divides both",
         # As preflight.py: sequence parallelism gives each tp rank an equal share of every sample's tokens.
         "tp_seq_len": f"--tp {tp} must divide the sequence length ({request.seq_len}); change --seq or --tp",
+        # layout.py's check_context_parallel: torch's load balancing cuts each sample into 2 x cp pieces and tp's
+        # sequence parallelism splits them again; the chunked loss splits each rank's seq_len / cp tokens.
+        "cp_seq_len": f"--cp {cp}: the sequence length ({seq_len}) must be divisible by 2 x cp x tp ({2 * cp * tp}); "
+        f"e.g. --seq {_cp_fitting_seq_len(request)}",
+        "cp_loss_chunks": f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens "
+        f"each context-parallel rank holds (seq / cp); e.g. --seq {_cp_fitting_seq_len(request)}",
         "batch": f"training.global_batch_size ({request.global_batch_size}) is not divisible by "
         f"{request.data_ranks} data-parallel ranks x grad_accum_steps ({request.grad_accum_steps}); change the "
         "config or pass --batch",
     }[problem]
+
+
+def _cp_fitting_seq_len(request: PlanRequest) -> int:
+    """The sequence length nearest below request's (at least one step) that passes both of cp's checks."""
+    step = math.lcm(2 * request.cp * request.tp, request.cp * request.loss_chunks)
+    return max(step, request.seq_len // step * step)
 
 
 def _size(count: int) -> str:
@@ -1213,14 +1217,14 @@ SWEEP_CPS = (1, 2, 4, 8)
 
 def cp_sweep(request: PlanRequest) -> list[Plan]:
     """The plan of `request` at every sequence length of SWEEP_SEQ_LENS with every cp of SWEEP_CPS that the GPUs
-    allow (cp x tp dividing them) and the project takes (cp_refusal), each forward keeping the request's micro-batch
+    allow (cp x tp dividing them) and the project takes (cp_takes), each forward keeping the request's micro-batch
     of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
     if isinstance(request.model, HfShape):
         raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:
-            if request.world_size % (cp * request.tp) or cp_refusal(seq_len, cp, request.tp, request.loss_chunks):
+            if request.world_size % (cp * request.tp) or not cp_takes(seq_len, cp, request.tp, request.loss_chunks):
                 continue
             model = replace(request.model, max_seq_len=max(request.model.max_seq_len, seq_len))
             changed = replace(request, model=model, seq_len=seq_len, cp=cp, micro_batch=request.batch)
