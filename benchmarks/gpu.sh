@@ -109,6 +109,19 @@ else
 fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+
+train() {  # train VARIANT [OVERRIDE...]: a fresh run into $WORK/VARIANT
+  local variant="$1"
+  shift
+  if ! (cd "$PROJECT" && OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run --standalone \
+          --nproc-per-node "$NPROC" train.py --config config.toml "${OVERRIDES[@]}" "$@" --job.output_dir "$WORK/$variant") \
+          >"$WORK/$variant.log" 2>&1; then
+    echo "$variant: FAILED"
+    tail -n 30 "$WORK/$variant.log"
+    return 1
+  fi
+}
+
 if [[ -n "$LONG" ]]; then
   PROJECT="$WORK/llama-1b-cp2"
   "$PYTHON" -m fsdp2gen new "$PROJECT" --gpus "$NPROC" --bf16 --cp 2 --activation-checkpointing "$LC_AC" --yes \
@@ -128,13 +141,10 @@ if [[ -n "$LONG" ]]; then
   # VARIANT CP SEQ: one sample per data rank (NPROC / cp of them).
   for run in "cp1-seq$SEQ 1 $SEQ" "cp2-seq$SEQ 2 $SEQ" "cp2-seq$((2 * SEQ)) 2 $((2 * SEQ))"; do
     read -r variant cp seq <<<"$run"
-    if (cd "$PROJECT" && OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-          train.py --config config.toml "${OVERRIDES[@]}" --parallel.cp "$cp" --training.seq_len "$seq" \
-          --training.global_batch_size $((NPROC / cp)) --job.output_dir "$WORK/$variant") >"$WORK/$variant.log" 2>&1
-    then
+    if train "$variant" --parallel.cp "$cp" --training.seq_len "$seq" --training.global_batch_size $((NPROC / cp)); then
       runs+=("$variant:$seq")
     else
-      echo "$variant: FAILED"; tail -n 30 "$WORK/$variant.log"; status=1
+      status=1
     fi
   done
   if [[ ${#runs[@]} -gt 0 ]]; then
@@ -172,18 +182,6 @@ if grep -q '^model_only_final' "$PROJECT/config.toml"; then
   # The final checkpoint is not what is measured: write the weights only.
   OVERRIDES+=(--checkpoint.model_only_final true)
 fi
-
-train() {  # train VARIANT [OVERRIDE...]: a fresh run into $WORK/VARIANT
-  local variant="$1"
-  shift
-  if ! (cd "$PROJECT" && OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m torch.distributed.run --standalone \
-          --nproc-per-node "$NPROC" train.py --config config.toml "${OVERRIDES[@]}" "$@" --job.output_dir "$WORK/$variant") \
-          >"$WORK/$variant.log" 2>&1; then
-    echo "$variant: FAILED"
-    tail -n 30 "$WORK/$variant.log"
-    return 1
-  fi
-}
 
 report() {  # report VARIANT...: the setup, then one line per variant from its metrics.jsonl
   # One Python process for all variants: importing torch costs seconds.
