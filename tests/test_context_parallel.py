@@ -100,11 +100,12 @@ def test_a_checkpoint_saved_with_cp2_resumes_with_cp1_as_the_uninterrupted_run(
     assert_close(numbers(run), one_process, [3, 4])
 
 
-def test_cp2_x_tp2_on_4_ranks_equals_one_process(one_process: dict, tmp_path: Path) -> None:
-    # Each cp rank's share of the sequence is split again over the tp ranks between the blocks (sequence
-    # parallelism); the model and its initialisation are the cp project's, so is the reference.
-    project = generate(tmp_path / "cp2-tp2", "--gpus", "4", "--cp", "2", "--tp", "2", "--precision", "fp32")
-    ran(train(project, tmp_path / "out", "--training.steps", "2", nproc=4))
+def test_dp_shard2_x_cp2_x_tp2_on_8_ranks_equals_one_process(one_process: dict, tmp_path: Path) -> None:
+    # The user's node of 8 GPUs with every dimension in use: each cp rank's share of the sequence is split again
+    # over the tp ranks between the blocks (sequence parallelism), and FSDP shards over dp_shard x cp = 4 ranks.
+    # The model and its initialisation are the cp project's, so is the reference.
+    project = generate(tmp_path / "cp2-tp2", "--gpus", "8", "--cp", "2", "--tp", "2", "--precision", "fp32")
+    ran(train(project, tmp_path / "out", "--training.steps", "2", nproc=8))
     assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
 
 
