@@ -651,6 +651,14 @@ CpOption = Annotated[
         show_default=False,
     ),
 ]
+EpOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Expert parallelism (mixture-of-experts sizes): each GPU holds n_experts / ep experts, ep ranks borrowed "
+        "from dp_shard; tokens go to their experts' GPUs by all-to-all. [default: 1, or the project's parallel.ep]",
+        show_default=False,
+    ),
+]
 CpSweepOption = Annotated[
     bool,
     typer.Option(
@@ -684,6 +692,7 @@ def plan(
     grad_sync: GradSyncOption = None,
     cp: CpOption = None,
     cp_sweep: CpSweepOption = False,
+    ep: EpOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -697,7 +706,7 @@ def plan(
             )
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
-            cp=cp, **_given_answers(answers),
+            cp=cp, ep=ep, **_given_answers(answers),
         )  # fmt: skip
         if cp_sweep:
             plans = planner.cp_sweep(request)
