@@ -645,8 +645,10 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     root_grads = root_unit - embedding
     unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
     return {
-        # rope_cos and rope_sin: fp32 buffers, not sharded.
-        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        # rope_cos and rope_sin: fp32 buffers, not sharded; each MoE block's routing biases, token counts and
+        # balance-loss sum (fp32, moe.py).
+        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2)
+        + FP32 * len(model.moe_layers) * (2 * model.n_experts + 1),
         # The root stays gathered through forward and backward; a block and the prefetched next one.
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
         # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients

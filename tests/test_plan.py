@@ -105,7 +105,8 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
                 "data": "data.py", "chunked_loss": "chunked_loss.py",
                 "document_attention": '{% if family != "hf" %}document_attention.py{% endif %}',
-                "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
+                "model_args": '{% if family == "llama" %}model_args.py{% endif %}',
+                "moe": '{% if family == "llama" %}moe.py{% endif %}'}  # fmt: skip
     for name, file in siblings.items():
         sys.modules[name] = load_template_module(name, TEMPLATE / file)
     try:
@@ -114,9 +115,10 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
         for name in siblings:
             del sys.modules[name]
     ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
-    shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
-    for tied in (True, False):
-        shape = replace(shape, tie_embeddings=tied)
+    dense = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
+    # And mixture-of-experts blocks after a dense one (router, stacked experts, shared experts: moe.py).
+    moe = replace(dense, n_experts=4, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1)
+    for shape in (replace(dense, tie_embeddings=True), dense, moe):
         with torch.device("meta"):
             model = Transformer(ModelArgs(**{k: getattr(shape, k) for k in LlamaShape.__dataclass_fields__}))
         # A tied output weight is the embedding's parameter: named_parameters() lists it once.
