@@ -285,9 +285,13 @@ def active_parameter_count(model: LlamaShape) -> int:
 
 
 def expert_shard_numel(shape: tuple[int, ...], dp_shard: int, ep: int) -> int:
-    """Elements of rank 0's shard of a stacked expert weight (n_experts, a, b): whole experts over ep ranks (dim 0),
-    then fully_shard over the dp_shard / ep ranks left (torchtitan's dp_shard_mod_ep): on dim 0 while each rank's
-    experts are at least as many as those ranks, else on dim 1 (torchtitan's shard_placement_fn), padded as FSDP2."""
+    """Elements of rank 0's shard of a stacked expert weight (n_experts, a, b). ep 1: part of its block, on dim 0
+    over dp_shard like any weight (padded to whole experts when they are fewer than the ranks). ep > 1
+    (expert_parallel.py, as torchtitan): whole experts over the ep ranks, then fully_shard over the dp_shard / ep
+    ranks that hold the same ones, on dim 0 while each rank's experts are at least as many as those ranks, else on
+    dim 1 (shard_placement_fn), padded as FSDP2 pads."""
+    if ep == 1:
+        return shard_numel(shape, dp_shard)
     local, ranks = math.ceil(shape[0] / ep), dp_shard // ep
     if local >= ranks:
         return math.ceil(local / ranks) * math.prod(shape[1:])
@@ -322,7 +326,7 @@ def norm_activation_bytes(hidden: int, compute: int) -> int:
     return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
 
 
-def moe_activation_parts(model: LlamaShape, tokens: int, compute: int) -> dict[str, int]:
+def moe_activation_parts(model: LlamaShape, tokens: int, compute: int, ep: int = 1) -> dict[str, int]:
     """What one mixture-of-experts feed-forward (moe.py's MoE) saves for backward, for `tokens` tokens on one rank,
     by part; all of it is held until the block's backward. (Its input, the normalised tokens, is counted with the
     block: the router's gate and the shared experts read it as a dense block's w1/w3 do.)
@@ -330,7 +334,8 @@ def moe_activation_parts(model: LlamaShape, tokens: int, compute: int) -> dict[s
     - router: the scores of all experts (softmax or sigmoid output, fp32), the top_k chosen scores and their sum
       (the normalisation's division keeps both) and the normalised weights (the combine's multiply keeps them);
     - indices: the chosen experts (topk's and gather's), the sorted choices' token indices (the dispatch gather)
-      and the inverse order (the combine gather), int64, tokens x top_k each;
+      and the inverse order (the combine gather), int64, tokens x top_k each; with ep > 1 two more, the orders
+      expert_parallel.py puts the received copies in (by expert) and back (by sender);
     - routed copies: tokens x top_k copies of the tokens in expert order, the experts' input (compute dtype);
       under expert parallelism the copies this rank received from the dispatch all-to-all instead, as many when
       the routing is balanced;
@@ -342,7 +347,7 @@ def moe_activation_parts(model: LlamaShape, tokens: int, compute: int) -> dict[s
     routed = tokens * model.top_k
     return {
         "router": FP32 * tokens * (model.n_experts + 2 * model.top_k + 1),
-        "indices": INT64 * 3 * routed,
+        "indices": INT64 * (3 if ep == 1 else 5) * routed,
         "routed copies": compute * routed * model.dim,
         "expert hidden": 4 * compute * routed * model.moe_ffn_dim,
         "combine": FP32 * routed * model.dim,
@@ -361,7 +366,7 @@ def all_to_all_bytes(model: LlamaShape, tokens: int, compute: int, ep: int) -> i
 
 
 def block_activation_bytes(
-    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False, ep: int = 1
 ) -> int:
     """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank (`moe`: a
     mixture-of-experts block, whose feed-forward saves moe_activation_parts; no tensor parallelism there).
@@ -378,7 +383,7 @@ def block_activation_bytes(
     # Rotated q, k, v and the attention output (laid out as batch, seq, heads, so wo's input is a view of it).
     split += compute * (hidden + 2 * kv + hidden)
     # w1 output (silu), silu output and w3 output (their product), and w2's input.
-    split += sum(moe_activation_parts(model, tokens, compute).values()) if moe else 4 * compute * ffn
+    split += sum(moe_activation_parts(model, tokens, compute, ep).values()) if moe else 4 * compute * ffn
     # rsqrt of both norms and attention's logsumexp, in fp32.
     split += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
     # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
@@ -465,7 +470,7 @@ def op_level_kept_bytes(
 
 
 def activation_bytes(
-    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1
+    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1, ep: int = 1
 ) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
@@ -476,7 +481,7 @@ def activation_bytes(
     With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
     moe = [isinstance(model, LlamaShape) and i in model.moe_layers for i in range(model.n_layers)]
-    blocks = {kind: block_activation_bytes(model, batch, seq_len, compute, tp, kind) for kind in set(moe)}
+    blocks = {kind: block_activation_bytes(model, batch, seq_len, compute, tp, kind, ep) for kind in set(moe)}
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
     head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
     if ac == "selective":
@@ -596,7 +601,7 @@ def _activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
     tokens."""
     model, seq = request.model, request.local_seq_len
     return {
-        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks)
+        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep)
         + family_activation_bytes(model, request.batch, seq, compute, mode)
         for mode in AC_MODES
     }
@@ -1173,15 +1178,17 @@ def _check_experts(request: PlanRequest) -> None:
                 "splits the experts over GPUs)"
             )
     dp_shard = request.fsdp_ranks
+    # As layout.py's check_expert_parallel: the largest ep not above the one asked for that both rules accept.
+    fitting = max(d for d in range(1, ep + 1) if dp_shard % d == 0 and experts % d == 0)
     if dp_shard % ep:
         raise PlanError(
             f"--ep {ep} must divide the {dp_shard} dp_shard ranks it borrows from ({request.world_size} GPUs); "
-            f"choose a divisor of {dp_shard}, e.g. --ep {math.gcd(dp_shard, experts, ep)}"
+            f"e.g. --ep {fitting}"
         )
     if experts % ep:
         raise PlanError(
-            f"--ep {ep} must divide model.n_experts ({experts}): each GPU holds n_experts / ep whole experts; choose "
-            f"a divisor of {experts}, e.g. --ep {math.gcd(dp_shard, experts, ep)}"
+            f"--ep {ep} must divide model.n_experts ({experts}): each GPU holds n_experts / ep whole experts; "
+            f"e.g. --ep {fitting}"
         )
 
 
@@ -1381,7 +1388,7 @@ def expert_lines(plan: Plan) -> list[str]:
     shard = FP32 * sum(request_shard_numel(request, name, shape) for name, shape in experts)
     gathered = compute * sum(gathered_numel(request, name, shape) for name, shape in experts[:3])
     tokens = request.batch * request.local_seq_len
-    parts = moe_activation_parts(model, tokens, compute)
+    parts = moe_activation_parts(model, tokens, compute, request.ep)
     held = ", ".join(f"{part} {_size(size)}" for part, size in parts.items() if size)
     lines = [
         f"experts: {model.n_experts} per MoE block x {len(model.moe_layers)} blocks, top {model.top_k}"
