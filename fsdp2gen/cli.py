@@ -621,7 +621,8 @@ PLAN_OPTIONS = [
 
 
 def _size_names() -> str:
-    """`plan --size`'s names (model.size's, then larger published shapes): 'a, b or c'."""
+    """`plan --size`'s names (model.size's and larger published shapes, the mixture-of-experts ones last): 'a, b or
+    c'."""
     *names, last = sizes()
     return f"{', '.join(names)} or {last}"
 
@@ -675,7 +676,11 @@ def plan(
     *,
     size: Annotated[
         str | None,
-        typer.Option(help=f"{_size_names()}: model.size's presets, then larger Llama 3 shapes.", show_default=False),
+        typer.Option(
+            help=f"{_size_names()}: model.size's presets and larger Llama 3 shapes, then the mixture-of-experts "
+            "presets.",
+            show_default=False,
+        ),
     ] = None,
     config: Annotated[
         Path | None,

@@ -58,7 +58,15 @@ from fsdp2gen.plan_families import (
     read_lora,
 )
 from fsdp2gen.questions import questions, read_answers, template_dir
-from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
+from fsdp2gen.sizes import (
+    LLAMA3_VOCAB,
+    LlamaShape,
+    shape_of,
+    sizes,
+    template_model_defaults,
+    template_sizes,
+    template_unset,
+)
 
 FP32 = 4
 INT64 = 8
@@ -103,6 +111,7 @@ TRAINING_LIMITS = {"global_batch_size": 2**24, "seq_len": 2**24, "grad_accum_ste
 SIZES = sizes()
 TEMPLATE_MODEL = template_model_defaults()
 TEMPLATE_SIZES = template_sizes()
+TEMPLATE_UNSET = template_unset()
 # The Llama 3 shapes among them (its 128256-token vocabulary), untied: 1b and 3b carry one more vocab x dim
 # matrix than Meta's checkpoints, which tie the output layer to the embedding (a project's model.tie_embeddings).
 LLAMA_SIZES = {name: shape for name, shape in SIZES.items() if shape.vocab_size == LLAMA3_VOCAB}
@@ -876,11 +885,14 @@ def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
         raise PlanError(
             f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}; {FIX_CONFIG}"
         )
+    # As ModelArgs.__post_init__: a key at its unset value (0, or UNSET's) takes the size's; a size without experts
+    # leaves the mixture-of-experts keys of UNSET at 0 (only the shape's are planned).
     for key, value in TEMPLATE_SIZES[model["size"]].items():
-        model[key] = model[key] or value
-    for key in ("n_shared_experts", "n_dense_layers"):  # -1: the size's value (0 is one of theirs); none: 0
-        if model.get(key) == -1:
-            model[key] = TEMPLATE_SIZES[model["size"]].get(key, 0)
+        if model[key] == TEMPLATE_UNSET.get(key, 0):
+            model[key] = value
+    for key in ("n_shared_experts", "n_dense_layers"):
+        if model[key] == TEMPLATE_UNSET[key]:
+            model[key] = 0
     for key, limit in MODEL_LIMITS.items():
         if not 1 <= model[key] <= limit:
             raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}; {FIX_CONFIG}")

@@ -71,6 +71,14 @@ def template_sizes() -> dict[str, dict[str, Any]]:
     raise LookupError(f"no SIZES in the template's {LLAMA_MODEL}")
 
 
+def template_unset() -> dict[str, Any]:
+    """model_args.py's UNSET: the keys whose "take model.size's value" is not 0 (0 is one of their values)."""
+    for node in _template_model().body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["UNSET"]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"no UNSET in the template's {LLAMA_MODEL}")
+
+
 def template_model_defaults() -> dict[str, Any]:
     """model_args.py's ModelArgs defaults, in field order: what a config.toml's [model] leaves out."""
     for node in _template_model().body:
@@ -97,6 +105,7 @@ def shape_of(keys: dict[str, Any]) -> LlamaShape:
 
 @cache
 def sizes() -> dict[str, LlamaShape]:
-    """Every size `plan --size` takes, narrowest first: model.size's names, then the published shapes."""
+    """Every size `plan --size` takes, narrowest first: model.size's names and the published shapes, the dense ones,
+    then the mixture-of-experts ones."""
     found = {name: shape_of(keys) for name, keys in template_sizes().items()} | PUBLISHED
-    return dict(sorted(found.items(), key=lambda item: (item[1].dim, item[1].n_layers)))
+    return dict(sorted(found.items(), key=lambda item: (item[1].n_experts > 0, item[1].dim, item[1].n_layers)))

@@ -221,27 +221,29 @@ def test_more_ep_never_gathers_more() -> None:
 
 # --- a --moe project: its config.toml, and the plan against the simulated step ---------------------------------
 
+# project "moe": Row.keys() sets no parallel.tp nor cpu_offload (a --moe project has neither).
 ROWS = [
-    Row("debug-moe-none", "debug-moe", ac="none", seq_len=512, global_batch_size=32),
-    Row("debug-moe-full", "debug-moe", ac="full", seq_len=512, global_batch_size=32),
-    Row("debug-moe-2gpus", "debug-moe", gpus=2, ac="none", seq_len=512, global_batch_size=8),
+    Row("debug-moe-none", "debug-moe", "moe", ac="none", seq_len=512, global_batch_size=32),
+    Row("debug-moe-full", "debug-moe", "moe", ac="full", seq_len=512, global_batch_size=32),
+    Row("debug-moe-2gpus", "debug-moe", "moe", gpus=2, ac="none", seq_len=512, global_batch_size=8),
     # Expert-heavy: 16 experts of hidden 256, top 4, no shared expert, 2 dense blocks of 6.
     Row("wide-moe-none", {"size": "debug-moe", "n_experts": 16, "top_k": 4, "moe_ffn_dim": 256, "n_shared_experts": 0,
-                          "n_layers": 6, "n_dense_layers": 2}, ac="none", seq_len=512, global_batch_size=32),
+                          "n_layers": 6, "n_dense_layers": 2}, "moe", ac="none", seq_len=512, global_batch_size=32),
 ]  # fmt: skip
 # Measured, not asserted within 10%: "layer" (plan counts every kept block and one recomputed one, as for dense
 # models; in backward the last kept block is already freed when the one before is recomputed: one block over,
 # which 4 blocks make +30%) and "selective" (per-expert loop's matmuls on CPU; GPUs run torch._grouped_mm).
 OVER = [
-    Row("debug-moe-layer", "debug-moe", ac="layer", seq_len=512, global_batch_size=32),
-    Row("debug-moe-selective", "debug-moe", ac="selective", seq_len=512, global_batch_size=32),
+    Row("debug-moe-layer", "debug-moe", "moe", ac="layer", seq_len=512, global_batch_size=32),
+    Row("debug-moe-selective", "debug-moe", "moe", ac="selective", seq_len=512, global_batch_size=32),
 ]
 TOLERANCE = 10  # %, as tests/test_plan_simulation.py
 
 
 @pytest.fixture(scope="module")
 def moe_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("plan_moe") / "project", "--moe", "--bf16", "--gpus", "8")
+    options = ("--moe", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")  # AC: a config key
+    return generate(tmp_path_factory.mktemp("plan_moe") / "project", *options)
 
 
 @pytest.fixture(scope="module")
