@@ -222,6 +222,7 @@ def test_more_ep_never_gathers_more() -> None:
 # --- a --moe project: its config.toml, and the plan against the simulated step ---------------------------------
 
 # project "moe": Row.keys() sets no parallel.tp nor cpu_offload (a --moe project has neither).
+TWELVE = {"size": "debug-moe", "n_layers": 12}
 ROWS = [
     Row("debug-moe-none", "debug-moe", "moe", ac="none", seq_len=512, global_batch_size=32),
     Row("debug-moe-full", "debug-moe", "moe", ac="full", seq_len=512, global_batch_size=32),
@@ -229,14 +230,14 @@ ROWS = [
     # Expert-heavy: 16 experts of hidden 256, top 4, no shared expert, 2 dense blocks of 6.
     Row("wide-moe-none", {"size": "debug-moe", "n_experts": 16, "top_k": 4, "moe_ffn_dim": 256, "n_shared_experts": 0,
                           "n_layers": 6, "n_dense_layers": 2}, "moe", ac="none", seq_len=512, global_batch_size=32),
+    # 12 blocks, op-level selective AC (measured +9%: the per-expert loop's matmuls on CPU, every other output kept;
+    # GPUs in bf16 run torch._grouped_mm, which the policy does not keep).
+    Row("debug-moe-12-selective", TWELVE, "moe", ac="selective", seq_len=512, global_batch_size=32),
 ]  # fmt: skip
-# Measured, not asserted within 10%: "layer" (plan counts every kept block and one recomputed one, as for dense
-# models; in backward the last kept block is already freed when the one before is recomputed: one block over,
-# which 4 blocks make +30%) and "selective" (per-expert loop's matmuls on CPU; GPUs run torch._grouped_mm).
-OVER = [
-    Row("debug-moe-layer", "debug-moe", "moe", ac="layer", seq_len=512, global_batch_size=32),
-    Row("debug-moe-selective", "debug-moe", "moe", ac="selective", seq_len=512, global_batch_size=32),
-]
+# Measured, not within 10%: "layer" (+12% with 12 blocks, +30% with debug-moe's 4). plan counts every kept block and
+# one recomputed block, as for dense models; in backward the last kept block is freed before the one below it is
+# recomputed, so the peak holds one block less: a block's share of the activations over.
+OVER = [Row("debug-moe-12-layer", TWELVE, "moe", ac="layer", seq_len=512, global_batch_size=32)]
 TOLERANCE = 10  # %, as tests/test_plan_simulation.py
 
 
@@ -283,6 +284,6 @@ def test_moe_plan_is_within_10_percent_of_the_simulated_step(measured: dict, row
 
 
 @pytest.mark.parametrize("row", OVER, ids=[row.id for row in OVER])
-def test_moe_plan_is_above_the_simulated_step_with_layer_and_selective_ac(measured: dict, row: Row) -> None:
+def test_moe_plan_is_above_the_simulated_step_with_layer_ac(measured: dict, row: Row) -> None:
     plan, sim = measured[row.id]["plan"], measured[row.id]["sim"]
-    assert 0 <= difference(plan["allocated"], sim["allocated"]) <= 35, (row.id, plan, sim)
+    assert 0 <= difference(plan["allocated"], sim["allocated"]) <= 15, (row.id, plan, sim)
