@@ -578,7 +578,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
-    unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
+    unsharded = FP32 * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["ring_attention"] = ring_attention_bytes(model, request.batch, request.seq_len, compute, tp, request.cp)
     per_gpu["all_to_all_buffers"] = all_to_all_bytes(model, request.batch * seq, compute, request.ep)
@@ -1476,6 +1476,10 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
     of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
     if isinstance(request.model, HfShape):
         raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
+    if has_experts(request.model):
+        raise PlanError(
+            f"--cp-sweep: mixture-of-experts models are not built for cp > 1; plan {request.label} without --cp-sweep"
+        )
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:

@@ -176,6 +176,8 @@ EP_REFUSALS = [
     (["--size", "debug-moe", "--cp", "2"],
      "--cp 2: mixture-of-experts models are not built for cp > 1; use --cp 1 (--ep splits the experts over GPUs)"),
     (["--size", "debug-moe", "--ep", "0"], "--ep must be at least 1, got 0; give --ep 1 or more"),
+    (["--size", "qwen3-30b-a3b", "--cp-sweep"],
+     "--cp-sweep: mixture-of-experts models are not built for cp > 1; plan llama qwen3-30b-a3b without --cp-sweep"),
 ]  # fmt: skip
 
 
@@ -209,6 +211,16 @@ def test_drawn_expert_layouts_are_planned_or_refused_in_one_line(experts: int, e
     assert shard * gpus >= math.prod(weight)  # nothing lost
     assert shard * gpus <= math.prod(weight) + gpus * 128 * 256  # at most one expert of padding per rank
     assert (plan.per_gpu["all_to_all_buffers"] == 0) == (ep == 1)
+
+
+def test_last_micro_batch_holds_this_ranks_experts_unsharded() -> None:
+    """grad_sync last_micro_batch: every GPU holds the unsharded fp32 gradients of what it gathers, so of its
+    n_experts / ep experts only."""
+    args = dict(size="debug-moe", gpus=8, precision="bf16", batch=1, seq=64, grad_sync="last_micro_batch")
+    plain, ep4 = (estimate(build_request(**args, ep=ep)).per_gpu for ep in (1, 4))
+    experts = 3 * 3 * 8 * 128 * 256  # 3 MoE blocks x w1, w2, w3
+    unsharded = {ep: per_gpu["deferred_gradients"] + per_gpu["gradients"] for ep, per_gpu in ((1, plain), (4, ep4))}
+    assert unsharded[1] - unsharded[4] == FP32 * experts * 3 // 4
 
 
 def test_more_ep_never_gathers_more() -> None:
