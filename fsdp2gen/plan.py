@@ -1250,6 +1250,11 @@ def _cp_fitting_seq_len(request: PlanRequest) -> int:
     return max(step, request.seq_len // step * step)
 
 
+def _count(parameters: int) -> str:
+    """A parameter count as model cards write it: 8.03B, or 4.24M below a billion."""
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+
+
 def _size(count: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
         if count >= scale:
@@ -1287,8 +1292,8 @@ def _sync_line(request: PlanRequest) -> str:
 def format_text(plan: Plan) -> str:
     request, model = plan.request, plan.request.model
     lines = [
-        f"{request.label}: {plan.parameters / 1e9:.2f}B parameters"
-        + (f" ({plan.active_parameters / 1e9:.2f}B active per token)" if has_experts(model) else "")
+        f"{request.label}: {_count(plan.parameters)} parameters"
+        + (f" ({_count(plan.active_parameters)} active per token)" if has_experts(model) else "")
         + f", {model.n_layers} blocks, dim {model.dim}",
         _setup_line(request),
         _sync_line(request),

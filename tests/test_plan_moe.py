@@ -151,6 +151,8 @@ def test_plan_text_shows_active_parameters_and_the_expert_layout() -> None:
         "dp_shard / ep = 16 ranks" in lines  # fmt: skip
     assert any(line.startswith("all-to-all (ep 16): each GPU sends and receives 4096 x top_k 8") for line in lines)
     assert any(line.startswith("all-to-all buffers (dispatch/combine, 1 layer)") for line in lines)
+    debug = invoke("plan", "--size", "debug-moe").stdout.splitlines()[0]
+    assert debug == "llama debug-moe: 4.24M parameters (2.47M active per token), 4 blocks, dim 256"
 
 
 def test_ep_is_suggested_when_the_gathered_experts_do_not_fit() -> None:
