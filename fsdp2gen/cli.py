@@ -621,7 +621,8 @@ PLAN_OPTIONS = [
 
 
 def _size_names() -> str:
-    """`plan --size`'s names (model.size's, then larger published shapes): 'a, b or c'."""
+    """`plan --size`'s names (model.size's and larger published shapes, the mixture-of-experts ones last): 'a, b or
+    c'."""
     *names, last = sizes()
     return f"{', '.join(names)} or {last}"
 
@@ -651,6 +652,14 @@ CpOption = Annotated[
         show_default=False,
     ),
 ]
+EpOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Expert parallelism (mixture-of-experts sizes): each GPU holds n_experts / ep experts, ep ranks borrowed "
+        "from dp_shard; tokens go to their experts' GPUs by all-to-all. [default: 1, or the project's parallel.ep]",
+        show_default=False,
+    ),
+]
 CpSweepOption = Annotated[
     bool,
     typer.Option(
@@ -667,7 +676,11 @@ def plan(
     *,
     size: Annotated[
         str | None,
-        typer.Option(help=f"{_size_names()}: model.size's presets, then larger Llama 3 shapes.", show_default=False),
+        typer.Option(
+            help=f"{_size_names()}: model.size's presets and larger Llama 3 shapes, then the mixture-of-experts "
+            "presets.",
+            show_default=False,
+        ),
     ] = None,
     config: Annotated[
         Path | None,
@@ -684,6 +697,7 @@ def plan(
     grad_sync: GradSyncOption = None,
     cp: CpOption = None,
     cp_sweep: CpSweepOption = False,
+    ep: EpOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -697,7 +711,7 @@ def plan(
             )
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
-            cp=cp, **_given_answers(answers),
+            cp=cp, ep=ep, **_given_answers(answers),
         )  # fmt: skip
         if cp_sweep:
             plans = planner.cp_sweep(request)

@@ -58,7 +58,15 @@ from fsdp2gen.plan_families import (
     read_lora,
 )
 from fsdp2gen.questions import questions, read_answers, template_dir
-from fsdp2gen.sizes import LLAMA3_VOCAB, LlamaShape, shape_of, sizes, template_model_defaults, template_sizes
+from fsdp2gen.sizes import (
+    LLAMA3_VOCAB,
+    LlamaShape,
+    shape_of,
+    sizes,
+    template_model_defaults,
+    template_sizes,
+    template_unset,
+)
 
 FP32 = 4
 INT64 = 8
@@ -84,7 +92,7 @@ class PlanError(ValueError):
 # Upper bounds of the inputs: GPUs per node and nodes as the generator's copier.yml bounds them; the rest far
 # above any model or run there is, so that a typo (an extra digit or ten) is refused instead of planned, and
 # the per-layer arithmetic stays instant. Every input is at least 1.
-LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--batch": 2**16, "--seq": 2**24}
+LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--ep": 2**16, "--batch": 2**16, "--seq": 2**24}
 MODEL_LIMITS = {
     "dim": 2**17,
     "n_layers": 2**12,
@@ -103,9 +111,12 @@ TRAINING_LIMITS = {"global_batch_size": 2**24, "seq_len": 2**24, "grad_accum_ste
 SIZES = sizes()
 TEMPLATE_MODEL = template_model_defaults()
 TEMPLATE_SIZES = template_sizes()
+TEMPLATE_UNSET = template_unset()
 # The Llama 3 shapes among them (its 128256-token vocabulary), untied: 1b and 3b carry one more vocab x dim
 # matrix than Meta's checkpoints, which tie the output layer to the embedding (a project's model.tie_embeddings).
 LLAMA_SIZES = {name: shape for name, shape in SIZES.items() if shape.vocab_size == LLAMA3_VOCAB}
+# The mixture-of-experts sizes (model.size's debug-moe, qwen3-30b-a3b, deepseek-v3).
+MOE_SIZES = [name for name, shape in SIZES.items() if shape.n_experts]
 TEMPLATE_TRAINING = {"global_batch_size": 32, "seq_len": 256, "grad_accum_steps": 1}
 TEMPLATE_GRAD_SYNC = "every_micro_batch"
 # training.loss_chunks of the generated config: the loss's logits are computed this many sequence chunks at a time.
@@ -168,6 +179,7 @@ class PlanRequest:
     ac: str = "none"
     tp: int = 1
     cp: int = 1  # context parallelism: each rank of a cp group holds seq_len / cp tokens of every sample
+    ep: int = 1  # expert parallelism: each rank holds n_experts / ep experts, ranks borrowed from dp_shard
     seq_len: int = 8192
     micro_batch: int | None = None  # samples per GPU per forward; None: from global_batch_size
     global_batch_size: int | None = None
@@ -238,18 +250,75 @@ def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[in
             (block + "attention.wv.weight", column(model.n_kv_heads * hd, d)),
             (block + "attention.wo.weight", row(d, model.n_heads * hd)),
             (block + "ffn_norm.weight", (d,)),
+        ]
+        shapes += moe_shapes(model, block) if i in model.moe_layers else [
             (block + "feed_forward.w1.weight", column(model.ffn_dim, d)),
             (block + "feed_forward.w2.weight", row(d, model.ffn_dim)),
             (block + "feed_forward.w3.weight", column(model.ffn_dim, d)),
-        ]
+        ]  # fmt: skip
     shapes += [("norm.weight", (d,))]
     if not model.tie_embeddings:
         shapes += [("output.weight", column(model.vocab_size, d))]
     return shapes
 
 
+def moe_shapes(model: LlamaShape, block: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A mixture-of-experts feed-forward's parameters (moe.py's MoE, named_parameters() order): the router's gate,
+    the experts' stacked w1, w2, w3 (n_experts, out, in), and the shared experts' one SwiGLU (if any)."""
+    d, e, h = model.dim, model.n_experts, model.moe_ffn_dim
+    shapes = [(block + "feed_forward.router.gate.weight", (e, d))]
+    shapes += [(block + f"feed_forward.experts.{w}", (e, d, h) if w == "w2" else (e, h, d)) for w in ("w1", "w2", "w3")]
+    shared = model.n_shared_experts * h
+    if shared:
+        shapes += [(block + f"feed_forward.shared_experts.{w}.weight", (d, shared) if w == "w2" else (shared, d))
+                   for w in ("w1", "w2", "w3")]  # fmt: skip
+    return shapes
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` is a routed expert's stacked weight (sharded over ep, then dp_shard / ep)."""
+    return ".experts.w" in name
+
+
 def parameter_count(model: LlamaShape) -> int:
     return sum(math.prod(shape) for _, shape in parameter_shapes(model))
+
+
+def active_parameter_count(model: LlamaShape) -> int:
+    """The parameters one token goes through: all but the routed experts it is not sent to (each MoE layer's
+    n_experts - top_k of them); the router, the shared experts, the embedding and the output layer count."""
+    if isinstance(model, HfShape) or not model.n_experts:
+        return parameter_count(model)
+    idle = (model.n_experts - model.top_k) * 3 * model.dim * model.moe_ffn_dim
+    return parameter_count(model) - len(model.moe_layers) * idle
+
+
+def expert_shard_numel(shape: tuple[int, ...], dp_shard: int, ep: int) -> int:
+    """Elements of rank 0's shard of a stacked expert weight (n_experts, a, b). ep 1: part of its block, on dim 0
+    over dp_shard like any weight (padded to whole experts when they are fewer than the ranks). ep > 1
+    (expert_parallel.py, as torchtitan): whole experts over the ep ranks, then fully_shard over the dp_shard / ep
+    ranks that hold the same ones, on dim 0 while each rank's experts are at least as many as those ranks, else on
+    dim 1 (shard_placement_fn), padded as FSDP2 pads."""
+    if ep == 1:
+        return shard_numel(shape, dp_shard)
+    local, ranks = math.ceil(shape[0] / ep), dp_shard // ep
+    if local >= ranks:
+        return math.ceil(local / ranks) * math.prod(shape[1:])
+    return local * math.ceil(shape[1] / ranks) * shape[2]
+
+
+def request_shard_numel(request: PlanRequest, name: str, shape: tuple[int, ...]) -> int:
+    """Elements of rank 0's shard of parameter `name` under the request's layout: experts by expert_shard_numel,
+    the rest over all FSDP ranks."""
+    if is_expert(name):
+        return expert_shard_numel(shape, request.fsdp_ranks, request.ep)
+    return shard_numel(shape, request.fsdp_ranks)
+
+
+def gathered_numel(request: PlanRequest, name: str, shape: tuple[int, ...]) -> int:
+    """Elements of `name` once FSDP all-gathers it: the whole tensor, or for an expert weight this rank's
+    n_experts / ep experts."""
+    return math.prod(shape) // request.ep if is_expert(name) else math.prod(shape)
 
 
 def shard_numel(shape: tuple[int, ...], ranks: int) -> int:
@@ -266,8 +335,50 @@ def norm_activation_bytes(hidden: int, compute: int) -> int:
     return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
 
 
-def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
-    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank.
+def moe_activation_parts(model: LlamaShape, tokens: int, compute: int, ep: int = 1) -> dict[str, int]:
+    """What one mixture-of-experts feed-forward (moe.py's MoE) saves for backward, for `tokens` tokens on one rank,
+    by part; all of it is held until the block's backward. (Its input, the normalised tokens, is counted with the
+    block: the router's gate and the shared experts read it as a dense block's w1/w3 do.)
+
+    - router: the scores of all experts (softmax or sigmoid output, fp32), the top_k chosen scores and their sum
+      (the normalisation's division keeps both) and the normalised weights (the combine's multiply keeps them);
+    - indices: the chosen experts (topk's and gather's), the sorted choices' token indices (the dispatch gather)
+      and the inverse order (the combine gather), int64, tokens x top_k each; with ep > 1 two more, the orders
+      expert_parallel.py puts the received copies in (by expert) and back (by sender);
+    - routed copies: tokens x top_k copies of the tokens in expert order, the experts' input (compute dtype);
+      under expert parallelism the copies this rank received from the dispatch all-to-all instead, as many when
+      the routing is balanced;
+    - expert hidden: per routed copy the SwiGLU's w1 output, silu output, w3 output and their product;
+    - combine: the experts' outputs back in token order, in fp32 for the weighted sum over the top_k choices;
+    - shared experts: a dense SwiGLU of n_shared_experts x moe_ffn_dim hidden units.
+    The auxiliary balance loss (model.aux_loss_coef > 0) adds one fp32 per token (the scores' sums): not counted.
+    """
+    routed = tokens * model.top_k
+    return {
+        "router": FP32 * tokens * (model.n_experts + 2 * model.top_k + 1),
+        "indices": INT64 * (3 if ep == 1 else 5) * routed,
+        "routed copies": compute * routed * model.dim,
+        "expert hidden": 4 * compute * routed * model.moe_ffn_dim,
+        "combine": FP32 * routed * model.dim,
+        "shared experts": 4 * compute * tokens * model.n_shared_experts * model.moe_ffn_dim,
+    }
+
+
+def all_to_all_bytes(model: LlamaShape, tokens: int, compute: int, ep: int) -> int:
+    """Expert parallelism's dispatch and combine all-to-alls for one MoE layer: each rank sends its tokens x top_k
+    routed copies and receives as many (balanced routing), in the compute dtype; the send and receive buffers of
+    one exchange coexist, and backward exchanges the gradients the same way. Not held for backward (the received
+    copies are: moe_activation_parts' routed copies), so one layer's pair at the peak. 0 without ep."""
+    if ep == 1 or isinstance(model, HfShape) or not model.n_experts:
+        return 0
+    return 2 * compute * tokens * model.top_k * model.dim
+
+
+def block_activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False, ep: int = 1
+) -> int:
+    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank (`moe`: a
+    mixture-of-experts block, whose feed-forward saves moe_activation_parts; no tensor parallelism there).
 
     With tp > 1 (train.py's apply_tensor_parallel, torchtitan's layout) a rank holds 1/tp of everything (the
     norms' tokens, the attention heads, the MLP's hidden units) except the inputs of wq/wk/wv and of w1/w3:
@@ -281,7 +392,7 @@ def block_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute:
     # Rotated q, k, v and the attention output (laid out as batch, seq, heads, so wo's input is a view of it).
     split += compute * (hidden + 2 * kv + hidden)
     # w1 output (silu), silu output and w3 output (their product), and w2's input.
-    split += 4 * compute * ffn
+    split += sum(moe_activation_parts(model, tokens, compute, ep).values()) if moe else 4 * compute * ffn
     # rsqrt of both norms and attention's logsumexp, in fp32.
     split += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
     # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
@@ -333,14 +444,29 @@ def loss_backward_bytes(
     return gradients + compute * vocab * model.dim
 
 
-def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1) -> int:
+def op_level_kept_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False
+) -> int:
     """Bytes one block keeps under op-level selective AC (activation_checkpoint.py, torchtitan's policy): the
     outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2; wk, wo and w3 are recomputed), attention's
     output and logsumexp, and with tp > 1 the two reduce-scatters' outputs (wo's and w2's, sequence-split).
 
     tp > 1: wq/wv/w1 outputs hold this rank's heads or hidden units (1/tp); w2's output is the full-sequence
     partial sum that the reduce-scatter then splits. (tests/test_op_level_ac.py measures this figure.)
+
+    `moe`: a mixture-of-experts block's 5th matmul is the router's gate (its output kept), then every other one of
+    the experts' w1, w3, w2 matmuls of the per-expert loop (about half of their outputs) and of the shared
+    experts'. On H100-class GPUs in bf16 the experts run as torch._grouped_mm, which the policy does not keep: this
+    counts the loop's (an upper bound there; not checked against a measurement).
     """
+    if moe:
+        tokens = batch * seq_len
+        attention = compute * (2 * tokens * model.dim + tokens * model.n_kv_heads * model.head_dim)
+        attention += FP32 * batch * model.n_heads * seq_len
+        routed = tokens * model.top_k
+        shared = model.n_shared_experts * model.moe_ffn_dim
+        experts = compute * (routed * (2 * model.moe_ffn_dim + model.dim) + tokens * (2 * shared + model.dim)) // 2
+        return attention + compute * tokens * model.n_experts + experts
     tokens = batch * seq_len
     hidden = tokens * model.dim
     kv = tokens * model.n_kv_heads * model.head_dim
@@ -353,7 +479,7 @@ def op_level_kept_bytes(model: LlamaShape, batch: int, seq_len: int, compute: in
 
 
 def activation_bytes(
-    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1
+    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1, ep: int = 1
 ) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
@@ -363,15 +489,18 @@ def activation_bytes(
     backward recomputes the rest of one block at a time.
     With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
-    block = block_activation_bytes(model, batch, seq_len, compute, tp)
+    moe = [isinstance(model, LlamaShape) and i in model.moe_layers for i in range(model.n_layers)]
+    blocks = {kind: block_activation_bytes(model, batch, seq_len, compute, tp, kind, ep) for kind in set(moe)}
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
     head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
     if ac == "selective":
-        return model.n_layers * (block_input + op_level_kept_bytes(model, batch, seq_len, compute, tp)) + block + head
-    checkpointed = {"none": 0, "layer": (model.n_layers + 1) // 2, "full": model.n_layers}[ac]
-    kept = (model.n_layers - checkpointed) * block + checkpointed * block_input
-    recompute = block if checkpointed else 0
-    return kept + recompute + head
+        kept = sum(op_level_kept_bytes(model, batch, seq_len, compute, tp, kind) for kind in moe)
+        return model.n_layers * block_input + kept + max(blocks.values()) + head
+    # layer: blocks 0, 2, 4, ... are checkpointed; full: all of them. Backward recomputes one at a time.
+    checkpointed = {"none": [], "layer": moe[::2], "full": moe}[ac]
+    kept = sum(blocks[kind] for kind in moe) - sum(blocks[kind] for kind in checkpointed)
+    recompute = max((blocks[kind] for kind in checkpointed), default=0)
+    return kept + len(checkpointed) * block_input + recompute + head
 
 
 def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, cp: int = 1) -> int:
@@ -422,16 +551,17 @@ class Plan:
     fits: bool
     levers: list[Lever]
     trainable: int = 0  # parameters with gradients and optimizer state: all, or with LoRA the adapters
+    active_parameters: int = 0  # that one token goes through: parameters less the experts it is not routed to
 
 
 def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
-    model, ranks = request.model, request.fsdp_ranks
+    model = request.model
     compute = COMPUTE_BYTES[request.precision]
     shapes = parameter_shapes(model, request.tp)
-    sharded = sum(shard_numel(shape, ranks) for _, shape in shapes)
+    sharded = sum(request_shard_numel(request, name, shape) for name, shape in shapes)
     # With LoRA only the adapters have gradients and AdamW state (the frozen weights are sharded all the same).
     trainable = [(name, shape) for name, shape in shapes if is_trainable(model, name)]
-    trained = sum(shard_numel(shape, ranks) for _, shape in trainable)
+    trained = sum(request_shard_numel(request, name, shape) for name, shape in trainable)
     # Of the whole model (shapes are this tensor-parallel rank's).
     trained_total = sum(math.prod(shape) for name, shape in parameter_shapes(model) if is_trainable(model, name))
     state = {
@@ -448,15 +578,17 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
-    unsharded = FP32 * sum(math.prod(shape) for _, shape in trainable)
+    unsharded = FP32 * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["ring_attention"] = ring_attention_bytes(model, request.batch, request.seq_len, compute, tp, request.cp)
+    per_gpu["all_to_all_buffers"] = all_to_all_bytes(model, request.batch * seq, compute, request.ep)
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
     per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
+        active_parameters=active_parameter_count(model),
         trainable=trained_total,
         per_gpu=per_gpu,
         activations=activations,
@@ -478,7 +610,7 @@ def _activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
     tokens."""
     model, seq = request.model, request.local_seq_len
     return {
-        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks)
+        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep)
         + family_activation_bytes(model, request.batch, seq, compute, mode)
         for mode in AC_MODES
     }
@@ -516,7 +648,7 @@ EMBEDDINGS = ("tok_embeddings.weight", "model.embed_tokens.weight")
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
     """The model's buffers and FSDP2's all-gather and reduce-scatter buffers, per GPU."""
     model = request.model
-    block_unit = sum(math.prod(shape) for name, shape in shapes if _in_block(name, "0."))
+    block_unit = largest_block(request, shapes)
     root_unit = sum(math.prod(shape) for name, shape in shapes if not _in_block(name))
     # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
     # the accumulated ones (deferred_gradients), not more memory.
@@ -527,14 +659,27 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     root_grads = root_unit - embedding
     unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
     return {
-        # rope_cos and rope_sin: fp32 buffers, not sharded.
-        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        # rope_cos and rope_sin: fp32 buffers, not sharded; each MoE block's routing biases, token counts and
+        # balance-loss sum (fp32, moe.py).
+        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2)
+        + FP32 * len(model.moe_layers) * (2 * model.n_experts + 1),
         # The root stays gathered through forward and backward; a block and the prefetched next one.
         "all_gather_buffers": compute * (root_unit + 2 * block_unit),
         # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
         "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
     }
+
+
+def largest_block(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Elements of the largest block once gathered (a mixture-of-experts block's experts: this rank's n_experts /
+    ep; a dense model's blocks are all alike)."""
+    blocks: dict[str, int] = {}
+    for name, shape in shapes:
+        if _in_block(name):
+            index = name.removeprefix("model.").split(".")[1]
+            blocks[index] = blocks.get(index, 0) + gathered_numel(request, name, shape)
+    return max(blocks.values(), default=0)
 
 
 def _in_block(name: str, index: str = "") -> bool:
@@ -600,7 +745,9 @@ def _levers(plan: Plan) -> list[Lever]:
         if request.grad_sync != "every_micro_batch":
             smaller += " --grad-sync every_micro_batch"
         options.append((smaller, replace(every, micro_batch=request.batch // 2, grad_accum_steps=accum)))
-    if not isinstance(request.model, HfShape):
+    if has_experts(request.model):
+        options += _ep_levers(plan)
+    elif not isinstance(request.model, HfShape):
         options += _cp_levers(plan)
     more = replace(request, nodes=request.nodes * 2)
     if request.micro_batch is None and request.global_batch_size is not None:
@@ -613,6 +760,27 @@ def _levers(plan: Plan) -> list[Lever]:
         if total < plan.per_gpu["total"]:
             levers.append(Lever(option, plan.per_gpu["total"] - total, total, total <= plan.usable_bytes))
     return sorted(levers, key=lambda lever: -lever.saves_bytes)
+
+
+def has_experts(model: LlamaShape) -> bool:
+    """Whether `model` is a mixture-of-experts llama (hf models are planned dense)."""
+    return not isinstance(model, HfShape) and model.n_experts > 0
+
+
+def _ep_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
+    """A larger expert-parallel degree for a mixture-of-experts model: the smallest that fits, else the largest the
+    GPUs and the experts allow (a power of 2 times the current one dividing both dp_shard and n_experts). The
+    state per GPU stays (experts are sharded over ep x dp_shard / ep either way); what shrinks is the gathered
+    block, n_experts / ep experts instead of all, and its gradients before the reduce-scatter."""
+    request, found = plan.request, []
+    ep = request.ep * 2
+    while request.fsdp_ranks % ep == 0 and request.model.n_experts % ep == 0:
+        changed = replace(request, ep=ep)
+        found.append((f"--ep {ep} ({request.model.n_experts // ep} experts per GPU)", changed))
+        if estimate(changed, with_levers=False).fits:
+            break
+        ep *= 2
+    return found[-1:]
 
 
 def _cp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
@@ -717,8 +885,14 @@ def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
         raise PlanError(
             f"{path}: model.size must be one of {', '.join(TEMPLATE_SIZES)}, got {model['size']!r}; {FIX_CONFIG}"
         )
+    # As ModelArgs.__post_init__: a key at its unset value (0, or UNSET's) takes the size's; a size without experts
+    # leaves the mixture-of-experts keys of UNSET at 0 (only the shape's are planned).
     for key, value in TEMPLATE_SIZES[model["size"]].items():
-        model[key] = model[key] or value
+        if model[key] == TEMPLATE_UNSET.get(key, 0):
+            model[key] = value
+    for key in ("n_shared_experts", "n_dense_layers"):
+        if model[key] == TEMPLATE_UNSET[key]:
+            model[key] = 0
     for key, limit in MODEL_LIMITS.items():
         if not 1 <= model[key] <= limit:
             raise PlanError(f"{path}: model.{key} must be from 1 to {limit}, got {model[key]}; {FIX_CONFIG}")
@@ -776,17 +950,18 @@ def build_request(
     grad_sync: str | None = None,
     hf_config: Path | None = None,
     cp: int | None = None,
+    ep: int | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project or of --size, with the options given overriding them."""
     sources = [flag for flag, value in (("--size", size), ("--config", config), ("--hf-config", hf_config)) if value]
     if len(sources) > 1:
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
-    numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--batch": batch, "--seq": seq}
+    numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--ep": ep, "--batch": batch, "--seq": seq}
     ac = activation_checkpointing or "none"
     _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
     request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
-    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "micro_batch": batch}
+    given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "ep": ep, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
     _check_request(request, config)
@@ -858,6 +1033,7 @@ def _project_request(config: Path, tp: int | None, seq: int | None, cp: int | No
         precision=str(_default("precision", answers)),
         tp=tp or _project_tp(config, answers),
         cp=cp,
+        ep=_project_parallel(config, answers, "ep"),
         seq_len=seq or training["seq_len"],
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],
@@ -965,6 +1141,7 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
         )
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
+    _check_experts(request)
     # layout.py's checks, as preflight.py runs them, worded with plan's options.
     cp = request.cp
     layout = parallel_layout(request.world_size, tp, cp)
@@ -985,6 +1162,46 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
             layout.check_context_parallel(training)
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
+
+
+def _check_experts(request: PlanRequest) -> None:
+    """model_args.py's rules of the mixture-of-experts keys, and expert parallelism's (ep borrows its ranks from
+    dp_shard and gives each of them whole experts), worded with plan's options."""
+    model, ep = request.model, request.ep
+    experts = model.n_experts if isinstance(model, LlamaShape) and not isinstance(model, HfShape) else 0
+    if not experts:
+        if ep > 1:
+            raise PlanError(
+                f"--ep {ep}: {request.label} has no experts (model.n_experts 0); use --ep 1 or plan a "
+                f"mixture-of-experts size ({', '.join(MOE_SIZES)})"
+            )
+        return
+    if not 1 <= model.top_k <= experts:
+        raise PlanError(f"model.top_k ({model.top_k}) must be between 1 and model.n_experts ({experts}); {FIX_CONFIG}")
+    if model.moe_ffn_dim < 1 or model.n_dense_layers >= model.n_layers:
+        raise PlanError(
+            f"model.n_experts {experts} needs model.moe_ffn_dim > 0 and model.n_dense_layers < model.n_layers "
+            f"({model.n_layers}); {FIX_CONFIG}"
+        )
+    for flag, degree in (("--tp", request.tp), ("--cp", request.cp)):
+        if degree > 1:
+            raise PlanError(
+                f"{flag} {degree}: mixture-of-experts models are not built for {flag[2:]} > 1; use {flag} 1 (--ep "
+                "splits the experts over GPUs)"
+            )
+    dp_shard = request.fsdp_ranks
+    # As layout.py's check_expert_parallel: the largest ep not above the one asked for that both rules accept.
+    fitting = max(d for d in range(1, ep + 1) if dp_shard % d == 0 and experts % d == 0)
+    if dp_shard % ep:
+        raise PlanError(
+            f"--ep {ep} must divide the {dp_shard} dp_shard ranks it borrows from ({request.world_size} GPUs); "
+            f"e.g. --ep {fitting}"
+        )
+    if experts % ep:
+        raise PlanError(
+            f"--ep {ep} must divide model.n_experts ({experts}): each GPU holds n_experts / ep whole experts; "
+            f"e.g. --ep {fitting}"
+        )
 
 
 def cp_takes(seq_len: int, cp: int, tp: int, loss_chunks: int) -> bool:
@@ -1033,6 +1250,11 @@ def _cp_fitting_seq_len(request: PlanRequest) -> int:
     return max(step, request.seq_len // step * step)
 
 
+def _count(parameters: int) -> str:
+    """A parameter count as model cards write it: 8.03B, or 4.24M below a billion."""
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+
+
 def _size(count: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
         if count >= scale:
@@ -1049,6 +1271,7 @@ ROWS = {
     "all_gather_buffers": "all-gather buffers (root + 2 blocks)",
     "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
     "ring_attention": "ring attention (whole-sequence K/V, fp32 grads)",
+    "all_to_all_buffers": "all-to-all buffers (dispatch/combine, 1 layer)",
     "loss_backward": "loss backward (fp32 logit gradients)",
 }
 
@@ -1069,7 +1292,9 @@ def _sync_line(request: PlanRequest) -> str:
 def format_text(plan: Plan) -> str:
     request, model = plan.request, plan.request.model
     lines = [
-        f"{request.label}: {plan.parameters / 1e9:.2f}B parameters, {model.n_layers} blocks, dim {model.dim}",
+        f"{request.label}: {_count(plan.parameters)} parameters"
+        + (f" ({_count(plan.active_parameters)} active per token)" if has_experts(model) else "")
+        + f", {model.n_layers} blocks, dim {model.dim}",
         _setup_line(request),
         _sync_line(request),
         *family_lines(plan),
@@ -1111,6 +1336,8 @@ def _memory_rows(plan: Plan) -> list[str]:
             continue  # every_micro_batch or no accumulation: the gradients stay sharded
         if key == "ring_attention" and request.cp == 1:
             continue  # no context parallelism: plain SDPA
+        if key == "all_to_all_buffers" and request.ep == 1:
+            continue  # no expert parallelism: every rank holds every expert
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         rows.append(f"{label:<48}{_size(value):>12}")
@@ -1159,10 +1386,41 @@ def family_lines(plan: Plan) -> list[str]:
                 f"LoRA rank {model.lora.rank} on {', '.join(model.lora.targets)}: {plan.trainable:,} trainable "
                 "parameters; the frozen weights are sharded and gathered but have no gradients or AdamW state"
             )
+    if has_experts(model):
+        lines += expert_lines(plan)
     if plan.request.task == "sft":
         lines.append(
             "task sft: the memory of pretraining; the prompt's tokens are masked in the targets (-100, no loss), "
             "which have the same int64 shape"
+        )
+    return lines
+
+
+def expert_lines(plan: Plan) -> list[str]:
+    """A mixture-of-experts model's layout: its experts, where their weights live per GPU, and what one MoE layer
+    holds for backward."""
+    request, model = plan.request, plan.request.model
+    compute = COMPUTE_BYTES[request.precision]
+    experts = [(name, shape) for name, shape in parameter_shapes(model) if is_expert(name)]
+    shard = FP32 * sum(request_shard_numel(request, name, shape) for name, shape in experts)
+    gathered = compute * sum(gathered_numel(request, name, shape) for name, shape in experts[:3])
+    tokens = request.batch * request.local_seq_len
+    parts = moe_activation_parts(model, tokens, compute, request.ep)
+    held = ", ".join(f"{part} {_size(size)}" for part, size in parts.items() if size)
+    lines = [
+        f"experts: {model.n_experts} per MoE block x {len(model.moe_layers)} blocks, top {model.top_k}"
+        + (f" + {model.n_shared_experts} shared" if model.n_shared_experts else "")
+        + f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep = "
+        f"{request.fsdp_ranks // request.ep} ranks",
+        f"expert weights per GPU: {_size(shard)} fp32 shards (of the parameters row), {_size(gathered)} gathered "
+        "per MoE block",
+        f"MoE block activations held for backward ({tokens} tokens, balanced routing): {held}",
+    ]
+    if request.ep > 1:
+        lines.append(
+            f"all-to-all (ep {request.ep}): each GPU sends and receives {tokens} x top_k {model.top_k} token copies "
+            f"per exchange (dispatch, combine, and both in backward): {_size(plan.per_gpu['all_to_all_buffers'])} "
+            "send + receive buffers, not held for backward"
         )
     return lines
 
@@ -1175,6 +1433,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "label": request.label,
             "source": source,
             "parameters": plan.parameters,
+            "active_parameters": plan.active_parameters,
             "trainable_parameters": plan.trainable,
             "task": request.task,
             **asdict(request.model),
@@ -1186,6 +1445,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "fsdp_ranks": request.fsdp_ranks,
             "tp": request.tp,
             "cp": request.cp,
+            "ep": request.ep,
             "precision": request.precision,
             "offload": request.offload,
             "ac": request.ac,
@@ -1221,6 +1481,10 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
     of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
     if isinstance(request.model, HfShape):
         raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
+    if has_experts(request.model):
+        raise PlanError(
+            f"--cp-sweep: mixture-of-experts models are not built for cp > 1; plan {request.label} without --cp-sweep"
+        )
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:

@@ -31,10 +31,22 @@ class LlamaShape:
     vocab_size: int = LLAMA3_VOCAB
     max_seq_len: int = 8192
     tie_embeddings: bool = False  # the output layer reuses the embedding matrix: one vocab x dim matrix fewer
+    # Mixture of experts (the template's moe.py; 0 experts: dense): blocks n_dense_layers.. route each token to
+    # top_k of n_experts experts of hidden size moe_ffn_dim, plus n_shared_experts x moe_ffn_dim shared hidden units.
+    n_experts: int = 0
+    top_k: int = 0
+    moe_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def moe_layers(self) -> range:
+        """The blocks whose feed-forward is a mixture of experts (model_args.py's ModelArgs.moe_layers)."""
+        return range(self.n_dense_layers, self.n_layers) if self.n_experts else range(0)
 
 
 # Llama 3 (70b), 3.1 (405b) and 3.2 (3b) shapes that model.size does not offer, untied: 3b carries one more
@@ -57,6 +69,14 @@ def template_sizes() -> dict[str, dict[str, Any]]:
         if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["SIZES"]:
             return ast.literal_eval(node.value)
     raise LookupError(f"no SIZES in the template's {LLAMA_MODEL}")
+
+
+def template_unset() -> dict[str, Any]:
+    """model_args.py's UNSET: the keys whose "take model.size's value" is not 0 (0 is one of their values)."""
+    for node in _template_model().body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["UNSET"]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"no UNSET in the template's {LLAMA_MODEL}")
 
 
 def template_model_defaults() -> dict[str, Any]:
@@ -85,6 +105,7 @@ def shape_of(keys: dict[str, Any]) -> LlamaShape:
 
 @cache
 def sizes() -> dict[str, LlamaShape]:
-    """Every size `plan --size` takes, narrowest first: model.size's names, then the published shapes."""
+    """Every size `plan --size` takes, narrowest first: model.size's names and the published shapes, the dense ones,
+    then the mixture-of-experts ones."""
     found = {name: shape_of(keys) for name, keys in template_sizes().items()} | PUBLISHED
-    return dict(sorted(found.items(), key=lambda item: (item[1].dim, item[1].n_layers)))
+    return dict(sorted(found.items(), key=lambda item: (item[1].n_experts > 0, item[1].dim, item[1].n_layers)))

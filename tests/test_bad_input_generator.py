@@ -893,7 +893,8 @@ CASES = [
     Case(
         "plan-size-unknown",
         ("plan", "--size", "1t"),
-        "--size 1t: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b",
+        "--size 1t: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b, debug-moe, qwen3-30b-a3b, "
+        "deepseek-v3",
     ),
     Case(
         "plan-config-missing",

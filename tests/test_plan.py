@@ -105,7 +105,8 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
                 "data": "data.py", "chunked_loss": "chunked_loss.py",
                 "document_attention": '{% if family != "hf" %}document_attention.py{% endif %}',
-                "model_args": '{% if family == "llama" %}model_args.py{% endif %}'}  # fmt: skip
+                "model_args": '{% if family == "llama" %}model_args.py{% endif %}',
+                "moe": '{% if family == "llama" %}moe.py{% endif %}'}  # fmt: skip
     for name, file in siblings.items():
         sys.modules[name] = load_template_module(name, TEMPLATE / file)
     try:
@@ -114,9 +115,10 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
         for name in siblings:
             del sys.modules[name]
     ModelArgs, Transformer = template_model.ModelArgs, template_model.Transformer
-    shape = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
-    for tied in (True, False):
-        shape = replace(shape, tie_embeddings=tied)
+    dense = LlamaShape(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=300, max_seq_len=40)
+    # And mixture-of-experts blocks after a dense one (router, stacked experts, shared experts: moe.py).
+    moe = replace(dense, n_experts=4, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1)
+    for shape in (replace(dense, tie_embeddings=True), dense, moe):
         with torch.device("meta"):
             model = Transformer(ModelArgs(**{k: getattr(shape, k) for k in LlamaShape.__dataclass_fields__}))
         # A tied output weight is the embedding's parameter: named_parameters() lists it once.
@@ -446,6 +448,7 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "fsdp_ranks": 16,
         "tp": 1,
         "cp": 1,
+        "ep": 1,
         "precision": "bf16",
         "offload": False,
         "ac": "none",
@@ -463,9 +466,10 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--size", "9b"], "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b"),
-        ([], "no model to plan; give --size (debug, 125m, 1b, 3b, 8b, 70b, 405b), --config PATH/config.toml or "
-             "--hf-config PATH/config.json"),
+        (["--size", "9b"], "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b, debug-moe, "
+         "qwen3-30b-a3b, deepseek-v3"),
+        ([], "no model to plan; give --size (debug, 125m, 1b, 3b, 8b, 70b, 405b, debug-moe, qwen3-30b-a3b, "
+             "deepseek-v3), --config PATH/config.toml or --hf-config PATH/config.json"),
         (["--size", "8b", "--tp", "3"], "--tp 3 does not divide 8 GPUs; choose a divisor"),
         (["--size", "8b", "--tp", "8", "--seq", "8196"],
          "--tp 8 must divide the sequence length (8196); change --seq or --tp"),
@@ -510,7 +514,8 @@ def test_bad_input_under_json_is_a_json_error() -> None:
     result = invoke("plan", "--size", "9b", "--json")
     assert result.exit_code == 2
     assert json.loads(result.stdout) == {
-        "error": "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b",
+        "error": "--size 9b: unknown size; choose one of debug, 125m, 1b, 3b, 8b, 70b, 405b, debug-moe, "
+        "qwen3-30b-a3b, deepseek-v3",
         "code": 2,
     }
 
@@ -531,7 +536,18 @@ def test_help_lists_the_presets_and_gpus_that_exist() -> None:
     assert top.exit_code == 0 and "check" in top.stdout and "plan" in top.stdout
     result = invoke("plan", "--help")
     assert result.exit_code == 0
-    assert "1b, 3b, 8b, 70b or 405b" in result.stdout and list(LLAMA_SIZES) == ["1b", "3b", "8b", "70b", "405b"]
+    assert (
+        "1b, 3b, 8b, 70b, 405b" in result.stdout
+        and "qwen3-30b-a3b or deepseek-v3" in result.stdout
+        and list(LLAMA_SIZES)
+        == [
+            "1b",
+            "3b",
+            "8b",
+            "70b",
+            "405b",
+        ]
+    )
     for gpu in ("h100-80gb", "a100-40gb", "h200-141gb"):
         assert gpu in GPUS and gpu in result.stdout
 
@@ -549,7 +565,10 @@ def test_config_size_preset_and_tied_embeddings(tmp_path: Path) -> None:
     config.write_text('[model]\nsize = "2b"\n')
     result = invoke("plan", "--config", str(config))
     assert result.exit_code == 2
-    assert "model.size must be one of debug, 125m, 1b, 8b, got '2b'" in result.stderr
+    assert (
+        "model.size must be one of debug, 125m, 1b, 8b, debug-moe, qwen3-30b-a3b, deepseek-v3, got '2b'"
+        in result.stderr
+    )
 
 
 def test_plan_states_rank_0_memory_for_a_full_checkpoint_as_written(tmp_path: Path) -> None:
