@@ -24,7 +24,11 @@ TINY_MOE = [
     "--training.seq_len", "32", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
     "--training.lr", "1e-2", "--training.loss_chunks", "1", "--job.log_every", "1", "--job.device", "cpu",
 ]  # fmt: skip
-STEPS = ["--training.steps", "4", "--training.grad_accum_steps", "2", "--checkpoint.interval", "2"]
+# lr 1e-3, not TINY's 1e-2: Adam divides each gradient element by its magnitude, so an element whose terms nearly
+# cancel keeps its summation-order roundoff (1e-7 of the terms) at up to lr x 1e-2 in the weights; at 1e-2 the
+# weights of 1 and 2 ranks (dense ones too) drift 3e-5 apart in 2 steps, at 1e-3 they stay within 1e-5.
+STEPS = ["--training.steps", "4", "--training.grad_accum_steps", "2", "--checkpoint.interval", "2",
+         "--training.lr", "1e-3"]  # fmt: skip
 # The two ways of balancing: routing biases (a rate large enough to change choices within 4 steps), or the loss.
 BALANCING = {
     "bias": ["--model.expert_bias_rate", "1e-2"],
@@ -69,7 +73,7 @@ def test_two_ranks_equal_one_process(project: Path, two_ranks: dict, balancing: 
     assert "moe_aux_loss" not in twos[0] or balancing == "aux-loss"
     # The routing moved (bias) or the loss acted (aux-loss): the runs exercised the balancing they compare.
     if balancing == "bias":
-        assert twos[-1]["moe_bias_abs_max"] > 0.02, twos[-1]
+        assert twos[-1]["moe_bias_abs_max"] > 0.01, twos[-1]
     else:
         assert twos[-1]["moe_bias_abs_max"] == 0 and 0 < twos[-1]["moe_aux_loss"] < 0.1, twos[-1]
     a, b = weights(one / "checkpoints" / "step-4"), weights(two_ranks[balancing] / "checkpoints" / "step-4")
