@@ -92,7 +92,8 @@ def test_resume_is_exact_routing_biases_included(project: Path, two_ranks: dict,
     result = torchrun(project, "train.py", *TINY_MOE, *STEPS, *BALANCING["bias"], "--job.output_dir", str(resumed))
     assert "resumed from" in result.stdout
     keep = ["step", "loss", "grad_norm", *MOE_FIGURES]
-    assert [{k: r[k] for k in keep} for r in metrics(resumed)] == [{k: r[k] for k in keep} for r in metrics(uninterrupted)]
+    rows = [[{k: r[k] for k in keep} for r in metrics(folder)] for folder in (resumed, uninterrupted)]
+    assert rows[0] == rows[1]
     a, b = weights(uninterrupted / "checkpoints" / "step-4"), weights(resumed / "checkpoints" / "step-4")
     assert a.keys() == b.keys()
     assert all(a[name].equal(b[name]) for name in a), [name for name in a if not a[name].equal(b[name])]
@@ -125,7 +126,8 @@ def probe(project: Path) -> dict:
 
 
 def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss(probe: dict) -> None:
-    assert abs(probe["aux_loss"]["ours"] - probe["aux_loss"]["reference"]) <= 1e-6 * probe["aux_loss"]["reference"]  # counts in fp32
+    ours, reference = probe["aux_loss"]["ours"], probe["aux_loss"]["reference"]
+    assert abs(ours - reference) <= 1e-6 * reference  # moe.py's counts are fp32
     # In the model's loss: aux_loss_coef x the mean over sequences, summed over the 2 MoE layers.
     in_loss = probe["aux_in_loss"]
     assert in_loss["layers"] == 2 and abs(in_loss["difference"] - in_loss["expected"]) <= 1e-6, in_loss
@@ -166,7 +168,8 @@ def test_sharded_init_is_the_same_on_any_number_of_ranks(project: Path, tmp_path
     copy = tmp_path / "run"
     shutil.copytree(project, copy)
     source = (copy / "sharded_init.py").read_text()
-    (copy / "sharded_init.py").write_text(source.replace("INIT_BLOCK_ELEMENTS = 1 << 20\n", "INIT_BLOCK_ELEMENTS = 1000\n"))
+    assert "INIT_BLOCK_ELEMENTS = 1 << 20\n" in source
+    (copy / "sharded_init.py").write_text(source.replace("= 1 << 20\n", "= 1000\n"))
     result = torchrun(copy, "tests/check_init.py", *TINY_MOE[:16], "--job.device", "cpu", nproc=nproc)
     # Embeddings, norm, output; the dense block's 9 tensors; each MoE block's 14 (attention 4, norms 2, router,
     # experts 3, shared experts 3, expert_bias).
@@ -238,13 +241,15 @@ def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_exper
     )
     tokenizer.train([str(tmp_path / "text" / "a.txt")], trainer)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--tokenizer", str(tmp_path / "tokenizer.json"))
+    tokenizer_file = str(tmp_path / "tokenizer.json")
+    project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--tokenizer", tokenizer_file)
     prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", str(tmp_path / "text"), "--output",
                                str(tmp_path / "data"), "--val-fraction", "0.1"], cwd=project, capture_output=True,
                               text=True)  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr
     # TINY_MOE's model but for its vocabulary size: the tokenizer's 300.
-    model = [arg for pair in zip(TINY_MOE[:16:2], TINY_MOE[1:16:2]) if pair[0] != "--model.vocab_size" for arg in pair]
+    pairs = zip(TINY_MOE[:16:2], TINY_MOE[1:16:2], strict=True)
+    model = [arg for pair in pairs if pair[0] != "--model.vocab_size" for arg in pair]
     common = [*model, "--data.path", str(tmp_path / "data"), "--training.seq_len", "64",
               "--training.global_batch_size", "8", "--training.warmup_steps", "10", "--training.lr", "3e-3",
               "--training.loss_chunks", "1", "--training.steps", "200", "--job.log_every", "50", "--eval.every",
@@ -259,7 +264,7 @@ def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_exper
     balanced, unbalanced = runs["1e-2"], runs["0"]
     validation = [r["val_loss"] for r in balanced if "val_loss" in r]
     assert len(validation) == 8 and validation[-1] < validation[0] - 0.05, validation
-    assert all(later <= earlier + 0.01 for earlier, later in zip(validation, validation[1:])), validation
+    assert all(later <= earlier + 0.01 for earlier, later in zip(validation, validation[1:], strict=False)), validation
 
     def late_load(records: list[dict]) -> float:
         return sum(r["moe_load_max_mean"] for r in records[-50:]) / 50

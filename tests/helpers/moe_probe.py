@@ -11,11 +11,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
 from model import Model, loss
 from model_args import ModelArgs
 from moe import MoE, balance_load, grouped_swiglu, looped_swiglu, moe_layers, sequence_balance_loss
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 torch.manual_seed(0)
 report: dict = {}
