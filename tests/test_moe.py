@@ -271,3 +271,22 @@ def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_exper
 
     assert late_load(balanced) < 2.0 < 3.5 < late_load(unbalanced), (late_load(balanced), late_load(unbalanced))
     assert balanced[-1]["moe_bias_abs_max"] > 0.1 and unbalanced[-1]["moe_bias_abs_max"] == 0
+
+
+def test_activation_checkpointing_modes_give_the_same_moe_numbers(tmp_path: Path) -> None:
+    """Every block a mixture of experts (n_dense_layers 0: preflight's meta run of the first block under the
+    selective policy meets the router's data-dependent token counts), the aux loss on: "selective", "layer" (every
+    2nd block recomputed, the other not) and "full" give no AC's losses, grad norms and load figures. A recomputed
+    block runs its router again in backward: its tokens must not count twice."""
+    project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--activation-checkpointing", "selective")
+    runs = {}
+    for mode in ("none", "selective", "layer", "full"):
+        out = tmp_path / mode
+        torchrun(project, "train.py", *TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01",
+                 "--training.steps", "3", "--parallel.activation_checkpointing", mode, "--job.output_dir", str(out),
+                 nproc=1)  # fmt: skip
+        runs[mode] = metrics(out)
+    figures = ["loss", "grad_norm", "moe_aux_loss", *MOE_FIGURES]
+    for mode in ("selective", "layer", "full"):
+        for a, b in zip(runs["none"], runs[mode], strict=True):
+            assert all(abs(a[name] - b[name]) <= 1e-6 for name in figures), (mode, a, b)
