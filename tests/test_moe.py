@@ -157,8 +157,9 @@ def test_tokens_are_counted_once_under_activation_checkpointing(probe: dict) -> 
     assert [sum(layer[:-1]) for layer in counts["plain"]] == [2 * counts["tokens"]] * 2
 
 
-def test_active_parameters_are_those_of_the_built_model(probe: dict) -> None:
-    assert probe["active"]["model_args"] == probe["active"]["counted"]
+def test_active_parameters_and_mfu_flops_are_those_of_the_built_model(probe: dict) -> None:
+    active = probe["active"]
+    assert active["model_args"] == active["counted"] and active["flops_per_token"] == active["flops_counted"], active
 
 
 @pytest.mark.parametrize("nproc", [1, 3])

@@ -141,7 +141,15 @@ args = tiny()
 model = Model(args)
 total = sum(p.numel() for p in model.parameters())
 unused = sum(layer.experts.w1.numel() * 3 * (1 - args.top_k / args.n_experts) for layer in moe_layers(model))
-report["active"] = {"model_args": args.active_parameters(), "counted": total - unused}
+# MFU's FLOPs per token: 6 x the active matmul weights (all but the input embedding and the norms) + attention's.
+matmuls = total - unused - args.vocab_size * args.dim - (2 * args.n_layers + 1) * args.dim
+attention_scores = 12 * args.n_layers * args.dim * 16
+report["active"] = {
+    "model_args": args.active_parameters(),
+    "counted": total - unused,
+    "flops_per_token": args.flops_per_token(16),
+    "flops_counted": 6 * matmuls + attention_scores,
+}
 
 dist.destroy_process_group()
 print(json.dumps(report))
