@@ -260,6 +260,22 @@ CASES = [
         (*NEW, "--family", "custom", "--tp", "2"),
         "--tp: tensor parallelism is built in for --family llama only; use --tp 1",
     ),
+    Case(
+        "moe-family-hf",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--moe"),
+        "--moe: mixture-of-experts blocks are built in for --family llama only; drop --moe",
+    ),
+    Case(
+        "moe-with-tp",
+        (*NEW, "--tp", "2", "--moe"),
+        "--moe: --moe with --tp 2: experts are not split by tensor parallelism here; use --tp 1 (FSDP and --ep shard "
+        "them)",
+    ),
+    Case(
+        "moe-with-cp",
+        (*NEW, "--cp", "2", "--moe"),
+        "--cp: context parallelism is not built for mixture-of-experts models (--moe) yet; use --cp 1",
+    ),
     Case("cp-zero", (*NEW, "--cp", "0"), "--cp: must be at least 1, e.g. --cp 2"),
     Case("cp-not-a-divisor", (*NEW, "--cp", "3"), "--cp: 3 must divide the 8 GPUs, e.g. --cp 2"),
     Case(

@@ -502,6 +502,11 @@ SCHEMA_CASES: dict[str, tuple[list[str], str]] = {
         "model.dim / model.n_heads = 63 / 3 = 21 is odd, but rotary embeddings turn pairs of values; choose an even "
         "head size",
     ),
+    "moe-top-k-above-experts": (
+        ["--model.n_experts", "4", "--model.moe_ffn_dim", "32", "--model.top_k", "8"],
+        "model.top_k (8) must be between 1 and model.n_experts (4): each token goes to top_k different experts; "
+        "e.g. --model.top_k 4",
+    ),
     "seed-2**32": (
         ["--training.seed", str(2**32)],
         "training.seed must be at most 4294967294, got 4294967296; e.g. --training.seed 0",

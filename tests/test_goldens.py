@@ -20,6 +20,7 @@ EXAMPLES = REPO / "generated_examples"
 # The parallelism and performance options at their defaults, for goldens that leave them so.
 DEFAULT_OPTIONS = {
     "tp": 1,
+    "moe": False,
     "cp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
@@ -125,6 +126,17 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
         "cpu_offload": True,
+    },
+    # Mixture-of-experts blocks (model.size debug-moe; qwen3-30b-a3b and deepseek-v3 shapes), load balancing.
+    "llama-4gpu-bf16-moe": {
+        "family": "llama",
+        "gpus": 4,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "moe": True,
     },
     # A folder relative to the project, which need not exist to generate (scripts/gpu_smoke.sh puts a tiny
     # Llama there); a hub id would be kept as given too.

@@ -49,3 +49,23 @@ def test_steps_that_do_not_report_make_no_host_sync(tmp_path: Path, precision: s
     assert [row["step"] for row in rows] == list(range(1, 9))
     assert all(isinstance(row["loss"], float) and isinstance(row["grad_norm"], float) for row in rows)
     assert [("val_loss" in row) for row in rows] == [step in (6, 8) for step in range(1, 9)]
+
+
+def test_a_moe_step_syncs_only_in_the_per_expert_loop(tmp_path: Path) -> None:
+    """A mixture-of-experts block's per-expert loop (moe.py's looped_swiglu: CPU, fp32, GPUs older than H100) needs
+    each expert's token count on the host to split its tokens: one copy per MoE block per forward, as in
+    torchtitan's loop. The grouped GEMM (bf16 on H100 and newer) takes the counts on the device and copies nothing;
+    nothing else in a MoE step copies either (the load figures stay on the device until metrics.py's report)."""
+    project = generate(tmp_path / "project", "--gpus", "2", "--fp32", "--moe")
+    # TINY's 2 blocks: the first dense (debug-moe's n_dense_layers 1), the second a mixture of experts.
+    reports = syncs_per_step(project, tmp_path)
+    for rank, report in enumerate(reports):
+        assert len(report["steps"]) == 8, report
+        for step in range(1, 9):
+            calls = [where(call) for call in report["sites"].get(str(step), []) if where(call) not in NO_GPU_SYNC]
+            loop = [call for call in calls if call.endswith("moe.py looped_swiglu")]
+            if step not in REPORTING:
+                # One forward (1 micro-batch a step per rank, no activation checkpointing) through 1 MoE block.
+                assert calls == loop and len(loop) == 1, (rank, step, calls)
+            else:
+                assert len(loop) >= 1, (rank, step, calls)

@@ -69,7 +69,7 @@ def main() -> None:
     report: dict = {}
     grads = {}
     for mode in ("none", "selective", "layer", "full"):
-        block = TransformerBlock(args)
+        block = TransformerBlock(args, 0)
         torch.manual_seed(1)
         for parameter in block.parameters():
             torch.nn.init.normal_(parameter, std=0.1)
