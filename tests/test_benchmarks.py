@@ -194,8 +194,9 @@ def test_moe_experts_benchmark_compares_the_generated_grouped_and_looped_experts
     out = run_benchmark(sys.executable, "benchmarks/moe_experts.py", "--tiny", "--repeat", "2")
     assert re.search(r"^tokens per expert: min \d+ / mean \d+ / max \d+$", out, flags=re.M), out
     for name in ("grouped", "looped "):
-        assert re.search(rf"^{name} \(forward\) +\d+\.\d\d ms \(median of 2\)$", out, flags=re.M), out
+        assert re.search(rf"^{name} \(forward \+ backward\) +\d+\.\d\d ms \(median of 2\)$", out, flags=re.M), out
     assert re.search(r"^looped / grouped = \d+\.\d\d$", out, flags=re.M), out
     # On CPU in fp32 both paths are exact matmuls of the same rows: the generated code's two paths agree.
-    difference = re.search(r"^output: max \|grouped - looped\| / max \|looped\| = (\S+)$", out, flags=re.M)
-    assert difference and float(difference.group(1)) < 1e-6, out
+    for name in ("output", "routed grad", "w1 grad", "w2 grad", "w3 grad"):
+        difference = re.search(rf"^{name}: max \|grouped - looped\| / max \|looped\| = (\S+)$", out, flags=re.M)
+        assert difference and float(difference.group(1)) < 1e-6, (name, out)

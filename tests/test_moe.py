@@ -136,6 +136,8 @@ def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss(probe: dict) -> Non
 def test_the_moe_layer_equals_a_per_token_loop_and_grouped_gemm_the_per_expert_loop(probe: dict) -> None:
     assert probe["moe_vs_per_token_loop"] <= 1e-6
     assert probe["grouped_vs_looped"] <= 1e-5
+    # fp32 widths of 8 values are 32 bytes (the kernel's 16-byte rows); 6 values are not.
+    assert probe["grouped_on_cpu"] == [True, False, False]
 
 
 def test_the_bias_update_follows_the_sign_rule_and_the_figures_are_right(probe: dict) -> None:

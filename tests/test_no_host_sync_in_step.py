@@ -51,11 +51,11 @@ def test_steps_that_do_not_report_make_no_host_sync(tmp_path: Path, precision: s
     assert [("val_loss" in row) for row in rows] == [step in (6, 8) for step in range(1, 9)]
 
 
-def test_a_moe_step_syncs_only_in_the_per_expert_loop(tmp_path: Path) -> None:
-    """A mixture-of-experts block's per-expert loop (moe.py's looped_swiglu: CPU, fp32, GPUs older than H100) needs
-    each expert's token count on the host to split its tokens: one copy per MoE block per forward, as in
-    torchtitan's loop. The grouped GEMM (bf16 on H100 and newer) takes the counts on the device and copies nothing;
-    nothing else in a MoE step copies either (the load figures stay on the device until metrics.py's report)."""
+def test_a_moe_step_makes_no_host_sync(tmp_path: Path) -> None:
+    """A mixture-of-experts block's grouped GEMM (moe.py's grouped_swiglu: bf16 on H100 and newer, and CPU at
+    16-byte-aligned widths, as here) takes each expert's token count on the device: a MoE step copies nothing to
+    the host either (the load figures stay on the device until metrics.py's report). (The per-expert loop that
+    fp32 or older GPUs run needs the counts on the host: one copy per MoE block, as torchtitan's loop.)"""
     project = generate(tmp_path / "project", "--gpus", "2", "--fp32", "--moe")
     # TINY's 2 blocks: the first dense (debug-moe's n_dense_layers 1), the second a mixture of experts.
     reports = syncs_per_step(project, tmp_path)
@@ -63,9 +63,5 @@ def test_a_moe_step_syncs_only_in_the_per_expert_loop(tmp_path: Path) -> None:
         assert len(report["steps"]) == 8, report
         for step in range(1, 9):
             calls = [where(call) for call in report["sites"].get(str(step), []) if where(call) not in NO_GPU_SYNC]
-            loop = [call for call in calls if call.endswith("moe.py looped_swiglu")]
             if step not in REPORTING:
-                # One forward (1 micro-batch a step per rank, no activation checkpointing) through 1 MoE block.
-                assert calls == loop and len(loop) == 1, (rank, step, calls)
-            else:
-                assert len(loop) >= 1, (rank, step, calls)
+                assert calls == [], (rank, step, calls)

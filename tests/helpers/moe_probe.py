@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from model import Model, loss
 from model_args import ModelArgs
-from moe import MoE, balance_load, grouped_swiglu, looped_swiglu, moe_layers, sequence_balance_loss
+from moe import MoE, balance_load, grouped_swiglu, looped_swiglu, moe_layers, sequence_balance_loss, use_grouped_mm
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 torch.manual_seed(0)
@@ -97,13 +97,23 @@ with torch.no_grad():
         rows.append(routed + layer.shared_experts(token))
     report["moe_vs_per_token_loop"] = float((out.reshape(-1, args.dim) - torch.stack(rows)).abs().max())
 
-# 3. torch._grouped_mm (one kernel for all experts) equals the per-expert loop: CPU has its forward (fp32).
+# 3. torch._grouped_mm (one kernel for all experts) equals the per-expert loop, forward and backward (CPU, fp32:
+#    the path moe.py takes on CPU for 16-byte-aligned widths, and on H100-class GPUs in bf16), an expert without
+#    tokens included.
 routed = torch.randn(24, 8)
 counts = torch.tensor([5, 0, 12, 7])
-w1, w3, w2 = torch.randn(4, 16, 8), torch.randn(4, 16, 8), torch.randn(4, 8, 16)
-report["grouped_vs_looped"] = float(
-    (grouped_swiglu(routed, counts, w1, w2, w3) - looped_swiglu(routed, counts, w1, w2, w3)).abs().max()
-)
+weights = [torch.randn(4, 16, 8), torch.randn(4, 8, 16), torch.randn(4, 16, 8)]  # w1, w2, w3
+upstream = torch.randn(24, 8)  # a gradient that is not all ones (an expanded one takes another kernel path)
+results = []
+for swiglu in (grouped_swiglu, looped_swiglu):
+    inputs = [tensor.clone().requires_grad_() for tensor in (routed, *weights)]
+    out = swiglu(inputs[0], counts, *inputs[1:])
+    (out * upstream).sum().backward()
+    results.append([out.detach(), *(tensor.grad for tensor in inputs)])
+report["grouped_vs_looped"] = max(float((a - b).abs().max()) for a, b in zip(*results, strict=True))
+report["grouped_on_cpu"] = [
+    use_grouped_mm(torch.empty(2, width), hidden) for width, hidden in ((8, 16), (6, 16), (8, 6))
+]
 
 # 4. balance_load on a hand-built load (one process group of one): the sign rule, centred, and the figures.
 store = os.path.join(tempfile.mkdtemp(), "store")
