@@ -243,15 +243,15 @@ class ParallelLayout:
                 "or a model with experts (e.g. --model.size debug-moe)",
                 "ep_experts",
             )
+        # The largest ep not above the one asked for that both checks accept.
+        fitting = max(d for d in range(1, ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
         if self.dp_shard % ep:
-            fitting = max(d for d in range(1, ep + 1) if self.dp_shard % d == 0)
             raise LayoutError(
                 f"parallel.ep ({ep}) must divide parallel.dp_shard ({self.dp_shard}): expert parallelism borrows its "
                 f"ranks from the shard group; e.g. --parallel.ep {fitting}",
                 "ep_ranks",
             )
         if n_experts % ep:
-            fitting = max(d for d in range(1, ep + 1) if n_experts % d == 0 and self.dp_shard % d == 0)
             raise LayoutError(
                 f"model.n_experts ({n_experts}) must be divisible by parallel.ep ({ep}), which shares them out "
                 f"equally; e.g. --parallel.ep {fitting}",
