@@ -26,12 +26,13 @@ from fsdp2gen.plan import layout_module
 from tests.conftest import fsdp2gen, generate, metrics, torchrun_env
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
-# top 2, one shared expert). 4 steps of 2 micro-batches per rank, checkpoints at steps 2 and 4.
+# top 2, one shared expert). 4 steps of 2 micro-batches per rank, checkpoints at steps 2 and 4. lr 1e-3: at 1e-2
+# Adam turns the fp32 rounding of any sharded run (FSDP alone, without EP, too) into weight differences of 2e-5.
 RUN = [
     "--job.device", "cpu", "--model.dim", "64", "--model.n_layers", "3", "--model.n_heads", "4",
     "--model.n_kv_heads", "2", "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.moe_ffn_dim", "32",
     "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
-    "--training.grad_accum_steps", "2", "--training.warmup_steps", "2", "--training.lr", "1e-2",
+    "--training.grad_accum_steps", "2", "--training.warmup_steps", "2", "--training.lr", "1e-3",
     "--training.loss_chunks", "1", "--job.log_every", "1", "--training.steps", "4", "--eval.every", "0",
     "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
 ]  # fmt: skip
@@ -160,7 +161,8 @@ def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, b
     (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
     ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=4))
     diffs = differences(tmp_path / "out", one_process, [1, 2])
-    assert diffs["loss"] > 100 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
+    # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
+    assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
 
 
 PREFLIGHT_REFUSALS = {
