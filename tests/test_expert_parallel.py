@@ -26,15 +26,16 @@ from fsdp2gen.plan import layout_module
 from tests.conftest import fsdp2gen, generate, metrics, torchrun_env
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
-# top 2, one shared expert). 4 steps of 2 micro-batches per rank, checkpoints at steps 2 and 4. lr 1e-3: at 1e-2
-# Adam turns the fp32 rounding of any sharded run (FSDP alone, without EP, too) into weight differences of 2e-5.
+# top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
+# lr 1e-3: at 1e-2 Adam turns the fp32 rounding of any sharded run (FSDP alone, without EP, too) into weight
+# differences of 2e-5.
 RUN = [
     "--job.device", "cpu", "--model.dim", "64", "--model.n_layers", "3", "--model.n_heads", "4",
     "--model.n_kv_heads", "2", "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.moe_ffn_dim", "32",
     "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
     "--training.grad_accum_steps", "2", "--training.warmup_steps", "2", "--training.lr", "1e-3",
-    "--training.loss_chunks", "1", "--job.log_every", "1", "--training.steps", "4", "--eval.every", "0",
-    "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
+    "--training.loss_chunks", "1", "--job.log_every", "1", "--training.steps", "4", "--eval.every", "2",
+    "--eval.batches", "1", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
 ]  # fmt: skip
 AUX_LOSS = ["--model.aux_loss_coef", "0.01", "--model.expert_bias_rate", "0"]
 TOLERANCE = 1e-5
@@ -56,8 +57,9 @@ def ran(result: subprocess.CompletedProcess) -> None:
 
 
 def numbers(output_dir: Path) -> dict[int, dict[str, float]]:
-    """step -> loss, grad_norm and the load-balance figures, the last row of each step."""
-    keys = ("loss", "grad_norm", "moe_load_max_mean", "moe_load_min_mean", "moe_bias_abs_max", "moe_aux_loss")
+    """step -> loss, grad_norm, the load-balance figures (and val_loss where validated), the last row of each step."""
+    keys = ("loss", "grad_norm", "val_loss", "moe_load_max_mean", "moe_load_min_mean", "moe_bias_abs_max",
+            "moe_aux_loss")  # fmt: skip
     return {row["step"]: {key: row[key] for key in keys if key in row} for row in metrics(output_dir)}
 
 
@@ -163,6 +165,17 @@ def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, b
     diffs = differences(tmp_path / "out", one_process, [1, 2])
     # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
     assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
+
+
+def test_ep4_x_dp_shard2_on_8_ranks_with_experts_split_by_rows_equals_one_process(tmp_path: Path) -> None:
+    # The user's node of 8 GPUs: ep 4 x dp_shard_mod_ep 2, and 4 experts, so each rank holds 1 expert and its
+    # 2 FSDP ranks shard its rows (Shard(1), as torchtitan does when experts are fewer than their shard ranks).
+    project = generate(tmp_path / "ep4", "--gpus", "8", "--moe", "--ep", "4", "--precision", "fp32")
+    experts = ["--model.n_experts", "4", "--training.steps", "2", "--training.grad_accum_steps", "1"]
+    ran(train(project, tmp_path / "one", *experts, nproc=1))
+    ran(train(project, tmp_path / "eight", *experts, nproc=8))
+    diffs = differences(tmp_path / "eight", tmp_path / "one", [1, 2])
+    assert max(diffs.values()) <= TOLERANCE, diffs
 
 
 PREFLIGHT_REFUSALS = {
