@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan import layout_module
-from tests.conftest import fsdp2gen, generate, metrics, torchrun_env
+from tests.conftest import generate, metrics, torchrun_env
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
 # top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
@@ -212,23 +212,8 @@ def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_pat
     assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["ep-not-dividing-dp-shard"][1]], result.stderr[-2000:]
 
 
-GENERATOR_REFUSALS = {
-    "without-moe": (("--gpus", "4", "--ep", "2"),
-                    "expert parallelism needs mixture-of-experts blocks; add --moe, or use --ep 1"),
-    "not-dividing-gpus": (("--gpus", "4", "--moe", "--ep", "3"),
-                          "3 must divide the 4 GPUs per node (expert parallelism borrows the ranks of a node's shard "
-                          "group), e.g. --ep 2"),
-    "zero": (("--moe", "--ep", "0"), "must be at least 1, e.g. --ep 2"),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("case", sorted(GENERATOR_REFUSALS))
-def test_the_generator_refuses_an_ep_it_cannot_build_in_one_line(case: str, tmp_path: Path) -> None:
-    args, reason = GENERATOR_REFUSALS[case]
-    result = fsdp2gen("new", str(tmp_path / "p"), "--yes", *args)
-    assert result.returncode == 2, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and reason in result.stderr, result.stderr
-    assert not (tmp_path / "p").exists()
+# The generator's refusals of --ep (without --moe, not dividing the GPUs per node, 0) are cases of
+# test_bad_input_generator.py.
 
 
 def test_ep_exists_only_in_moe_projects(project: Path, tmp_path: Path) -> None:
