@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan import layout_module
 from tests.conftest import generate, metrics, torchrun_env
+from tests.test_launchers import launch_two_nodes
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
 # top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
@@ -175,6 +176,19 @@ def test_ep4_x_dp_shard2_on_8_ranks_with_experts_split_by_rows_equals_one_proces
     ran(train(project, tmp_path / "one", *experts, nproc=1))
     ran(train(project, tmp_path / "eight", *experts, nproc=8))
     diffs = differences(tmp_path / "eight", tmp_path / "one", [1, 2])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_two_nodes_of_4_ranks_hsdp_x_ep4_equals_one_process(tmp_path: Path) -> None:
+    # scripts/launch_multinode.sh as 2 "nodes" of 4 ranks on 127.0.0.1: a 2-node project is HSDP (dp_replicate 2),
+    # and ep 4 takes a node's whole shard group: each rank holds 2 experts of every layer whole, their gradients
+    # all-reduced across the nodes.
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "4", "--moe", "--ep", "4", "--fp32")
+    steps = ["--training.steps", "2", "--training.grad_accum_steps", "1"]
+    ran(train(project, tmp_path / "one", *steps, nproc=1))
+    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 4, *RUN, *steps)
+    assert [code for code, _ in nodes] == [0, 0], nodes
+    diffs = differences(tmp_path / "two", tmp_path / "one", [1, 2])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
