@@ -140,6 +140,23 @@ def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+def test_a_checkpoint_saved_by_one_process_resumes_with_ep2_as_the_uninterrupted_run(
+    one_process: Path, project: Path, balancing: list, tmp_path: Path
+) -> None:
+    if balancing:
+        pytest.skip("one balancing mode is enough for the checkpoint's layout")
+    run = tmp_path / "run"
+    shutil.copytree(one_process, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    # Whole stacked experts in the checkpoint of step 2, each of 4 ranks loading its share: 2 of the 8 experts (ep 2
+    # x FSDP 2).
+    result = train(project, run, nproc=4)
+    ran(result)
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    diffs = differences(run, one_process, [3, 4])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
 def test_hsdp_2_x_ep2_on_4_ranks_equals_one_process(
     project: Path, one_process: Path, balancing: list, tmp_path: Path
 ) -> None:
