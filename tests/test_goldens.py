@@ -20,6 +20,7 @@ EXAMPLES = REPO / "generated_examples"
 # The parallelism and performance options at their defaults, for goldens that leave them so.
 DEFAULT_OPTIONS = {
     "tp": 1,
+    "ep": 1,
     "cp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
