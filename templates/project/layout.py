@@ -114,7 +114,7 @@ class ParallelLayout:
     def mesh_sizes(self) -> dict[str, int]:
         """The mesh's dimensions and sizes: those of size 1 are left out, except dp_shard, which ep > 1 builds as
         dp_shard_mod_ep x ep (both kept, even of size 1: FSDP shards the experts over the first)."""
-        sizes = {}
+        sizes: dict[str, int] = {}
         for name, size in self.sizes.items():
             if name == "dp_shard" and self.ep > 1:
                 sizes |= {"dp_shard_mod_ep": size // self.ep, "ep": self.ep}
