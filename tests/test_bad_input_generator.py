@@ -293,6 +293,18 @@ CASES = [
         (*NEW, "--family", "custom", "--cp", "2"),
         "--cp: context parallelism is built in for --family llama only; use --cp 1",
     ),
+    Case("ep-zero", (*NEW, "--moe", "--ep", "0"), "--ep: must be at least 1, e.g. --ep 2"),
+    Case(
+        "ep-without-moe",
+        (*NEW, "--ep", "2"),
+        "--ep: expert parallelism needs mixture-of-experts blocks; add --moe, or use --ep 1",
+    ),
+    Case(
+        "ep-not-a-divisor",
+        (*NEW, "--moe", "--ep", "3"),
+        "--ep: 3 must divide the 8 GPUs per node (expert parallelism borrows the ranks of a node's shard group), "
+        "e.g. --ep 2",
+    ),
     Case(
         "reshard-zero",
         (*NEW, "--reshard-after-forward", "0"),
@@ -1093,6 +1105,7 @@ SUGGESTING = [
     {"gpus": 1, "nodes": 2, "reshard_after_forward": "4"}, {"gpus": 1, "nodes": 1, "reshard_after_forward": "yes"},
     {"gpus": 1, "nodes": 3, "reshard_after_forward": "2"}, {"gpus": 6, "nodes": 5, "reshard_after_forward": "4"},
     {"project_name": "Run"}, {"project_name": "torch"}, {"project_name": "jinja2"}, {"family": "hf"},
+    {"moe": True, "ep": 0}, {"moe": True, "ep": 3}, {"moe": True, "ep": 4, "gpus": 6}, {"moe": True, "ep": 99},
 ]  # fmt: skip
 
 

@@ -21,6 +21,7 @@ EXAMPLES = REPO / "generated_examples"
 DEFAULT_OPTIONS = {
     "tp": 1,
     "moe": False,
+    "ep": 1,
     "cp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
@@ -127,8 +128,9 @@ GOLDENS = {
         **DEFAULT_OPTIONS,
         "cpu_offload": True,
     },
-    # Mixture-of-experts blocks (model.size debug-moe; qwen3-30b-a3b and deepseek-v3 shapes), load balancing.
-    "llama-4gpu-bf16-moe": {
+    # Mixture-of-experts blocks (model.size debug-moe; qwen3-30b-a3b and deepseek-v3 shapes), load balancing,
+    # experts shared out over 2 GPUs (expert parallelism).
+    "llama-4gpu-bf16-moe-ep2": {
         "family": "llama",
         "gpus": 4,
         "nodes": 1,
@@ -137,6 +139,7 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
         "moe": True,
+        "ep": 2,
     },
     # A folder relative to the project, which need not exist to generate (scripts/gpu_smoke.sh puts a tiny
     # Llama there); a hub id would be kept as given too.

@@ -121,6 +121,7 @@ SINGLE_OPTIONS = [
     ["--activation-checkpointing", "full"], ["--reshard-after-forward", "false"], ["--reshard-after-forward", "2"],
     ["--tp", "2"], ["--checkpoint", "dcp-async"], ["--checkpoint", "full"], ["--launcher", "slurm"],
     ["--launcher", "ray"], ["--nodes", "2"], ["--family", "custom"], ["--fp16"], ["--fp32"],
+    ["--moe", "--ep", "2"],
 ]  # fmt: skip
 
 

@@ -1,0 +1,296 @@
+"""Expert parallelism (`fsdp2gen new --moe --ep N`, llama): each MoE layer's experts shared out over ep ranks
+borrowed from dp_shard, tokens sent to their experts' ranks and back by all-to-all (expert_parallel.py).
+
+Real torchrun, gloo, fp32, a tiny debug-moe model (8 experts, top 2, two MoE layers), projects rendered by the CLI;
+every run is compared with one process (no mesh, every expert local): losses, gradient norms, the load figures and
+the final weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fsdp2gen.plan import layout_module
+from tests.conftest import generate, metrics, torchrun_env
+from tests.test_launchers import launch_two_nodes
+
+# A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
+# top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
+# lr 1e-3: at 1e-2 Adam turns the fp32 rounding of any sharded run (FSDP alone, without EP, too) into weight
+# differences of 2e-5.
+RUN = [
+    "--job.device", "cpu", "--model.dim", "64", "--model.n_layers", "3", "--model.n_heads", "4",
+    "--model.n_kv_heads", "2", "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.moe_ffn_dim", "32",
+    "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
+    "--training.grad_accum_steps", "2", "--training.warmup_steps", "2", "--training.lr", "1e-3",
+    "--training.loss_chunks", "1", "--job.log_every", "1", "--training.steps", "4", "--eval.every", "2",
+    "--eval.batches", "1", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
+]  # fmt: skip
+AUX_LOSS = ["--model.aux_loss_coef", "0.01", "--model.expert_bias_rate", "0"]
+TOLERANCE = 1e-5
+ParallelLayout = layout_module().ParallelLayout
+LayoutError = layout_module().LayoutError
+
+
+def train(project: Path, output_dir: Path, *args: str, nproc: int) -> subprocess.CompletedProcess:
+    """train.py on `nproc` gloo ranks under torchrun (1: a plain process)."""
+    command = [sys.executable, "train.py", *RUN, "--job.output_dir", str(output_dir), *args]
+    if nproc > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
+    return subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def ran(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+def numbers(output_dir: Path) -> dict[int, dict[str, float]]:
+    """step -> loss, grad_norm, the load-balance figures (and val_loss where validated), the last row of each step."""
+    keys = ("loss", "grad_norm", "val_loss", "moe_load_max_mean", "moe_load_min_mean", "moe_bias_abs_max",
+            "moe_aux_loss")  # fmt: skip
+    return {row["step"]: {key: row[key] for key in keys if key in row} for row in metrics(output_dir)}
+
+
+def weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The model's weights in the DCP checkpoint of `step`, as full tensors in this process."""
+    dcp_to_torch_save(output_dir / "checkpoints" / f"step-{step}", output_dir / f"step-{step}.pt")
+    return torch.load(output_dir / f"step-{step}.pt")["train"]["model"]
+
+
+def differences(got: Path, expected: Path, steps: list[int]) -> dict[str, float]:
+    """The largest |difference| of each logged number over `steps`, and of the final weights."""
+    mine, theirs = numbers(got), numbers(expected)
+    diffs: dict[str, float] = {}
+    for step in steps:
+        assert mine[step].keys() == theirs[step].keys(), step
+        for key, value in theirs[step].items():
+            diffs[key] = max(diffs.get(key, 0.0), abs(mine[step][key] - value))
+    final = max(steps)
+    mine_weights, their_weights = weights(got, final), weights(expected, final)
+    assert mine_weights.keys() == their_weights.keys()
+    assert any(".experts.w1" in name for name in their_weights)  # the stacked expert weights are compared too
+    diffs["weights"] = max((mine_weights[name] - their_weights[name]).abs().max().item() for name in their_weights)
+    return diffs
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("ep") / "ep2", "--gpus", "4", "--moe", "--ep", "2", "--precision", "fp32")
+
+
+@pytest.fixture(scope="module", params=["bias", "aux-loss"])
+def balancing(request: pytest.FixtureRequest) -> list[str]:
+    """The auxiliary-loss-free bias updates (the default), or the sequence-wise balance loss alone."""
+    return [] if request.param == "bias" else AUX_LOSS
+
+
+@pytest.fixture(scope="module")
+def one_process(project: Path, balancing: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run in one process: every expert local, no all-to-all (the reference)."""
+    output_dir = tmp_path_factory.mktemp("one-process")
+    ran(train(project, output_dir, *balancing, nproc=1))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def ep2_dp2(project: Path, balancing: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ep 2 borrowed from dp_shard 4 on 4 ranks: the mesh is dp_shard_mod_ep 2 x ep 2, each rank holds 4 experts
+    of every MoE layer, sharded over the 2 ranks that hold the same ones."""
+    output_dir = tmp_path_factory.mktemp("ep2-dp2")
+    ran(train(project, output_dir, *balancing, nproc=4))
+    return output_dir
+
+
+def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_process: Path, balancing: list) -> None:
+    # Loss (the mean over every target of the step), gradient norm (the experts' gradients sit on another mesh
+    # than the rest's: clip_grad_norm combines the two), the load figures (or the aux loss) and every final weight.
+    assert sorted(numbers(ep2_dp2)) == [1, 2, 3, 4]
+    if balancing:
+        assert all("moe_aux_loss" in row for row in numbers(ep2_dp2).values())
+    diffs = differences(ep2_dp2, one_process, [1, 2, 3, 4])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
+    ep2_dp2: Path, one_process: Path, project: Path, balancing: list, tmp_path: Path
+) -> None:
+    if balancing:
+        pytest.skip("one balancing mode is enough for the checkpoint's layout")
+    run = tmp_path / "run"
+    shutil.copytree(ep2_dp2, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    # The DCP checkpoint of step 2, experts sharded over ep 2 x dp_shard_mod_ep 2, loaded by 2 ranks without EP.
+    result = train(project, run, "--parallel.ep", "1", nproc=2)
+    ran(result)
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    diffs = differences(run, one_process, [3, 4])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_a_checkpoint_saved_by_one_process_resumes_with_ep2_as_the_uninterrupted_run(
+    one_process: Path, project: Path, balancing: list, tmp_path: Path
+) -> None:
+    if balancing:
+        pytest.skip("one balancing mode is enough for the checkpoint's layout")
+    run = tmp_path / "run"
+    shutil.copytree(one_process, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    # Whole stacked experts in the checkpoint of step 2, each of 4 ranks loading its share: 2 of the 8 experts (ep 2
+    # x FSDP 2).
+    result = train(project, run, nproc=4)
+    ran(result)
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    diffs = differences(run, one_process, [3, 4])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_hsdp_2_x_ep2_on_4_ranks_equals_one_process(
+    project: Path, one_process: Path, balancing: list, tmp_path: Path
+) -> None:
+    # Two replicas of dp_shard 2, all of it lent to ep: dp_shard_mod_ep = 1, each rank holds half the experts
+    # whole, and their gradients are all-reduced across the replicas.
+    if balancing:
+        pytest.skip("one balancing mode is enough for the mesh's shape")
+    ran(train(project, tmp_path / "out", "--parallel.dp_replicate", "2", nproc=4))
+    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, balancing: list, tmp_path: Path) -> None:
+    # The equality above is not blind to the dispatch: tokens left in arrival order (by sender, not by expert)
+    # reach the wrong experts, and the run no longer equals one process.
+    if balancing:
+        pytest.skip("one balancing mode is enough for the mutation")
+    mutated = tmp_path / "mutated"
+    shutil.copytree(project, mutated)
+    source = (mutated / "expert_parallel.py").read_text()
+    assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
+    (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
+    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=4))
+    diffs = differences(tmp_path / "out", one_process, [1, 2])
+    # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
+    assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
+
+
+def test_ep4_x_dp_shard2_on_8_ranks_with_experts_split_by_rows_equals_one_process(tmp_path: Path) -> None:
+    # The user's node of 8 GPUs: ep 4 x dp_shard_mod_ep 2, and 4 experts, so each rank holds 1 expert and its
+    # 2 FSDP ranks shard its rows (Shard(1), as torchtitan does when experts are fewer than their shard ranks).
+    project = generate(tmp_path / "ep4", "--gpus", "8", "--moe", "--ep", "4", "--precision", "fp32")
+    experts = ["--model.n_experts", "4", "--training.steps", "2", "--training.grad_accum_steps", "1"]
+    ran(train(project, tmp_path / "one", *experts, nproc=1))
+    ran(train(project, tmp_path / "eight", *experts, nproc=8))
+    diffs = differences(tmp_path / "eight", tmp_path / "one", [1, 2])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_two_nodes_of_4_ranks_hsdp_x_ep4_equals_one_process(tmp_path: Path) -> None:
+    # scripts/launch_multinode.sh as 2 "nodes" of 4 ranks on 127.0.0.1: a 2-node project is HSDP (dp_replicate 2),
+    # and ep 4 takes a node's whole shard group: each rank holds 2 experts of every layer whole, their gradients
+    # all-reduced across the nodes.
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "4", "--moe", "--ep", "4", "--fp32")
+    steps = ["--training.steps", "2", "--training.grad_accum_steps", "1"]
+    ran(train(project, tmp_path / "one", *steps, nproc=1))
+    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 4, *RUN, *steps)
+    assert [code for code, _ in nodes] == [0, 0], nodes
+    diffs = differences(tmp_path / "two", tmp_path / "one", [1, 2])
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+PREFLIGHT_REFUSALS = {
+    "ep-not-dividing-dp-shard": (("--parallel.ep", "3"),
+                                 "parallel.ep (3) must divide parallel.dp_shard (4): expert parallelism borrows its "
+                                 "ranks from the shard group; e.g. --parallel.ep 2"),
+    "experts-not-divisible": (("--parallel.ep", "4", "--model.n_experts", "6"),
+                              "model.n_experts (6) must be divisible by parallel.ep (4), which shares them out "
+                              "equally; e.g. --parallel.ep 2"),
+    "no-experts": (("--parallel.ep", "2", "--model.size", "debug"),
+                   "parallel.ep = 2 needs a mixture-of-experts model, but model.n_experts is 0; use --parallel.ep 1 or "
+                   "a model with experts (e.g. --model.size debug-moe)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(PREFLIGHT_REFUSALS))
+def test_what_ep_cannot_run_is_refused_in_one_line_before_the_model_is_built(
+    case: str, project: Path, tmp_path: Path
+) -> None:
+    args, line = PREFLIGHT_REFUSALS[case]
+    output_dir = ["--job.output_dir", str(tmp_path / "o")]
+    command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, *output_dir, *args]
+    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
+    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2.
+    result = train(project, tmp_path / "o", "--parallel.ep", "3", nproc=4)
+    assert result.returncode != 0
+    lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
+    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["ep-not-dividing-dp-shard"][1]], result.stderr[-2000:]
+
+
+# The generator's refusals of --ep (without --moe, not dividing the GPUs per node, 0) are cases of
+# test_bad_input_generator.py.
+
+
+def test_ep_exists_only_in_moe_projects(project: Path, tmp_path: Path) -> None:
+    plain = generate(tmp_path / "plain", "--gpus", "4")
+    moe = generate(tmp_path / "moe", "--gpus", "4", "--moe")
+    assert (project / "expert_parallel.py").is_file() and (moe / "expert_parallel.py").is_file()
+    assert not (plain / "expert_parallel.py").exists()
+    assert "\nep = 2\n" in (project / "config.toml").read_text()
+    assert "\nep = 1\n" in (moe / "config.toml").read_text()
+    assert "\nep = " not in (plain / "config.toml").read_text()
+    assert "\n    ep: int" not in (plain / "config.py").read_text()
+    assert "expert_parallel" not in (plain / "train.py").read_text()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    world_size=st.integers(2, 128),
+    dp_replicate=st.integers(1, 4),
+    ep=st.integers(1, 16),
+    n_experts=st.integers(0, 64),
+)
+def test_the_ep_layout_shares_out_the_experts_evenly_or_says_why_in_one_line(
+    world_size: int, dp_replicate: int, ep: int, n_experts: int
+) -> None:
+    config = SimpleNamespace(dp_replicate=dp_replicate, dp_shard=-1, ep=ep, reshard_after_forward=True)
+    training = SimpleNamespace(global_batch_size=world_size * 4, grad_accum_steps=1, seq_len=64, loss_chunks=1)
+    layout = ParallelLayout.of(config, world_size)
+    try:
+        layout.check(training, SimpleNamespace(n_experts=n_experts))
+    except LayoutError as error:
+        assert "\n" not in str(error) and "; " in str(error)
+        assert error.problem in ("ranks", "batch", "ep_ranks", "ep_experts"), error.problem
+        if error.problem == "ep_ranks":
+            assert layout.dp_shard % ep
+        if error.problem in ("ep_ranks", "ep_experts") and "e.g. --parallel.ep" in str(error):
+            fitting = int(str(error).rsplit(" ", 1)[1])  # the suggestion itself works
+            assert layout.dp_shard % fitting == 0 and n_experts % fitting == 0 and fitting <= ep
+        if error.problem == "ep_experts" and not n_experts:
+            assert ep > 1
+        return
+    assert math.prod(layout.sizes.values()) == world_size
+    mesh = layout.mesh_sizes
+    if ep > 1:
+        # EP borrows from dp_shard: the mesh has dp_shard_mod_ep x ep in its place, and the same number of ranks.
+        assert n_experts % ep == 0 and "dp_shard" not in mesh
+        assert mesh["dp_shard_mod_ep"] * mesh["ep"] == layout.dp_shard and math.prod(mesh.values()) == world_size
+    # ep ranks read different samples: the same data ranks as without EP.
+    plain = ParallelLayout.of(SimpleNamespace(dp_replicate=dp_replicate, dp_shard=-1), world_size)
+    assert [layout.data_rank(rank) for rank in range(world_size)] == [plain.data_rank(r) for r in range(world_size)]
