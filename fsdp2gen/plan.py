@@ -374,6 +374,16 @@ def all_to_all_bytes(model: LlamaShape, tokens: int, compute: int, ep: int) -> i
     return 2 * compute * tokens * model.top_k * model.dim
 
 
+def grouped_backward_bytes(model: LlamaShape, tokens: int, compute: int) -> int:
+    """The grouped GEMM's backward (moe.py's grouped_swiglu, torch._grouped_mm: what H100-class GPUs run in bf16):
+    each weight gradient multiplies the transposed routed copies and output gradients, which the kernel takes
+    row-major, so it copies both: tokens x top_k x (dim + moe_ffn_dim) in the compute dtype at w1's/w3's, one
+    layer at a time. Measured by the simulation (fake tensors run the kernel's layout rules); 0 for a dense model."""
+    if isinstance(model, HfShape) or not model.n_experts:
+        return 0
+    return compute * tokens * model.top_k * (model.dim + model.moe_ffn_dim)
+
+
 def block_activation_bytes(
     model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False, ep: int = 1
 ) -> int:
@@ -582,6 +592,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu["ring_attention"] = ring_attention_bytes(model, request.batch, request.seq_len, compute, tp, request.cp)
     per_gpu["all_to_all_buffers"] = all_to_all_bytes(model, request.batch * seq, compute, request.ep)
+    per_gpu["experts_backward"] = grouped_backward_bytes(model, request.batch * seq, compute)
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
     per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
@@ -1272,6 +1283,7 @@ ROWS = {
     "reduce_scatter_buffers": "reduce-scatter buffers (output layer + 1 block)",
     "ring_attention": "ring attention (whole-sequence K/V, fp32 grads)",
     "all_to_all_buffers": "all-to-all buffers (dispatch/combine, 1 layer)",
+    "experts_backward": "grouped GEMM backward copies (1 layer)",
     "loss_backward": "loss backward (fp32 logit gradients)",
 }
 
@@ -1338,6 +1350,8 @@ def _memory_rows(plan: Plan) -> list[str]:
             continue  # no context parallelism: plain SDPA
         if key == "all_to_all_buffers" and request.ep == 1:
             continue  # no expert parallelism: every rank holds every expert
+        if key == "experts_backward" and not value:
+            continue  # no experts
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         rows.append(f"{label:<48}{_size(value):>12}")

@@ -280,7 +280,8 @@ def test_moe_project_config_is_read(moe_project: Path) -> None:
     assert (request.model, request.ep) == (replace(DEBUG_MOE, max_seq_len=512), 1)
     edited = moe_project / "edited.toml"
     text = config.read_text().replace('size = "debug-moe"', 'size = "debug-moe"\nn_experts = 16\nn_shared_experts = 0')
-    edited.write_text(text + "\n" if "[parallel]" not in text else text.replace("[parallel]", "[parallel]\nep = 4"))
+    assert "\nep = 1\n" in text  # a --moe project's parallel.ep
+    edited.write_text(text.replace("\nep = 1\n", "\nep = 4\n"))
     request = build_request(config=edited)
     assert (request.model.n_experts, request.model.n_shared_experts, request.ep) == (16, 0, 4)
     assert request.model.n_dense_layers == 1  # the size's: -1 in ModelArgs means "the size's value"
