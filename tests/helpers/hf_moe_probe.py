@@ -7,7 +7,8 @@ in one process, on the same tokens, fp32. Each rank prints one JSON line ("probe
 - experts_read: the experts each per-expert checkpoint tensor this rank read from the files came from (by
   model.read_part, which returns None for an expert of another rank's shard), as {layer: sorted experts};
 - logits_diff: max |diff| of the logits, in eval mode (a --lora project: after the adapters are set to nonzero
-  values, against peft's model with the same values, so that the adapters on the experts count);
+  values, against peft's model with the same values, so that the adapters on the experts count; base_diff:
+  against the model without adapters);
 - loss_diff (config.json with output_router_logits): the training loss (reduction "mean", model.train()) against
   transformers' own loss with the labels (cross-entropy + router_aux_loss_coef x its balance loss), and
   sum_diff: reduction "sum" against the mean x the targets.
@@ -68,7 +69,10 @@ def main() -> None:
         model = build_model_meta(config, mesh, device)
         model_module.read_part, model_module.safe_open = read_part, safe_open
 
-        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tokens = torch.randint(config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            base_logits = reference(tokens).logits
         lora = getattr(config, "lora", None)
         if lora is not None:
             # Nonzero adapters (B starts at zero), the same on every rank, into the sharded model and peft's.
@@ -91,16 +95,15 @@ def main() -> None:
             reference = get_peft_model(reference, settings)
             missing = reference.load_state_dict({"base_model.model." + k: v for k, v in adapters.items()}, strict=False)
             assert not missing.unexpected_keys, missing.unexpected_keys
-        tokens = torch.randint(config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         targets = torch.roll(tokens, -1, dims=1)
         targets[0, :3] = -100  # some targets not counted (IGNORE), as a chat prompt's
         report = {"rank": dist.get_rank(), "experts_read": {k: sorted(v) for k, v in experts_read.items()}}
         model.eval()
         reference.eval()
         with torch.no_grad():
-            report["logits_diff"] = (
-                (model(tokens.to(device)).logits.cpu() - reference(tokens).logits).abs().max().item()
-            )
+            logits = model(tokens.to(device)).logits.cpu()
+            report["logits_diff"] = (logits - reference(tokens).logits).abs().max().item()
+            report["base_diff"] = (logits - base_logits).abs().max().item()  # > 0 with adapters: they count
         if model.config.output_router_logits:
             model.train()
             reference.train()
