@@ -6,6 +6,7 @@ The sharded model built by train.py from FOLDER (pretrained weights) against tra
 in one process, on the same tokens, fp32. Each rank prints one JSON line ("probe {...}"):
 - experts_read: the experts each per-expert checkpoint tensor this rank read from the files came from (by
   model.read_part, which returns None for an expert of another rank's shard), as {layer: sorted experts};
+- weights_differ: the weights of from_pretrained's model that the sharded model's (gathered) differ from (rank 0);
 - logits_diff: max |diff| of the logits, in eval mode (a --lora project: after the adapters are set to nonzero
   values, against peft's model with the same values, so that the adapters on the experts count; base_diff:
   against the model without adapters);
@@ -73,6 +74,11 @@ def main() -> None:
         tokens = torch.randint(config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             base_logits = reference(tokens).logits
+        # A collective: rank 0 gets every full tensor (peft's adapted layers: their weight under base_layer).
+        gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered = {re.sub(r"(\.base_layer)+\.", ".", name): tensor for name, tensor in gathered.items()}
+        weights_differ = [name for name, tensor in reference.state_dict().items()
+                          if dist.get_rank() == 0 and not torch.equal(gathered[name], tensor)]  # fmt: skip
         lora = getattr(config, "lora", None)
         if lora is not None:
             # Nonzero adapters (B starts at zero), the same on every rank, into the sharded model and peft's.
@@ -97,7 +103,8 @@ def main() -> None:
             assert not missing.unexpected_keys, missing.unexpected_keys
         targets = torch.roll(tokens, -1, dims=1)
         targets[0, :3] = -100  # some targets not counted (IGNORE), as a chat prompt's
-        report = {"rank": dist.get_rank(), "experts_read": {k: sorted(v) for k, v in experts_read.items()}}
+        report = {"rank": dist.get_rank(), "experts_read": {k: sorted(v) for k, v in experts_read.items()},
+                  "weights_differ": weights_differ}  # fmt: skip
         model.eval()
         reference.eval()
         with torch.no_grad():

@@ -1,0 +1,207 @@
+"""Family hf, mixture-of-experts checkpoints: tiny Qwen3-MoE- and Mixtral-shaped models made here (random weights,
+save_pretrained), whose files hold one tensor per expert as hub checkpoints do, while transformers' models hold the
+experts fused (gate_up_proj, down_proj: one tensor per layer). A generated project loads them sharded on 2 gloo
+ranks through transformers' own conversion rules, trains, exports back to per-expert files, and LoRA adapts them.
+
+No network: every model is a local folder written by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HELPERS, generate, metrics, torchrun, torchrun_env
+
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
+TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "2",
+         "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0"]  # fmt: skip
+# Each model's first per-expert key in its files (how hub checkpoints store them), and the model's fused tensor.
+PER_EXPERT = {"qwen3-moe": "model.layers.0.mlp.experts.0.gate_proj.weight",
+              "mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> model folder: 4 experts of which each token takes 2, 2 layers. The Qwen3-MoE model's config.json
+    sets output_router_logits (transformers' load-balancing loss, coefficient 0.01); the Mixtral one does not."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    root = tmp_path_factory.mktemp("hf-moe-models")
+    qwen3 = {"num_experts": 4, "moe_intermediate_size": 16, "head_dim": 8, "output_router_logits": True,
+             "router_aux_loss_coef": 0.01}  # fmt: skip
+    configs = {
+        "qwen3-moe": Qwen3MoeConfig(**SIZES, **qwen3),
+        "mixtral": MixtralConfig(**SIZES, num_local_experts=4, intermediate_size=16),
+    }
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        folders[name] = root / name
+        model = AutoModelForCausalLM.from_config(config)
+        assert model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+        model.save_pretrained(folders[name])
+        with safe_open(folders[name] / "model.safetensors", framework="pt") as files:
+            keys = set(files.keys())
+        # On disk: one tensor per expert (4 x 3 per layer), no fused one.
+        assert PER_EXPERT[name] in keys and not any("gate_up_proj" in key for key in keys), sorted(keys)
+        assert sum(".experts." in key for key in keys) == 2 * 4 * 3
+    return folders
+
+
+@pytest.fixture(scope="module")
+def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("hf-moe") / "run", "--family", "hf", "--hf-model",
+                    str(models["qwen3-moe"]), "--gpus", "2", "--fp32")  # fmt: skip
+
+
+def probe(project: Path, folder: Path, *overrides: str) -> list[dict]:
+    """tests/helpers/hf_moe_probe.py on 2 ranks: each rank's report."""
+    result = torchrun(project, str(HELPERS / "hf_moe_probe.py"), str(folder), "--job.device", "cpu", *overrides)
+    lines = [line.removeprefix("probe ") for line in result.stdout.splitlines() if line.startswith("probe ")]
+    reports = [json.loads(line) for line in lines]
+    return sorted(reports, key=lambda report: report["rank"])
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_per_expert_files_load_sharded_equal_to_from_pretrained(
+    project: Path, models: dict[str, Path], name: str
+) -> None:
+    reports = probe(project, models[name])
+    print(reports)
+    # Each rank read from the files only the experts of its shard (fully_shard splits the 4 experts 2 + 2).
+    assert [report["experts_read"] for report in reports] == [{"0": [0, 1], "1": [0, 1]}, {"0": [2, 3], "1": [2, 3]}]
+    # Every weight equals from_pretrained's bit for bit (the probe compares them); so do the logits, fp32.
+    assert [report["weights_differ"] for report in reports] == [[], []]
+    assert [report["logits_diff"] for report in reports] == [0.0, 0.0]
+    if name == "qwen3-moe":
+        # The training loss is transformers' own: cross-entropy + 0.01 x its load-balancing loss, exactly; with
+        # reduction "sum" the balance loss counts once per target, like the cross-entropy.
+        assert [report["loss_diff"] for report in reports] == [0.0, 0.0]
+        assert all(report["sum_diff"] <= 1e-5 * report["loss"] * 29 for report in reports), reports
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_loads(
+    project: Path, models: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    torchrun(project, "train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5",
+             "--job.output_dir", str(tmp_path))  # fmt: skip
+    records = metrics(tmp_path)
+    assert len(records) == 5 and records[-1]["loss"] < records[0]["loss"], records
+    if name == "qwen3-moe":
+        # The part of the logged loss that is the balance loss (x 0.01): near 0.01 x its balanced value, 2 layers.
+        assert all(0.015 < record["moe_aux_loss"] < 0.03 for record in records), records
+    else:
+        assert all("moe_aux_loss" not in record for record in records)
+
+    exported = tmp_path / "exported"
+    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
+                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    # The keys of the original files: per-expert again (transformers' reverse conversion).
+    with safe_open(exported / "model.safetensors", framework="pt") as new, \
+            safe_open(models[name] / "model.safetensors", framework="pt") as old:  # fmt: skip
+        assert set(new.keys()) == set(old.keys())
+    model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}, info
+    # What from_pretrained reads back is the trained model, bit for bit, and not the pretrained one.
+    dcp_to_torch_save(tmp_path / "checkpoints" / "step-5", tmp_path / "step-5.pt")
+    trained = torch.load(tmp_path / "step-5.pt", weights_only=True)["train"]["model"]
+    pretrained = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(model.state_dict()[experts], pretrained[experts])
+
+
+def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tmp_path: Path) -> None:
+    # peft turns gate_proj/up_proj/down_proj (Qwen3-MoE's names) and w1/w2/w3 (Mixtral's) into adapters on the
+    # fused experts tensors; sharded, with nonzero adapters, the logits are peft's own model's.
+    import torch
+    from safetensors import safe_open
+
+    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(models["mixtral"]), "--lora", "--gpus",
+                       "2", "--fp32")  # fmt: skip
+    targets = ["--lora.target_modules", "q_proj,v_proj,w1,w2,w3", "--lora.rank", "4", "--lora.alpha", "8"]
+    reports = probe(project, models["mixtral"], *targets)
+    print(reports)
+    assert [report["logits_diff"] for report in reports] == [0.0, 0.0]
+    assert all(report["base_diff"] > 1e-3 for report in reports), reports
+
+    # Trained 3 steps and exported merged: the experts' per-expert weights changed, the routers' did not.
+    result = torchrun(project, "train.py", *TRAIN, *targets, "--training.steps", "3", "--job.output_dir",
+                      str(tmp_path / "out"))  # fmt: skip
+    # Adapters: (32 + 32) x 4 on q; (32 + 16) x 4 on v; on each layer's experts, peft's shapes for the fused tensors.
+    assert re.search(r"model: [\d,]+ parameters, [\d,]+ of them trainable", result.stdout), result.stdout
+    checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-3", tmp_path / "exported"
+    export = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), "--output", str(exported)],
+                            cwd=project, capture_output=True, text=True)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    with safe_open(exported / "model.safetensors", framework="pt") as new, \
+            safe_open(models["mixtral"] / "model.safetensors", framework="pt") as old:  # fmt: skip
+        assert set(new.keys()) == set(old.keys())
+        changed = {key for key in old.keys() if not torch.equal(new.get_tensor(key), old.get_tensor(key))}
+    assert PER_EXPERT["mixtral"] in changed and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in changed
+    assert "model.layers.0.block_sparse_moe.gate.weight" not in changed and "model.norm.weight" not in changed
+
+
+def run_train(project: Path, folder: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """One process (no torchrun), as a user's first try: train.py on the model in `folder`."""
+    command = [sys.executable, "train.py", *TRAIN, "--model.path", str(folder), "--job.output_dir",
+               str(tmp_path / "out")]  # fmt: skip
+    return subprocess.run(command, cwd=project, env=torchrun_env(), capture_output=True, text=True)
+
+
+def test_an_expert_missing_from_the_files_stops_with_one_line(
+    project: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(models["qwen3-moe"], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    result = run_train(project, folder, tmp_path)
+    assert result.returncode == 2
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+        f"train.py: error: {folder} has 3 tensors mlp.experts.*.up_proj.weight for the model's "
+        "model.layers.1.mlp.experts.gate_up_proj of 4 experts; its config.json must be the one the weights were "
+        "saved with"
+    ], result.stderr[-2000:]
+
+
+def test_router_logits_on_a_model_without_a_balance_loss_stop_with_one_line(
+    project: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # A dense Llama whose config.json asks for router logits: transformers' Llama has no router, nor a balance loss.
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "llama"
+    LlamaConfig(**{key: value for key, value in SIZES.items() if key != "num_experts_per_tok"}, intermediate_size=64,
+                output_router_logits=True).save_pretrained(folder)  # fmt: skip
+    result = subprocess.run([sys.executable, "train.py", *TRAIN, "--model.path", str(folder), "--model.pretrained",
+                             "false", "--job.output_dir", str(tmp_path / "out")], cwd=project, env=torchrun_env(),
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "train.py: error: LlamaForCausalLM: its config.json sets output_router_logits, but the model has no "
+        "load-balancing loss that this project adds (transformers' load_balancing_loss_func, num_experts, "
+        "num_experts_per_tok, router_aux_loss_coef); set output_router_logits to false in its config.json"
+    )
+    assert not (tmp_path / "out").exists()
