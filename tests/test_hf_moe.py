@@ -26,12 +26,14 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--tra
 # Each model's first per-expert key in its files (how hub checkpoints store them), and the model's fused tensor.
 PER_EXPERT = {"qwen3-moe": "model.layers.0.mlp.experts.0.gate_proj.weight",
               "mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight"}  # fmt: skip
+EXPERTS = {"qwen3-moe": 4, "mixtral": 12}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> model folder: 4 experts of which each token takes 2, 2 layers. The Qwen3-MoE model's config.json
-    sets output_router_logits (transformers' load-balancing loss, coefficient 0.01); the Mixtral one does not."""
+    """name -> model folder, 2 layers: Qwen3-MoE with 4 experts, whose config.json sets output_router_logits
+    (transformers' load-balancing loss, coefficient 0.01); Mixtral with 12 experts (experts 10 and 11 come after 9
+    in the fused tensor, not after 1 as their names sort), no balance loss. Each token takes 2 experts."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
@@ -41,20 +43,20 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
              "router_aux_loss_coef": 0.01}  # fmt: skip
     configs = {
         "qwen3-moe": Qwen3MoeConfig(**SIZES, **qwen3),
-        "mixtral": MixtralConfig(**SIZES, num_local_experts=4, intermediate_size=16),
+        "mixtral": MixtralConfig(**SIZES, num_local_experts=12, intermediate_size=16),
     }
     folders = {}
     for name, config in configs.items():
         torch.manual_seed(0)
         folders[name] = root / name
         model = AutoModelForCausalLM.from_config(config)
-        assert model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+        assert model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape == (EXPERTS[name], 32, 32)
         model.save_pretrained(folders[name])
         with safe_open(folders[name] / "model.safetensors", framework="pt") as files:
             keys = set(files.keys())
-        # On disk: one tensor per expert (4 x 3 per layer), no fused one.
+        # On disk: one tensor per expert (3 per expert and layer), no fused one.
         assert PER_EXPERT[name] in keys and not any("gate_up_proj" in key for key in keys), sorted(keys)
-        assert sum(".experts." in key for key in keys) == 2 * 4 * 3
+        assert sum(".experts." in key for key in keys) == 2 * EXPERTS[name] * 3
     return folders
 
 
@@ -78,8 +80,10 @@ def test_per_expert_files_load_sharded_equal_to_from_pretrained(
 ) -> None:
     reports = probe(project, models[name])
     print(reports)
-    # Each rank read from the files only the experts of its shard (fully_shard splits the 4 experts 2 + 2).
-    assert [report["experts_read"] for report in reports] == [{"0": [0, 1], "1": [0, 1]}, {"0": [2, 3], "1": [2, 3]}]
+    # Each rank read from the files only the experts of its shard (fully_shard splits the experts in halves).
+    half = EXPERTS[name] // 2
+    shards = [list(range(half)), list(range(half, 2 * half))]
+    assert [report["experts_read"] for report in reports] == [{"0": shard, "1": shard} for shard in shards]
     # Every weight equals from_pretrained's bit for bit (the probe compares them); so do the logits, fp32.
     assert [report["weights_differ"] for report in reports] == [[], []]
     assert [report["logits_diff"] for report in reports] == [0.0, 0.0]
@@ -156,7 +160,7 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
             safe_open(models["mixtral"] / "model.safetensors", framework="pt") as old:  # fmt: skip
         assert set(new.keys()) == set(old.keys())
         changed = {key for key in old.keys() if not torch.equal(new.get_tensor(key), old.get_tensor(key))}
-    assert PER_EXPERT["mixtral"] in changed and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in changed
+    assert PER_EXPERT["mixtral"] in changed and "model.layers.0.block_sparse_moe.experts.11.w2.weight" in changed
     assert "model.layers.0.block_sparse_moe.gate.weight" not in changed and "model.norm.weight" not in changed
 
 
