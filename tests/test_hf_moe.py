@@ -26,14 +26,15 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--tra
 # Each model's first per-expert key in its files (how hub checkpoints store them), and the model's fused tensor.
 PER_EXPERT = {"qwen3-moe": "model.layers.0.mlp.experts.0.gate_proj.weight",
               "mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight"}  # fmt: skip
-EXPERTS = {"qwen3-moe": 4, "mixtral": 12}
+EXPERTS = {"qwen3-moe": 4, "mixtral": 12, "qwen3-moe-bf16": 4}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> model folder, 2 layers: Qwen3-MoE with 4 experts, whose config.json sets output_router_logits
     (transformers' load-balancing loss, coefficient 0.01); Mixtral with 12 experts (experts 10 and 11 come after 9
-    in the fused tensor, not after 1 as their names sort), no balance loss. Each token takes 2 experts."""
+    in the fused tensor, not after 1 as their names sort), no balance loss. Each token takes 2 experts. And the
+    Qwen3-MoE model in bf16 over several files (an index), as the hub's are."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
@@ -57,6 +58,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # On disk: one tensor per expert (3 per expert and layer), no fused one.
         assert PER_EXPERT[name] in keys and not any("gate_up_proj" in key for key in keys), sorted(keys)
         assert sum(".experts." in key for key in keys) == 2 * EXPERTS[name] * 3
+    folders["qwen3-moe-bf16"] = root / "qwen3-moe-bf16"
+    model = AutoModelForCausalLM.from_pretrained(folders["qwen3-moe"], dtype=torch.bfloat16)
+    model.save_pretrained(folders["qwen3-moe-bf16"], max_shard_size="20KB")
+    assert len(list(folders["qwen3-moe-bf16"].glob("*.safetensors"))) > 2
     return folders
 
 
@@ -74,7 +79,7 @@ def probe(project: Path, folder: Path, *overrides: str) -> list[dict]:
     return sorted(reports, key=lambda report: report["rank"])
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen3-moe-bf16"])
 def test_per_expert_files_load_sharded_equal_to_from_pretrained(
     project: Path, models: dict[str, Path], name: str
 ) -> None:
@@ -87,7 +92,7 @@ def test_per_expert_files_load_sharded_equal_to_from_pretrained(
     # Every weight equals from_pretrained's bit for bit (the probe compares them); so do the logits, fp32.
     assert [report["weights_differ"] for report in reports] == [[], []]
     assert [report["logits_diff"] for report in reports] == [0.0, 0.0]
-    if name == "qwen3-moe":
+    if name.startswith("qwen3-moe"):
         # The training loss is transformers' own: cross-entropy + 0.01 x its load-balancing loss, exactly; with
         # reduction "sum" the balance loss counts once per target, like the cross-entropy.
         assert [report["loss_diff"] for report in reports] == [0.0, 0.0]
@@ -209,3 +214,15 @@ def test_router_logits_on_a_model_without_a_balance_loss_stop_with_one_line(
         "num_experts_per_tok, router_aux_loss_coef); set output_router_logits to false in its config.json"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_mfu_counts_the_active_experts_only(project: Path, models: dict[str, Path]) -> None:
+    # Per token: attention (q, o 32 x 32; k, v 16 x 32), the router (4 x 32), 2 of the 4 experts (gate, up,
+    # down: 16 x 32 each), per layer; the output layer (128 x 32); x 6, + attention scores 12 x layers x heads x
+    # head_dim x seq_len (16).
+    per_layer = 2 * 32 * 32 + 2 * 16 * 32 + 4 * 32 + 2 * 3 * 16 * 32
+    expected = 6 * (2 * per_layer + 128 * 32) + 12 * 2 * 4 * 8 * 16
+    code = f"from model_args import ModelArgs; print(ModelArgs(path={str(models['qwen3-moe'])!r}).flops_per_token(16))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) == expected
