@@ -97,6 +97,11 @@ def test_per_expert_files_load_sharded_equal_to_from_pretrained(
         # reduction "sum" the balance loss counts once per target, like the cross-entropy.
         assert [report["loss_diff"] for report in reports] == [0.0, 0.0]
         assert all(report["sum_diff"] <= 1e-5 * report["loss"] * 29 for report in reports), reports
+        # balance_experts' load figures (tokens each expert received, counted by a hook on transformers' experts
+        # modules, every rank's) equal the routing read from the reference's router logits.
+        for report in reports:
+            assert report["load_max_mean"][0] == report["load_max_mean"][1] > 1
+            assert report["load_min_mean"][0] == report["load_min_mean"][1] < 1
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
@@ -112,6 +117,8 @@ def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_load
              "--job.output_dir", str(tmp_path))  # fmt: skip
     records = metrics(tmp_path)
     assert len(records) == 5 and records[-1]["loss"] < records[0]["loss"], records
+    # How the tokens spread over the experts: the most and least loaded expert over the mean, worst layer.
+    assert all(record["moe_load_max_mean"] >= 1 >= record["moe_load_min_mean"] >= 0 for record in records), records
     if name == "qwen3-moe":
         # The part of the logged loss that is the balance loss (x 0.01): near 0.01 x its balanced value, 2 layers.
         assert all(0.015 < record["moe_aux_loss"] < 0.03 for record in records), records

@@ -12,7 +12,8 @@ in one process, on the same tokens, fp32. Each rank prints one JSON line ("probe
   against the model without adapters);
 - loss_diff (config.json with output_router_logits): the training loss (reduction "mean", model.train()) against
   transformers' own loss with the labels (cross-entropy + router_aux_loss_coef x its balance loss), and
-  sum_diff: reduction "sum" against the mean x the targets.
+  sum_diff: reduction "sum" against the mean x the targets; load_max_mean, load_min_mean: balance_experts'
+  figures after those forwards and the reference's (from its router logits).
 """
 
 import json
@@ -117,8 +118,29 @@ def main() -> None:
             with torch.no_grad():
                 mean = model_module.loss(model, tokens.to(device), targets.to(device), reduction="mean")
                 total = model_module.loss(model, tokens.to(device), targets.to(device), reduction="sum")
-                expected = reference(tokens, labels=targets, shift_labels=targets).loss
+                output = reference(tokens, labels=targets, shift_labels=targets)
+                expected = output.loss
             report["loss_diff"] = (mean.cpu() - expected).abs().item()
+            # The load figures of those two forwards on every rank (4 x each expert's tokens: the same ratios)
+            # against the reference's routing: each token's top-k experts by router logits (Qwen3-MoE's, Mixtral's).
+            figures = model_module.balance_experts(model, config)
+            loads = torch.stack(
+                [
+                    torch.bincount(
+                        logits.topk(model.config.num_experts_per_tok).indices.flatten(), minlength=logits.shape[-1]
+                    ).float()
+                    for logits in output.router_logits
+                ]
+            )
+            average = loads.mean(dim=-1)
+            report["load_max_mean"] = [
+                figures["moe_load_max_mean"].item(),
+                (loads.max(-1).values / average).max().item(),
+            ]
+            report["load_min_mean"] = [
+                figures["moe_load_min_mean"].item(),
+                (loads.min(-1).values / average).min().item(),
+            ]
             report["sum_diff"] = (total.cpu() - mean.cpu() * (targets != -100).sum()).abs().item()
             report["loss"] = mean.item()
         sys.stdout.write("probe " + json.dumps(report) + "\n")
