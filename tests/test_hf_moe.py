@@ -34,7 +34,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> model folder, 2 layers: Qwen3-MoE with 4 experts, whose config.json sets output_router_logits
     (transformers' load-balancing loss, coefficient 0.01); Mixtral with 12 experts (experts 10 and 11 come after 9
     in the fused tensor, not after 1 as their names sort), no balance loss. Each token takes 2 experts. And the
-    Qwen3-MoE model in bf16 over several files (an index), as the hub's are."""
+    Qwen3-MoE model in bf16 over several files (an index), as the hub's are, a layer's experts in several."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
@@ -60,8 +60,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert sum(".experts." in key for key in keys) == 2 * EXPERTS[name] * 3
     folders["qwen3-moe-bf16"] = root / "qwen3-moe-bf16"
     model = AutoModelForCausalLM.from_pretrained(folders["qwen3-moe"], dtype=torch.bfloat16)
-    model.save_pretrained(folders["qwen3-moe-bf16"], max_shard_size="20KB")
-    assert len(list(folders["qwen3-moe-bf16"].glob("*.safetensors"))) > 2
+    model.save_pretrained(folders["qwen3-moe-bf16"], max_shard_size="3KB")
+    files = json.loads((folders["qwen3-moe-bf16"] / "model.safetensors.index.json").read_text())["weight_map"]
+    # A fused tensor comes from several files (gate_up_proj: the experts' gate_proj in one, their up_proj in another).
+    fused = {file for key, file in files.items() if re.search(r"layers\.0\.mlp\.experts\.\d+\.(gate|up)_proj", key)}
+    assert len(fused) > 1, files
     return folders
 
 
@@ -102,6 +105,17 @@ def test_per_expert_files_load_sharded_equal_to_from_pretrained(
         for report in reports:
             assert report["load_max_mean"][0] == report["load_max_mean"][1] > 1
             assert report["load_min_mean"][0] == report["load_min_mean"][1] < 1
+
+
+def test_a_folder_only_rank_0_sees_is_converted_by_rank_0_equal_to_from_pretrained(
+    project: Path, models: dict[str, Path]
+) -> None:
+    # --blind: rank 1 is given a folder that does not exist, so rank 0 reads every file whole, converts each fused
+    # tensor once it has read all its experts (from several files) and broadcasts it. Every weight bit for bit.
+    result = torchrun(project, str(HELPERS / "hf_load_probe.py"), str(models["qwen3-moe-bf16"]), "--blind",
+                      "--job.device", "cpu")  # fmt: skip
+    assert result.stdout.splitlines().count("equal") == 1, result.stdout
+    assert "warning: rank(s) [1] do not see the files of" in result.stdout
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
