@@ -189,6 +189,18 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
     assert PER_EXPERT["mixtral"] in changed and "model.layers.0.block_sparse_moe.experts.11.w2.weight" in changed
     assert "model.layers.0.block_sparse_moe.gate.weight" not in changed and "model.norm.weight" not in changed
 
+    # The experts module itself is no layer peft adapts: one line, exit 2, naming the fix.
+    command = [sys.executable, "train.py", *TRAIN, "--lora.target_modules", "q_proj,experts", "--job.output_dir",
+               str(tmp_path / "refused")]  # fmt: skip
+    result = subprocess.run(command, cwd=project, env=torchrun_env(), capture_output=True, text=True)
+    assert result.returncode == 2 and not (tmp_path / "refused").exists()
+    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+        "train.py: error: lora.target_modules ['q_proj', 'experts']: peft cannot adapt them (they name "
+        "['MixtralExperts']); its linear layers are ['k_proj', 'lm_head', 'o_proj', 'q_proj', 'v_proj'], and fused "
+        "experts are adapted through the names of their projections in the checkpoint (e.g. gate_proj, up_proj and "
+        "down_proj together)"
+    ]
+
 
 def run_train(project: Path, folder: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     """One process (no torchrun), as a user's first try: train.py on the model in `folder`."""
