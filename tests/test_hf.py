@@ -179,8 +179,8 @@ def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
     )
     assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
         f"train.py: error: {folder} lacks 1 weight(s) of Qwen2ForCausalLM, e.g. ['model.norm.weight']; its keys must "
-        "match the model's state_dict() (checkpoints that transformers converts while loading, e.g. per-expert MoE "
-        "weights, are not supported)"
+        "be the model's state_dict() keys, or those transformers converts into them (e.g. per-expert MoE weights); "
+        "its config.json must be the one the weights were saved with"
     ]
     # torchrun's summary names the first rank to end (its root cause); it may stop the others once that one ends.
     assert re.search(r"Root Cause .*\n.*\n.*\n.*\n.*\n\s*exitcode\s*: 2 ", result.stderr), result.stderr[-2000:]
