@@ -33,7 +33,8 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     result = fsdp2gen(
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
-        "--tp", "2", "--cp", "2", "--reshard-after-forward", "4", "--activation-checkpointing", "full", "--compile",
+        "--tp", "2", "--no-moe", "--ep", "1", "--cp", "2", "--reshard-after-forward", "4",
+        "--activation-checkpointing", "full", "--compile",
         "--cpu-offload", "--no-prefetch", "--tensorboard", "--no-float8", "--tokenizer", "gpt2", "--wandb",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -41,7 +42,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     answers = answers_of(tmp_path / "run")
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
-        "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "cp": 2, "reshard_after_forward": "4",
+        "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "moe": False, "ep": 1, "cp": 2, "reshard_after_forward": "4",
         "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
         "tensorboard": True, "tokenizer": "gpt2", "task": "pretrain", "lora": False, "wandb": True,
     }  # fmt: skip
@@ -86,7 +87,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     files = tree(dest)
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
-        "launcher=torchrun, tp=1, cp=1, reshard_after_forward=true, activation_checkpointing=none, compile=False, "
+        "launcher=torchrun, tp=1, moe=False, ep=1, cp=1, reshard_after_forward=true, activation_checkpointing=none, "
+        "compile=False, "
         "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', task=pretrain, lora=False, "
         "wandb=False) "
         f"with {len(files)} files:"
