@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import
     from config import Config
 
 # The names train.py, preflight.py and the scripts import from every family's model.py (AGENTS.md lists them).
-__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "Model", "ModelArgs", "block_classes", "build_model", "initialize",
-           "loss", "output_logits"]  # fmt: skip
+__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "Model", "ModelArgs", "balance_experts", "block_classes", "build_model",
+           "initialize", "loss", "output_logits"]  # fmt: skip
 
 
 # ---- Your model: edit from here ------------------------------------------------------------------------
@@ -141,6 +141,12 @@ def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
 def initialize(model: Model, config: Config, device: torch.device) -> None:
     """Fill every parameter and buffer after to_empty, on the sharded model."""
     model.init_weights(seed=config.training.seed)
+
+
+def balance_experts(model: Model, config: Config) -> dict[str, torch.Tensor]:
+    """Called after each step's micro-batches, before the optimizer step: a mixture-of-experts model balances
+    its experts' load here and returns figures for metrics.jsonl (the llama family's moe.py); this one has none."""
+    return {}
 
 
 def output_logits(output: torch.Tensor) -> torch.Tensor:

@@ -61,22 +61,26 @@ class ModelArgs:
         return getattr(self.hf_config, "max_position_embeddings", None) or 2**31
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
+        """Training FLOPs per token: 6 x matmul parameters (of a mixture-of-experts model, the active ones) +
+        attention scores (PaLM appendix B)."""
         import torch
         from torch import nn
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.hf_config)
+        config = self.hf_config
+        # A mixture-of-experts model's fused experts (3-D: experts x out x in): a token passes through
+        # num_experts_per_tok of them, so only that share of their weights multiplies its activations.
+        top_k = getattr(config, "num_experts_per_tok", None)
         # Every 2-D weight outside the embeddings multiplies activations (the output layer too, even when
         # it is tied to the input embedding).
         matmul_params = sum(
-            param.numel()
+            param.numel() if param.ndim == 2 else param.numel() * top_k // param.shape[0]
             for module in model.modules()
             if not isinstance(module, nn.Embedding)
             for param in module.parameters(recurse=False)
-            if param.ndim == 2
+            if param.ndim == 2 or (param.ndim == 3 and top_k)
         )
-        config = self.hf_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 6 * matmul_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU).
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), dense or with
+mixture-of-experts feed-forwards (model.n_experts > 0: moe.py).
 
 The model is written so that FSDP2 can build it on the meta device and shard it
 block by block: every `TransformerBlock` becomes one `fully_shard` unit, and
@@ -16,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunked_loss import chunked_cross_entropy
+from data import IGNORE
 from document_attention import Mask, attention, document_mask
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, SIZES, ModelArgs
+from moe import MoE, balance_load, forget_routing, take_aux_loss
 from sharded_init import fill_by_blocks
 
 if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
@@ -25,8 +28,8 @@ if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import
 
 # The names train.py, preflight.py and the scripts import from every family's model.py (AGENTS.md lists them);
 # SIZES: the model.size presets.
-__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "SIZES", "Model", "ModelArgs", "block_classes", "build_model",
-           "initialize", "loss", "output_logits"]  # fmt: skip
+__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "SIZES", "Model", "ModelArgs", "balance_experts", "block_classes",
+           "build_model", "initialize", "loss", "output_logits"]  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -96,12 +99,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, index: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        # With experts, the blocks from model.n_dense_layers on route each token to top_k of them (moe.py).
+        self.feed_forward = MoE(args) if index in args.moe_layers else FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -115,7 +119,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # Keyed by the layer index (as torchtitan does): a pipeline stage that deletes other stages' blocks keeps
         # each block's parameter names (layers.7.*), where a ModuleList would renumber them.
-        blocks = [TransformerBlock(args) for _ in range(args.n_layers)]
+        blocks = [TransformerBlock(args, index) for index in range(args.n_layers)]
         self.layers = nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -149,11 +153,21 @@ class Transformer(nn.Module):
             cos, sin = rotary_tables(self.rope_cos[positions], self.rope_sin[positions])
         mask = document_mask(document_ids)  # None: plain causal attention
         h = self.tok_embeddings(tokens)
+        forget_routing(self)  # mixture of experts: drop what a recompute in the last backward recorded
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
+        # Mixture of experts: counts this forward's tokens per expert once; the balance loss, None unless
+        # model.aux_loss_coef > 0 and training.
+        aux_loss = take_aux_loss(self)
         if targets is None:
             return self.output(self.norm(h))
-        return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
+        loss = chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
+        if aux_loss is None:
+            return loss
+        # The balance loss is a sum over tokens: weighed as the cross-entropy is (per target for "mean"; train.py
+        # divides a "sum" by the step's targets), so a sample adds the same to the loss on any number of ranks.
+        scale = self.args.aux_loss_coef / ((targets != IGNORE).sum() if reduction == "mean" else 1)
+        return loss + scale * aux_loss
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
@@ -169,16 +183,21 @@ class Transformer(nn.Module):
         device = self.output.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
         residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
-        # named_parameters() lists a tied output weight once, as tok_embeddings.weight.
+        # named_parameters() lists a tied output weight once, as tok_embeddings.weight. An expert weight (n_experts,
+        # out, in) is filled expert by expert, each expert as a linear layer's weight.
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 fill_by_blocks(param, lambda block: block.fill_(1.0))
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 # Residual projections are scaled down so the residual stream does not grow with depth.
                 fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
             else:
                 fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
         self._init_rope(buffer_device or device)
+        for module in self.modules():
+            if isinstance(module, MoE):  # routing starts unbiased, with no tokens counted
+                for buffer in module.buffers():
+                    buffer.zero_()
 
     def _init_rope(self, device: torch.device) -> None:
         head_dim = self.args.dim // self.args.n_heads
@@ -209,6 +228,13 @@ def initialize(model: Model, config: Config, device: torch.device) -> None:
     """Fill every parameter and buffer after to_empty, on the sharded model; the rotary tables go to `device`
     (also when CPU offload keeps the parameters in CPU memory)."""
     model.init_weights(seed=config.training.seed, buffer_device=device)
+
+
+def balance_experts(model: Model, config: Config) -> dict[str, torch.Tensor]:
+    """After each step's micro-batches and optimizer step: balance the experts' load (moe.py: sums the
+    tokens each expert received over the ranks, moves the routing biases) and return its figures for
+    metrics.jsonl; {} for a dense model."""
+    return balance_load(model, config.model.expert_bias_rate, config.model.aux_loss_coef)
 
 
 def output_logits(output: torch.Tensor) -> torch.Tensor:

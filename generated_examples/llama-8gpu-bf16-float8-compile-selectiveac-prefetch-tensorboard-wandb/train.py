@@ -39,7 +39,7 @@ from data import IGNORE, MicroBatch, ShuffledEpochs, SyntheticTokens, TokenFile,
 from errors import stop
 from layout import ParallelLayout
 from metrics import MetricsLog
-from model import block_classes, build_model, initialize
+from model import balance_experts, block_classes, build_model, initialize
 from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
@@ -145,6 +145,20 @@ def wrap_blocks(
 def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig) -> None:
     """fully_shard each block, then the root (embeddings, final norm, output layer). Bottom-up order gives
     one all-gather per block, overlapped with the previous block's compute."""
+    block_options, root_options = sharding_options(mesh, parallel)
+    for block in blocks:
+        fully_shard(block, **block_options)
+    fully_shard(model, **root_options)
+    if parallel.prefetch_blocks:
+        # FSDP2 already prefetches one block ahead implicitly; explicit prefetching issues the next
+        # blocks' all-gathers earlier, so they overlap more compute (and hold more gathered blocks).
+        for index, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + parallel.prefetch_blocks])
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - parallel.prefetch_blocks) : index][::-1])
+
+
+def sharding_options(mesh: DeviceMesh, parallel: ParallelConfig) -> tuple[dict, dict]:
+    """fully_shard's options (keyword arguments) for the blocks, and for the root."""
     reshard = parallel.reshard_after_forward
     shard_ranks = mesh.size(mesh.ndim - 1)  # the ranks a parameter is sharded over (all, unless HSDP or TP)
     if not isinstance(reshard, bool) and reshard >= shard_ranks:
@@ -157,15 +171,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, par
     block_options: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     root_options: dict = {"mesh": mesh}
     block_options["mp_policy"], root_options["mp_policy"] = mixed_precision_policies(parallel)
-    for block in blocks:
-        fully_shard(block, **block_options)
-    fully_shard(model, **root_options)
-    if parallel.prefetch_blocks:
-        # FSDP2 already prefetches one block ahead implicitly; explicit prefetching issues the next
-        # blocks' all-gathers earlier, so they overlap more compute (and hold more gathered blocks).
-        for index, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + parallel.prefetch_blocks])
-            block.set_modules_to_backward_prefetch(blocks[max(0, index - parallel.prefetch_blocks) : index][::-1])
+    return block_options, root_options
 
 
 def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
@@ -211,11 +217,15 @@ def convert_blocks_to_float8(blocks: list[nn.Module], device: torch.device) -> N
     linears = converted = 0
     for block in blocks:
         linears += sum(isinstance(module, nn.Linear) for module in block.modules())
-        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16.
+        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16. A mixture-of-experts
+        # router's gate stays as it is (moe.py computes it in fp32: close scores choose the experts; torchtitan
+        # leaves it out too).
         convert_to_float8_training(
             block,
             config=float8_config,
-            module_filter_fn=lambda linear, _: linear.in_features % 16 == 0 and linear.out_features % 16 == 0,
+            module_filter_fn=lambda linear, name: (
+                linear.in_features % 16 == 0 and linear.out_features % 16 == 0 and not name.endswith("router.gate")
+            ),
         )
         converted += sum(isinstance(module, Float8Linear) for module in block.modules())
     if dist.get_rank() == 0:
@@ -296,6 +306,9 @@ def train_step(
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
+    # A mixture-of-experts model sums the tokens each expert received this step over the ranks and moves its
+    # routing biases (model.py; no-op for a dense model): the load figures go to metrics.jsonl.
+    numbers |= balance_experts(model, config)
     # Gloo has no AVG reduction: sum the per-rank losses, then divide (in float64, as Python divides a float).
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return {"loss": loss_sum.double() / dist.get_world_size(), "lr": lr, **numbers}

@@ -14,8 +14,12 @@ dimension the project's config does not have (parallel.tp and parallel.cp only e
 --tp, --cp) has size 1, and so do the slots for the dimensions not built yet:
 
 - pp (pipeline stages) will split the model's layers; until then it is 1 and no config key names it.
-- ep (expert parallelism, for mixture-of-experts models) is not a mesh dimension of its own: as in torchtitan
-  it will borrow ranks from dp_shard x cp for the experts only. It is 1 and not in the mesh.
+- ep (expert parallelism, mixture-of-experts models: parallel.ep in projects generated with --moe) borrows its
+  ranks from dp_shard, as in torchtitan: with ep > 1 the mesh splits dp_shard into dp_shard_mod_ep x ep (ep
+  varies faster) and flattens the two back into "dp_shard", so mesh["dp_shard"] and fsdp_mesh() are unchanged.
+  Each ep group of ranks shares out every MoE layer's experts (mesh["ep"]); the expert weights are then sharded
+  over the ranks that hold the same experts (expert_fsdp_mesh()). The ep ranks read different samples, as any
+  dp_shard ranks do. Tokens travel to their experts' ranks and back (expert_parallel.py).
 
 preflight.py calls check() (each mistake is one LayoutError whose message is the line it prints); train.py calls
 build_mesh() and asks data_rank() which samples this rank reads. `fsdp2gen plan` loads this file too, so it
@@ -38,7 +42,7 @@ SAME_DATA_DIMS = ("cp", "tp")
 class LayoutError(ValueError):
     """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix.
     `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "cp_seq_len", "cp_loss_chunks", "batch",
-    "reshard") for callers that word it their own way (`fsdp2gen plan` names its options)."""
+    "reshard", "ep_ranks", "ep_experts") for callers that word it their own way (`fsdp2gen plan` names its options)."""
 
     def __init__(self, message: str, problem: str) -> None:
         super().__init__(message)
@@ -53,7 +57,7 @@ class ParallelLayout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # a slot: see the module docstring
+    ep: int = 1  # borrowed from dp_shard: not one of `sizes` (see the module docstring)
     # The dimensions config.parallel has, in MESH_DIMS order: the ones messages name.
     configured: tuple[str, ...] = ("dp_replicate", "dp_shard")
     # parallel.dp_shard as configured (-1: the rest), for messages.
@@ -81,7 +85,12 @@ class ParallelLayout:
                 others *= size if name != "dp_shard" else 1
             sizes["dp_shard"] = world_size // others
         return cls(
-            world_size, **sizes, configured=configured, dp_shard_given=parallel.dp_shard, reshard_after_forward=reshard
+            world_size,
+            **sizes,
+            ep=getattr(parallel, "ep", 1),
+            configured=configured,
+            dp_shard_given=parallel.dp_shard,
+            reshard_after_forward=reshard,
         )
 
     @property
@@ -103,8 +112,15 @@ class ParallelLayout:
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
-        """The mesh's dimensions and sizes: those of size 1 are left out, except dp_shard."""
-        return {name: size for name, size in self.sizes.items() if size > 1 or name == "dp_shard"}
+        """The mesh's dimensions and sizes: those of size 1 are left out, except dp_shard, which ep > 1 builds as
+        dp_shard_mod_ep x ep (both kept, even of size 1: FSDP shards the experts over the first)."""
+        sizes: dict[str, int] = {}
+        for name, size in self.sizes.items():
+            if name == "dp_shard" and self.ep > 1:
+                sizes |= {"dp_shard_mod_ep": size // self.ep, "ep": self.ep}
+            elif size > 1 or name == "dp_shard":
+                sizes[name] = size
+        return sizes
 
     def build_mesh(self, device_type: str) -> Any:
         """The DeviceMesh of this layout (torch.distributed must be initialised); mesh["tp"], mesh["dp_shard"], ...
@@ -113,6 +129,9 @@ class ParallelLayout:
 
         sizes = self.mesh_sizes
         mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        if self.ep > 1:
+            # dp_shard as one dimension again, for everything but the experts (a collective, made once).
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         if self.cp > 1:
             # One dimension for FSDP's shard groups: the ranks of a dp_shard x cp block (a collective, made once).
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -122,15 +141,26 @@ class ParallelLayout:
         """The sub-mesh of build_mesh()'s `mesh` that fully_shard shards over: (dp_replicate,) dp_shard, with cp
         folded into dp_shard. Its last dimension is the shard group; tp ranks are left out (each keeps its slice)."""
         replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()
+        if self.ep > 1:
+            return self._flattened(mesh, (*replicate, "dp_shard"))
         if self.cp == 1:
             return mesh[(*replicate, "dp_shard")]
         if not replicate:
             return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # build_mesh made it: this returns it
+        return self._flattened(mesh, ("dp_replicate", "dp_shard_cp"))
+
+    def expert_fsdp_mesh(self, mesh: Any) -> Any:
+        """The sub-mesh fully_shard shards the experts over when ep > 1: (dp_replicate,) dp_shard_mod_ep, the ranks
+        that hold the same experts (each rank of an ep group holds others)."""
+        return mesh[("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate > 1 else "dp_shard_mod_ep"]
+
+    @staticmethod
+    def _flattened(mesh: Any, names: tuple[str, ...]) -> Any:
         with warnings.catch_warnings():
             # torch 2.13 asks callers to keep flattened meshes themselves, but has no other way to pair one with
-            # dp_replicate for HSDP (torchtitan slices it the same way).
+            # dp_replicate for HSDP (torchtitan slices it the same way), or to get it back from the root mesh.
             warnings.filterwarnings("ignore", "Slicing a flattened dim")
-            return mesh["dp_replicate", "dp_shard_cp"]
+            return mesh[names]
 
     @property
     def shard_ranks(self) -> int:
@@ -145,6 +175,7 @@ class ParallelLayout:
             self.check_tensor_parallel(training, model)
         if self.cp > 1:
             self.check_context_parallel(training)
+        self.check_expert_parallel(model)
         self.check_batch(training)
         self.check_reshard()
 
@@ -200,6 +231,31 @@ class ParallelLayout:
                 f"context-parallel rank holds (training.seq_len / parallel.cp); e.g. --training.loss_chunks "
                 f"{math.gcd(per_rank, training.loss_chunks)}",
                 "cp_loss_chunks",
+            )
+
+    def check_expert_parallel(self, model: Any) -> None:
+        ep, n_experts = self.ep, getattr(model, "n_experts", 0)
+        if ep == 1 or self.world_size == 1:  # one process (python train.py) holds every expert itself
+            return
+        if not n_experts:
+            raise LayoutError(
+                f"parallel.ep = {ep} needs a mixture-of-experts model, but model.n_experts is 0; use --parallel.ep 1 "
+                "or a model with experts (e.g. --model.size debug-moe)",
+                "ep_experts",
+            )
+        # The largest ep not above the one asked for that both checks accept.
+        fitting = max(d for d in range(1, ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
+        if self.dp_shard % ep:
+            raise LayoutError(
+                f"parallel.ep ({ep}) must divide parallel.dp_shard ({self.dp_shard}): expert parallelism borrows its "
+                f"ranks from the shard group; e.g. --parallel.ep {fitting}",
+                "ep_ranks",
+            )
+        if n_experts % ep:
+            raise LayoutError(
+                f"model.n_experts ({n_experts}) must be divisible by parallel.ep ({ep}), which shares them out "
+                f"equally; e.g. --parallel.ep {fitting}",
+                "ep_experts",
             )
 
     def check_batch(self, training: Any) -> None:

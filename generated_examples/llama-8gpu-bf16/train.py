@@ -36,7 +36,7 @@ from data import IGNORE, MicroBatch, ShuffledEpochs, SyntheticTokens, TokenFile,
 from errors import stop
 from layout import ParallelLayout
 from metrics import MetricsLog
-from model import block_classes, build_model, initialize
+from model import balance_experts, block_classes, build_model, initialize
 from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
@@ -118,6 +118,14 @@ def modules_to_shard(model: nn.Module, class_names: list[str]) -> list[tuple[str
 def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig) -> None:
     """fully_shard each block, then the root (embeddings, final norm, output layer). Bottom-up order gives
     one all-gather per block, overlapped with the previous block's compute."""
+    block_options, root_options = sharding_options(mesh, parallel)
+    for block in blocks:
+        fully_shard(block, **block_options)
+    fully_shard(model, **root_options)
+
+
+def sharding_options(mesh: DeviceMesh, parallel: ParallelConfig) -> tuple[dict, dict]:
+    """fully_shard's options (keyword arguments) for the blocks, and for the root."""
     reshard = parallel.reshard_after_forward
     shard_ranks = mesh.size(mesh.ndim - 1)  # the ranks a parameter is sharded over (all, unless HSDP or TP)
     if not isinstance(reshard, bool) and reshard >= shard_ranks:
@@ -130,9 +138,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, par
     block_options: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     root_options: dict = {"mesh": mesh}
     block_options["mp_policy"], root_options["mp_policy"] = mixed_precision_policies(parallel)
-    for block in blocks:
-        fully_shard(block, **block_options)
-    fully_shard(model, **root_options)
+    return block_options, root_options
 
 
 def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
@@ -232,6 +238,9 @@ def train_step(
         loss.backward()
         loss_sum += loss.detach()
     numbers = optimizer_step(state, config)
+    # A mixture-of-experts model sums the tokens each expert received this step over the ranks and moves its
+    # routing biases (model.py; no-op for a dense model): the load figures go to metrics.jsonl.
+    numbers |= balance_experts(model, config)
     # Gloo has no AVG reduction: sum the per-rank losses, then divide (in float64, as Python divides a float).
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return {"loss": loss_sum.double() / dist.get_world_size(), "lr": lr, **numbers}

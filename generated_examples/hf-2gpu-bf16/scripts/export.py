@@ -8,8 +8,10 @@ The folder loads like the model it was trained from:
     model = AutoModelForCausalLM.from_pretrained("exported", dtype=torch.float32)
 
 It holds model.safetensors (the trained fp32 weights, written one tensor at a time so that only one is ever
-in memory; tied weights once, as transformers saves them) and the other files of the original model
-folder: config.json, generation_config.json, the tokenizer.
+in memory; tied weights once, as transformers saves them), under the names of the files the model came from
+(a mixture-of-experts model's fused experts as per-expert weights again, by transformers' reverse conversion:
+model.hub_layout), and the other files of the original model folder: config.json, generation_config.json, the
+tokenizer.
 
 open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
 scripts/generate.py.
@@ -24,6 +26,7 @@ from pathlib import Path
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import export_checkpoint, export_parser, open_for_export, write_safetensors  # noqa: E402
+from model import hub_layout  # noqa: E402
 from model_args import HUB_FILES, ModelArgs  # noqa: E402
 
 
@@ -33,6 +36,8 @@ def main() -> None:
     checkpoint = export_checkpoint(parser, args)
     config, weights, read = open_for_export(parser, checkpoint)
     model_args = ModelArgs(**config["model"])
+    # The names (and per-expert or fused experts) of the files the model came from, as save_pretrained writes.
+    weights, read = hub_layout(model_args, weights, read)
 
     args.output.mkdir(parents=True, exist_ok=True)
     partial = args.output / "model.safetensors.tmp"

@@ -8,8 +8,10 @@ The folder loads like the model it was trained from:
     model = AutoModelForCausalLM.from_pretrained("exported", dtype=torch.float32)
 
 It holds model.safetensors (the trained fp32 weights, written one tensor at a time so that only one is ever
-in memory; tied weights once, as transformers saves them) and the other files of the original model
-folder: config.json, generation_config.json, the tokenizer.
+in memory; tied weights once, as transformers saves them), under the names of the files the model came from
+(a mixture-of-experts model's fused experts as per-expert weights again, by transformers' reverse conversion:
+model.hub_layout), and the other files of the original model folder: config.json, generation_config.json, the
+tokenizer.
 
 open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
 scripts/generate.py.
