@@ -41,9 +41,11 @@ def conditionals_per_function(path: Path) -> dict[str, int]:
     return counts
 
 
-def test_train_template_has_at_most_80_control_lines_and_no_family_or_style_branch() -> None:
+def test_train_template_has_at_most_82_control_lines_and_no_family_or_style_branch() -> None:
+    # 80 until --moe: its expert-parallel import and calls are 82's last two lines. Jinja expressions that emit
+    # code lines (`{{ "\nfrom ..." if x }}`) would hide branches from this count: write them as blocks.
     lines = control_lines(TRAIN)
-    assert len(lines) <= 80, len(lines)
+    assert len(lines) <= 82, len(lines)
     assert not [line for line in lines if "family" in line or "checkpoint ==" in line or "checkpoint !=" in line]
     assert "family" not in TRAIN.read_text()
 
