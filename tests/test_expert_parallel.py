@@ -124,11 +124,10 @@ def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_proces
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
 def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
     ep2_dp2: Path, one_process: Path, project: Path, balancing: list, tmp_path: Path
 ) -> None:
-    if balancing:
-        pytest.skip("one balancing mode is enough for the checkpoint's layout")
     run = tmp_path / "run"
     shutil.copytree(ep2_dp2, run)
     shutil.rmtree(run / "checkpoints" / "step-4")
@@ -140,11 +139,10 @@ def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
 def test_a_checkpoint_saved_by_one_process_resumes_with_ep2_as_the_uninterrupted_run(
     one_process: Path, project: Path, balancing: list, tmp_path: Path
 ) -> None:
-    if balancing:
-        pytest.skip("one balancing mode is enough for the checkpoint's layout")
     run = tmp_path / "run"
     shutil.copytree(one_process, run)
     shutil.rmtree(run / "checkpoints" / "step-4")
@@ -157,23 +155,21 @@ def test_a_checkpoint_saved_by_one_process_resumes_with_ep2_as_the_uninterrupted
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
 def test_hsdp_2_x_ep2_on_4_ranks_equals_one_process(
     project: Path, one_process: Path, balancing: list, tmp_path: Path
 ) -> None:
     # Two replicas of dp_shard 2, all of it lent to ep: dp_shard_mod_ep = 1, each rank holds half the experts
     # whole, and their gradients are all-reduced across the replicas.
-    if balancing:
-        pytest.skip("one balancing mode is enough for the mesh's shape")
     ran(train(project, tmp_path / "out", "--parallel.dp_replicate", "2", nproc=4))
     diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
 def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, balancing: list, tmp_path: Path) -> None:
     # The equality above is not blind to the dispatch: tokens left in arrival order (by sender, not by expert)
     # reach the wrong experts, and the run no longer equals one process.
-    if balancing:
-        pytest.skip("one balancing mode is enough for the mutation")
     mutated = tmp_path / "mutated"
     shutil.copytree(project, mutated)
     source = (mutated / "expert_parallel.py").read_text()
