@@ -41,18 +41,20 @@ def conditionals_per_function(path: Path) -> dict[str, int]:
     return counts
 
 
-def test_train_template_has_at_most_82_control_lines_and_no_family_or_style_branch() -> None:
-    # 80 until --moe: its expert-parallel import and calls are 82's last two lines. Jinja expressions that emit
+def test_train_template_has_at_most_92_control_lines_and_no_family_or_style_branch() -> None:
+    # 80 until --moe: its expert-parallel import and calls are 82's last two lines. --pp adds 10: its import, and
+    # the hand-off to pipeline.py in build_model_meta, forward_backward, evaluate and clip_grad_norm (its pp group). Jinja expressions that emit
     # code lines (`{{ "\nfrom ..." if x }}`) would hide branches from this count: write them as blocks.
     lines = control_lines(TRAIN)
-    assert len(lines) <= 82, len(lines)
+    assert len(lines) <= 92, len(lines)
     assert not [line for line in lines if "family" in line or "checkpoint ==" in line or "checkpoint !=" in line]
     assert "family" not in TRAIN.read_text()
 
 
 def test_no_function_of_train_template_branches_on_more_than_3_options() -> None:
     counts = conditionals_per_function(TRAIN)
-    assert counts["build_model_meta"] == 3 and counts["train_step"] == 3, counts  # the counter sees them (cp twice, tp)
+    # The counter sees them: parallelize (build_model_meta's sequence) tp, moe, float8; forward_backward cp, tp, pp.
+    assert counts["parallelize"] == 3 and counts["forward_backward"] == 3, counts
     assert max(counts.values()) <= 3, {name: n for name, n in counts.items() if n > 3}
 
 
