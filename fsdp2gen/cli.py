@@ -440,6 +440,7 @@ def _ask(question: Question, answers: dict[str, Any]) -> Any:
 CPU_RUN = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
 # Context parallelism needs CUDA: a --cp project's CPU run trains without it.
 CPU_NO_CP = " --parallel.cp 1"
+CPU_PP = " --parallel.pp 2"  # the 2 CPU processes hold 2 pipeline stages
 
 
 def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
@@ -450,7 +451,11 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
         ("pip install -e '.[test]'", ""),
         # The sizes of the README's CPU run: this continues that run in outputs/ (or starts one), as a resume must
         # keep the batch size and the sequence length.
-        (f"{CPU_RUN}{CPU_NO_CP if answers.get('cp', 1) > 1 else ''} --training.steps 20", "2 CPU processes, gloo"),
+        (
+            f"{CPU_RUN}{CPU_NO_CP if answers.get('cp', 1) > 1 else ''}{CPU_PP if answers.get('pp', 1) > 2 else ''}"
+            " --training.steps 20",
+            "2 CPU processes, gloo",
+        ),
         # A folder of its own: outputs/ may hold the CPU run, whose sizes a default run does not share.
         ("scripts/launch_local.sh --job.output_dir outputs-gpu", f"{answers['gpus']} GPU(s) with nccl"),
     ]
