@@ -155,6 +155,23 @@ def test_a_checkpoint_saved_by_one_process_resumes_with_pp2_as_the_uninterrupted
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+def test_dcp_async_checkpoints_of_pp2_resume_with_pp1_as_the_uninterrupted_run(
+    one_process: Path, tmp_path: Path
+) -> None:
+    # The background-saved style: the same state dicts (keyed by parameter name), staged and written while training
+    # goes on.
+    project = generate(tmp_path / "async", "--gpus", "4", "--pp", "2", "--fp32", "--checkpoint", "dcp-async")
+    ran(train(project, tmp_path / "pp2", nproc=4))
+    assert max(differences(tmp_path / "pp2", one_process, [1, 2, 3, 4]).values()) <= TOLERANCE
+    shutil.rmtree(tmp_path / "pp2" / "checkpoints" / "step-4")
+    result = train(project, tmp_path / "pp2", "--parallel.pp", "1", nproc=2)
+    ran(result)
+    assert f"resumed from {tmp_path / 'pp2' / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    diffs = differences(tmp_path / "pp2", one_process, [3, 4])
+    print(diffs)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
 def test_the_grad_norm_summed_over_the_stages_is_what_makes_it_equal(
     project: Path, one_process: Path, tmp_path: Path
 ) -> None:
@@ -244,7 +261,10 @@ def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_pat
 
 GENERATOR_REFUSALS = {
     "moe": (["--moe"], "pipeline parallelism is not built for mixture-of-experts models (--moe) yet; use --pp 1"),
-    "cp": (["--cp", "2"], "pipeline parallelism with context parallelism (--cp) is not built yet; use --pp 1 or --cp 1"),
+    "cp": (
+        ["--cp", "2"],
+        "pipeline parallelism with context parallelism (--cp) is not built yet; use --pp 1 or --cp 1",
+    ),
     "full": (
         ["--checkpoint", "full"],
         "pipeline parallelism saves sharded checkpoints only; use --checkpoint dcp or dcp-async with --pp",
