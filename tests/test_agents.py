@@ -18,13 +18,13 @@ def test_json_report_matches_the_files_on_disk(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["answers"] == {
         "project_name": "run", "family": "llama", "gpus": 2, "nodes": 1, "precision": "fp32", "checkpoint": "dcp",
-        "launcher": "torchrun", "tp": 1, "moe": False, "ep": 1, "cp": 1, "reshard_after_forward": "true",
+        "launcher": "torchrun", "tp": 1, "moe": False, "ep": 1, "cp": 1, "pp": 1, "reshard_after_forward": "true",
         "activation_checkpointing": "none",
         "compile": False, "float8": False, "cpu_offload": False, "prefetch": False, "tensorboard": False,
         "tokenizer": "", "task": "pretrain", "lora": False, "wandb": False,
     }  # fmt: skip
     assert report["defaults_used"] == [
-        "family", "nodes", "checkpoint", "launcher", "tp", "moe", "ep", "cp", "reshard_after_forward",
+        "family", "nodes", "checkpoint", "launcher", "tp", "moe", "ep", "cp", "pp", "reshard_after_forward",
         "activation_checkpointing", "compile", "float8", "cpu_offload", "prefetch", "tensorboard", "tokenizer", "task",
         "lora", "wandb",
     ]  # fmt: skip

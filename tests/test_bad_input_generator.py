@@ -293,6 +293,13 @@ CASES = [
         (*NEW, "--family", "custom", "--cp", "2"),
         "--cp: context parallelism is built in for --family llama only; use --cp 1",
     ),
+    Case("pp-zero", (*NEW, "--pp", "0"), "--pp: must be at least 1, e.g. --pp 2"),
+    Case("pp-not-a-divisor", (*NEW, "--pp", "3"), "--pp: 3 must divide the 8 GPUs, e.g. --pp 2"),
+    Case(
+        "pp-family-custom",
+        (*NEW, "--family", "custom", "--pp", "2"),
+        "--pp: pipeline parallelism is built in for --family llama only; use --pp 1",
+    ),
     Case("ep-zero", (*NEW, "--moe", "--ep", "0"), "--ep: must be at least 1, e.g. --ep 2"),
     Case(
         "ep-without-moe",

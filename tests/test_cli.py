@@ -33,7 +33,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     result = fsdp2gen(
         "new", str(tmp_path / "run"), "--family", "llama", "--gpus", "4", "--nodes", "3",
         "--precision", "fp16", "--checkpoint", "dcp", "--launcher", "slurm", "--project-name", "trial-7",
-        "--tp", "2", "--no-moe", "--ep", "1", "--cp", "2", "--reshard-after-forward", "4",
+        "--tp", "2", "--no-moe", "--ep", "1", "--cp", "2", "--pp", "1", "--reshard-after-forward", "4",
         "--activation-checkpointing", "full", "--compile",
         "--cpu-offload", "--no-prefetch", "--tensorboard", "--no-float8", "--tokenizer", "gpt2", "--wandb",
     )  # fmt: skip
@@ -42,7 +42,8 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     answers = answers_of(tmp_path / "run")
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
         "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
-        "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "moe": False, "ep": 1, "cp": 2, "reshard_after_forward": "4",
+        "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "moe": False, "ep": 1, "cp": 2, "pp": 1,
+        "reshard_after_forward": "4",
         "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
         "tensorboard": True, "tokenizer": "gpt2", "task": "pretrain", "lora": False, "wandb": True,
     }  # fmt: skip

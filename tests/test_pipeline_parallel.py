@@ -112,6 +112,14 @@ def test_pp2_x_dp_shard2_on_4_ranks_equals_one_process(pp2_dp2: Path, one_proces
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+def test_uneven_stages_from_pp_layers_equal_one_process(project: Path, one_process: Path, tmp_path: Path) -> None:
+    # parallel.pp_layers 1,3: the first stage (which also holds the embedding) gets 1 block, the last 3.
+    ran(train(project, tmp_path / "out", "--parallel.pp_layers", "1,3", nproc=4))
+    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    print(diffs)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
 def test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_without_the_pipeline(tmp_path: Path) -> None:
     # bf16 mixed precision (fp32 master weights, fp32 gradient reduction) rounds differently from one fp32 process,
     # but a stage computes exactly what the same blocks compute in the whole model sharded over the same 2 ranks:
