@@ -88,8 +88,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     files = tree(dest)
     assert lines[0] == (
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
-        "launcher=torchrun, tp=1, moe=False, ep=1, cp=1, reshard_after_forward=true, activation_checkpointing=none, "
-        "compile=False, "
+        "launcher=torchrun, tp=1, moe=False, ep=1, cp=1, pp=1, reshard_after_forward=true, "
+        "activation_checkpointing=none, compile=False, "
         "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', task=pretrain, lora=False, "
         "wandb=False) "
         f"with {len(files)} files:"
