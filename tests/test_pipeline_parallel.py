@@ -12,11 +12,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from fsdp2gen.plan import layout_module
 from tests.conftest import generate, metrics, torchrun_env
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
@@ -324,3 +328,66 @@ def test_pp_keys_exist_only_in_pp_projects(project: Path, tmp_path: Path) -> Non
     plain = generate(tmp_path / "plain", "--gpus", "4", "--precision", "fp32")
     assert not (plain / "pipeline.py").exists() and "pp" not in (plain / "config.toml").read_text().split()
     assert "pp = 2" in (project / "config.toml").read_text().splitlines()
+
+
+ParallelLayout = layout_module().ParallelLayout
+LayoutError = layout_module().LayoutError
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pp=st.integers(1, 8),
+    dp_shard=st.integers(1, 4),
+    stages_per_rank=st.integers(1, 3),
+    schedule=st.sampled_from(["1F1B", "GPipe", "Interleaved1F1B"]),
+    n_layers=st.integers(1, 24),
+    pp_layers=st.one_of(st.just([]), st.lists(st.integers(-1, 8), min_size=1, max_size=10)),
+    micro=st.integers(1, 20),
+    tied=st.booleans(),
+)
+def test_the_pp_layout_splits_the_blocks_and_micro_batches_or_says_why_in_one_line(
+    pp: int,
+    dp_shard: int,
+    stages_per_rank: int,
+    schedule: str,
+    n_layers: int,
+    pp_layers: list[int],
+    micro: int,
+    tied: bool,
+) -> None:
+    world_size = pp * dp_shard
+    parallel = SimpleNamespace(
+        dp_replicate=1, dp_shard=-1, pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
+        pp_layers=pp_layers, reshard_after_forward=True,
+    )  # fmt: skip
+    training = SimpleNamespace(global_batch_size=dp_shard * micro, grad_accum_steps=micro, seq_len=64, loss_chunks=1)
+    model = SimpleNamespace(n_layers=n_layers, tie_embeddings=tied, n_experts=0)
+    layout = ParallelLayout.of(parallel, world_size)
+    stages = pp * stages_per_rank
+    try:
+        layout.check(training, model)
+    except LayoutError as error:
+        message = str(error)
+        assert "\n" not in message and "; " in message
+        assert pp > 1 and error.problem.startswith("pp_"), error.problem
+        if error.problem == "pp_layers" and "e.g. --parallel.pp_layers" in message:
+            suggested = [int(n) for n in message.rsplit(" ", 1)[1].split(",")]  # the suggestion itself is valid
+            assert len(suggested) == stages and sum(suggested) == n_layers and min(suggested) >= 1
+        if error.problem == "pp_micro_batches":
+            fitting = int(message.rsplit(" ", 1)[1])
+            assert fitting >= 1 and (schedule != "1F1B" or fitting >= pp)
+            assert schedule != "Interleaved1F1B" or fitting % max(1, fitting // pp) == 0
+        return
+    if pp == 1:
+        return
+    # Every stage has at least one block, the stages hold every block once, and torch's schedule rules hold.
+    split = layout.stage_layers(n_layers)
+    assert len(split) == stages and sum(split) == n_layers and min(split) >= 1 and not tied
+    assert (schedule == "Interleaved1F1B") == (stages_per_rank > 1)
+    assert schedule != "1F1B" or micro >= pp
+    assert schedule != "Interleaved1F1B" or micro % max(1, micro // pp) == 0
+    # The ranks of one pipeline read the same samples; only the last stage's ranks hold the loss.
+    assert [layout.data_rank(rank) for rank in range(world_size)] == [r % dp_shard for r in range(world_size)]
+    assert [layout.holds_loss(rank) for rank in range(world_size)] == [
+        r >= world_size - dp_shard for r in range(world_size)
+    ]

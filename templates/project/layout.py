@@ -307,17 +307,17 @@ class ParallelLayout:
                 "which pipelines cannot; use --model.tie_embeddings false, or --parallel.pp 1",
                 "pp_tied",
             )
+        if model.n_layers < stages:
+            raise LayoutError(
+                f"model.n_layers ({model.n_layers}) leaves a pipeline stage without a block: parallel.pp x "
+                f"pp_stages_per_rank = {stages} stages; use fewer stages (or a deeper model)",
+                "pp_layers",
+            )
         if self.pp_layers and (len(self.pp_layers) != stages or sum(self.pp_layers) != model.n_layers):
             raise LayoutError(
                 f"parallel.pp_layers = {list(self.pp_layers)} must give the blocks of each of the {stages} stages "
                 f"(parallel.pp x pp_stages_per_rank), summing to model.n_layers ({model.n_layers}); e.g. "
                 f"--parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
-                "pp_layers",
-            )
-        if model.n_layers < stages:
-            raise LayoutError(
-                f"model.n_layers ({model.n_layers}) leaves a pipeline stage without a block: parallel.pp x "
-                f"pp_stages_per_rank = {stages} stages; use fewer stages (or a deeper model)",
                 "pp_layers",
             )
         if min(self.stage_layers(model.n_layers)) < 1:
