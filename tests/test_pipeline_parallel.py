@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan import layout_module
 from tests.conftest import generate, metrics, torchrun_env
+from tests.test_launchers import launch_two_nodes
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
 # each: 8 samples over 2 data ranks), validation and checkpoints after steps 2 and 4. lr 1e-3 as in the expert-
@@ -120,6 +121,26 @@ def test_uneven_stages_from_pp_layers_equal_one_process(project: Path, one_proce
     # parallel.pp_layers 1,3: the first stage (which also holds the embedding) gets 1 block, the last 3.
     ran(train(project, tmp_path / "out", "--parallel.pp_layers", "1,3", nproc=4))
     diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    print(diffs)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_pp2_x_hsdp_on_4_ranks_equals_one_process(project: Path, one_process: Path, tmp_path: Path) -> None:
+    # pp 2 x dp_replicate 2 x dp_shard 1: each stage replicated on 2 ranks, its gradients all-reduced between them.
+    ran(train(project, tmp_path / "out", "--parallel.dp_replicate", "2", nproc=4))
+    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    print(diffs)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_two_launched_nodes_with_the_pipeline_across_them_equal_one_process(one_process: Path, tmp_path: Path) -> None:
+    # scripts/launch_multinode.sh as 2 "nodes" of 2 ranks on 127.0.0.1: pp is the outermost dimension, so node 0
+    # holds the first stage and node 1 the last (activations and gradients cross the launchers), each stage HSDP
+    # over its node's 2 ranks (a 2-node project's dp_replicate 2).
+    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--pp", "2", "--fp32")
+    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 2, *RUN)
+    assert [code for code, _ in nodes] == [0, 0], nodes
+    diffs = differences(tmp_path / "two", one_process, [1, 2, 3, 4])
     print(diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
 
