@@ -671,7 +671,8 @@ PpOption = Annotated[
 PpScheduleOption = Annotated[
     str | None,
     typer.Option(
-        help="Pipeline schedule: 1F1B, GPipe or Interleaved1F1B. [default: 1F1B, or the project's parallel.pp_schedule]",
+        help="Pipeline schedule: 1F1B, GPipe or Interleaved1F1B. [default: 1F1B, or the project's "
+        "parallel.pp_schedule]",
         show_default=False,
     ),
 ]

@@ -638,7 +638,8 @@ def _estimate_pp(request: PlanRequest, with_levers: bool) -> Plan:
     model, per_gpu = request.model, worst.per_gpu
     trainable = parameter_count(model)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
-    bubble = plan_pp.bubble_fraction(request.pp, request.grad_accum_steps, request.pp_schedule, request.pp_stages_per_rank)
+    m, v = request.grad_accum_steps, request.pp_stages_per_rank
+    bubble = plan_pp.bubble_fraction(request.pp, m, request.pp_schedule, v)
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
@@ -1516,7 +1517,8 @@ def _setup_line(request: PlanRequest) -> str:
     return (
         f"{request.gpus} GPU(s) x {request.nodes} node(s)"
         + (f", PP {request.pp} (outermost)" if request.pp > 1 else "")
-        + f", FSDP over {request.fsdp_ranks} ranks" + (" per stage" if request.pp > 1 else "")
+        + f", FSDP over {request.fsdp_ranks} ranks"
+        + (" per stage" if request.pp > 1 else "")
         + (f" (dp_shard {request.data_ranks} x cp {request.cp})" if request.cp > 1 else "")
         + (f" x TP {request.tp}" if request.tp > 1 else "")
         + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens"
@@ -1546,7 +1548,6 @@ def _memory_rows(plan: Plan) -> list[str]:
             continue  # not the last stage
         if request.pp > 1 and key in PP_ROWS:
             label = PP_ROWS[key]
-
 
         rows.append(f"{label:<48}{_size(value):>12}")
     return rows

@@ -106,11 +106,17 @@ def check_pipeline(request: Any) -> str | None:
         fitting = max(d for d in range(1, pp + 1) if request.world_size % d == 0)
         return f"--pp {pp} does not divide {request.world_size} GPUs; choose a divisor, e.g. --pp {fitting}"
     if request.world_size % (pp * request.tp):
-        return f"--pp {pp} x --tp {request.tp} does not divide {request.world_size} GPUs; choose degrees whose product divides it"
+        return (
+            f"--pp {pp} x --tp {request.tp} does not divide {request.world_size} GPUs; choose degrees whose product "
+            "divides it"
+        )
     if schedule == "Interleaved1F1B" and v < 2:
         return f"--pp-schedule Interleaved1F1B needs 2 or more stages per rank, got {v}; give --pp-stages-per-rank 2"
     if schedule != "Interleaved1F1B" and v != 1:
-        return f"--pp-schedule {schedule} runs 1 stage per rank, got {v}; give --pp-stages-per-rank 1 or Interleaved1F1B"
+        return (
+            f"--pp-schedule {schedule} runs 1 stage per rank, got {v}; give --pp-stages-per-rank 1, or "
+            "--pp-schedule Interleaved1F1B"
+        )
     stages = pp * v
     if model.n_layers < stages:
         return (
