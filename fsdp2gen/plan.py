@@ -1699,6 +1699,8 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
         raise PlanError(
             f"--cp-sweep: mixture-of-experts models are not built for cp > 1; plan {request.label} without --cp-sweep"
         )
+    if request.pp > 1:
+        raise PlanError(f"--cp-sweep: --pp {request.pp} with cp > 1 is not built; use --pp 1 or drop --cp-sweep")
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:

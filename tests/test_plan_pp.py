@@ -161,6 +161,7 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
         "give --grad-accum-steps 8 or a multiple of pp",
         ("--pp", "0"): "--pp must be at least 1, got 0; give --pp 1 or more",
         ("--pp", "2", "--cp", "2"): "--pp 2 with --cp 2 is not built; use --cp 1 or --pp 1",
+        ("--pp", "2", "--cp-sweep"): "--cp-sweep: --pp 2 with cp > 1 is not built; use --pp 1 or drop --cp-sweep",
     }
     for args, message in cases.items():
         result = invoke("plan", "--size", "8b", *args)
@@ -172,22 +173,24 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
     assert result.stderr == "fsdp2gen: error: --pp 2: mixture-of-experts models are not built for pp > 1; use " \
         "--pp 1 (--ep splits the experts over GPUs)\n"  # fmt: skip
     config = tmp_path / "config.toml"
-    config.write_text("[model]\nsize = \"debug\"\ntie_embeddings = true\n\n[parallel]\npp = 2\n")
+    config.write_text('[model]\nsize = "debug"\ntie_embeddings = true\n\n[parallel]\npp = 2\n')
     result = invoke("plan", "--config", str(config))
     assert (result.exit_code, result.stderr) == (2, "fsdp2gen: error: --pp 2: tied embeddings cannot span the first "
                                                  "and the last stage; set model.tie_embeddings = false or plan with "
                                                  "--pp 1\n")  # fmt: skip
-    config.write_text("[model]\nsize = \"debug\"\n\n[parallel]\npp = 2\npp_layers = [3, 2]\n")
+    config.write_text('[model]\nsize = "debug"\n\n[parallel]\npp = 2\npp_layers = [3, 2]\n')
     result = invoke("plan", "--config", str(config))
-    assert result.stderr == "fsdp2gen: error: parallel.pp_layers [3, 2] must give 2 stages (pp x " \
-        "pp_stages_per_rank) 1 or more blocks each, 4 in all; fix it in the config, or [] for an even split\n"  # fmt: skip
+    assert result.stderr == (
+        "fsdp2gen: error: parallel.pp_layers [3, 2] must give 2 stages (pp x pp_stages_per_rank) 1 or more blocks "
+        "each, 4 in all; fix it in the config, or [] for an even split\n"
+    )
 
 
 def test_a_project_s_parallel_pp_keys_are_read_and_flags_override_them(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text(
-        "[model]\nsize = \"debug\"\n\n[training]\nseq_len = 64\nglobal_batch_size = 16\ngrad_accum_steps = 4\n\n"
-        "[parallel]\npp = 2\npp_schedule = \"GPipe\"\npp_layers = [1, 3]\n"
+        '[model]\nsize = "debug"\n\n[training]\nseq_len = 64\nglobal_batch_size = 16\ngrad_accum_steps = 4\n\n'
+        '[parallel]\npp = 2\npp_schedule = "GPipe"\npp_layers = [1, 3]\n'
     )
     plan = plan_json("--config", str(config), "--gpus", "4")
     setup, pipeline = plan["setup"], plan["pipeline"]
