@@ -1663,10 +1663,17 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
             "loss_chunks": request.loss_chunks,
-            "pp": request.pp,
-            "pp_schedule": request.pp_schedule,
-            "pp_stages_per_rank": request.pp_stages_per_rank,
-            "pp_layers": list(request.pp_layers),
+            # Pipeline parallelism's keys only where there is a pipeline (the plan's "pipeline" is null without).
+            **(
+                {
+                    "pp": request.pp,
+                    "pp_schedule": request.pp_schedule,
+                    "pp_stages_per_rank": request.pp_stages_per_rank,
+                    "pp_layers": list(request.pp_layers),
+                }
+                if request.pp > 1
+                else {}
+            ),
         },
         "pipeline": plan.pipeline,
         "per_gpu_bytes": plan.per_gpu,
