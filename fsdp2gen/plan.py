@@ -869,7 +869,7 @@ def _pp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
         m = max(request.grad_accum_steps or 1, pp * request.pp_stages_per_rank)
         changed = replace(request, pp=pp, micro_batch=request.batch, grad_accum_steps=m, pp_layers=())
         label = f"--pp {pp}" + (f" --grad-accum-steps {m}" if m != request.grad_accum_steps else "")
-        label += f" ({request.pp_schedule}, FSDP over {changed.fsdp_ranks} ranks per stage)"
+        label += f" ({request.pp_schedule}, FSDP over {changed.fsdp_ranks} rank(s) per stage)"
         found.append((label, changed))
         if estimate(changed, with_levers=False).fits:
             break

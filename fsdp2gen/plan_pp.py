@@ -255,5 +255,6 @@ def describe(request: Any, rank: RankStages) -> str:
     return (
         f"pipeline rank {rank.rank} (stage{'s' if len(rank.stages) > 1 else ''} {stages}: {rank.holds}"
         + "".join(f" + {e}" for e in extra)
-        + f"; {rank.in_flight} micro-batch activations in flight)"
+        + f"; {rank.in_flight} {'(stage, micro-batch)' if len(rank.stages) > 1 else 'micro-batch'} activations "
+        "in flight)"
     )
