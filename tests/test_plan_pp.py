@@ -137,6 +137,21 @@ def test_1f1b_warmup_is_torchs_rule() -> None:
     assert [plan_pp.in_flight("1F1B", 4, s, 2, 1) for s in range(4)] == [2, 2, 2, 1]
 
 
+def test_torch_keeps_a_stage_gathered_and_its_gradients_unsharded_until_the_last_micro_batch() -> None:
+    # plan_pp counts every block of a rank's stages gathered and their fp32 gradients unsharded for the whole step
+    # because torch's pipeline stage turns FSDP's reshard and gradient sync off for each micro-batch's backward and
+    # reduces once after the last: if torch changes this, so must plan.
+    import inspect
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    backward = inspect.getsource(_PipelineStageBase.backward_maybe_with_nosync)
+    fsdp = backward[backward.index("isinstance(self.submod, FSDPModule)") :]
+    assert "set_reshard_after_backward(False)" in fsdp and "set_requires_gradient_sync(False)" in fsdp
+    reduce = inspect.getsource(_PipelineStageBase.perform_reduce_grad)
+    assert "set_reshard_after_backward(True)" in reduce and "set_requires_gradient_sync(True)" in reduce
+
+
 @pytest.mark.parametrize("ac", AC_MODES)
 def test_one_stage_holding_everything_is_the_plan_without_pp(ac: str) -> None:
     # stage_activation_bytes with 1 micro-batch in flight over every block, loss included = activation_bytes.
