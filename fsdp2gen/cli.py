@@ -665,6 +665,38 @@ EpOption = Annotated[
         show_default=False,
     ),
 ]
+PpOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Pipeline parallelism (llama): the blocks split over pp GPUs of pp x V stages, FSDP (and TP) inside each "
+        "stage; the plan is the worst stage's. [default: 1, or the project's parallel.pp]",
+        show_default=False,
+    ),
+]
+PpScheduleOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Pipeline schedule: 1F1B, GPipe or Interleaved1F1B. [default: 1F1B, or the project's "
+        "parallel.pp_schedule]",
+        show_default=False,
+    ),
+]
+PpStagesOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Stages per pipeline rank (V): 1, or 2 or more for Interleaved1F1B. [default: 1 (Interleaved1F1B: 2), "
+        "or the project's parallel.pp_stages_per_rank]",
+        show_default=False,
+    ),
+]
+GradAccumOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Micro-batches per step (under --pp: the schedule's micro-batches). [default: the project's "
+        "training.grad_accum_steps; with --size and --pp: pp x V]",
+        show_default=False,
+    ),
+]
 CpSweepOption = Annotated[
     bool,
     typer.Option(
@@ -703,6 +735,10 @@ def plan(
     cp: CpOption = None,
     cp_sweep: CpSweepOption = False,
     ep: EpOption = None,
+    pp: PpOption = None,
+    pp_schedule: PpScheduleOption = None,
+    pp_stages_per_rank: PpStagesOption = None,
+    grad_accum_steps: GradAccumOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -716,7 +752,8 @@ def plan(
             )
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
-            cp=cp, ep=ep, **_given_answers(answers),
+            cp=cp, ep=ep, pp=pp, pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank,
+            grad_accum_steps=grad_accum_steps, **_given_answers(answers),
         )  # fmt: skip
         if cp_sweep:
             plans = planner.cp_sweep(request)

@@ -93,6 +93,7 @@ class PlanError(ValueError):
 # above any model or run there is, so that a typo (an extra digit or ten) is refused instead of planned, and
 # the per-layer arithmetic stays instant. Every input is at least 1.
 LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--ep": 2**16, "--batch": 2**16, "--seq": 2**24}
+LIMITS |= {"--pp": 2**12, "--pp-stages-per-rank": 2**12, "--grad-accum-steps": 2**16}
 MODEL_LIMITS = {
     "dim": 2**17,
     "n_layers": 2**12,
@@ -161,10 +162,12 @@ def layout_module() -> ModuleType:
     return module
 
 
-def parallel_layout(world_size: int, tp: int, cp: int = 1) -> Any:
-    """The ParallelLayout of a project with parallel.tp = `tp` (and parallel.cp = `cp`) on `world_size` ranks,
-    FSDP over the rest. A project without context parallelism has no parallel.cp: only cp > 1 names it."""
-    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp, **({"cp": cp} if cp > 1 else {}))
+def parallel_layout(world_size: int, tp: int, cp: int = 1, pp: int = 1) -> Any:
+    """The ParallelLayout of a project with parallel.tp = `tp` (and parallel.cp = `cp`, parallel.pp = `pp`) on
+    `world_size` ranks, FSDP over the rest. A project without context (pipeline) parallelism has no parallel.cp
+    (parallel.pp): only cp > 1 (pp > 1) names it."""
+    extra = ({"cp": cp} if cp > 1 else {}) | ({"pp": pp} if pp > 1 else {})
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp, **extra)
     return layout_module().ParallelLayout.of(parallel, world_size)
 
 
@@ -188,6 +191,12 @@ class PlanRequest:
     gpu: str = "h100-80gb"
     task: str = "pretrain"  # the project's task: "sft" masks the prompt's targets, the same memory
     loss_chunks: int = TEMPLATE_LOSS_CHUNKS
+    # Pipeline parallelism (plan_pp.py): pp ranks of pp x pp_stages_per_rank stages; under pp > 1 grad_accum_steps
+    # is the schedule's number of micro-batches. pp_layers: parallel.pp_layers, each stage's blocks (() = even).
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_layers: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -196,7 +205,7 @@ class PlanRequest:
     @property
     def data_ranks(self) -> int:
         """The ranks that read different samples (layout.py's data_ranks: dp_shard, without cp and tp)."""
-        return parallel_layout(self.world_size, self.tp, self.cp).data_ranks
+        return parallel_layout(self.world_size, self.tp, self.cp, self.pp).data_ranks
 
     @property
     def fsdp_ranks(self) -> int:
@@ -562,9 +571,13 @@ class Plan:
     levers: list[Lever]
     trainable: int = 0  # parameters with gradients and optimizer state: all, or with LoRA the adapters
     active_parameters: int = 0  # that one token goes through: parameters less the experts it is not routed to
+    # pp > 1: the schedule, its bubble and every pipeline rank's total; per_gpu is the worst rank's (plan_pp.py).
+    pipeline: dict[str, Any] | None = None
 
 
 def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
+    if request.pp > 1:
+        return _estimate_pp(request, with_levers)
     model = request.model
     compute = COMPUTE_BYTES[request.precision]
     shapes = parameter_shapes(model, request.tp)
@@ -610,6 +623,54 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
         usable_bytes=usable,
         fits=per_gpu["total"] <= usable,
         levers=[],
+    )
+    if with_levers and not plan.fits:
+        plan.levers = _levers(plan)
+    return plan
+
+
+def _estimate_pp(request: PlanRequest, with_levers: bool) -> Plan:
+    """The plan of a pipeline-parallel request: the worst pipeline rank's figures (plan_pp.py's model)."""
+    from fsdp2gen import plan_pp
+
+    ranks = plan_pp.rank_stages(request)
+    worst = plan_pp.worst(ranks)
+    model, per_gpu = request.model, worst.per_gpu
+    trainable = parameter_count(model)
+    usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
+    m, v = request.grad_accum_steps, request.pp_stages_per_rank
+    bubble = plan_pp.bubble_fraction(request.pp, m, request.pp_schedule, v)
+    plan = Plan(
+        request=request,
+        parameters=parameter_count(model),
+        active_parameters=active_parameter_count(model),
+        trainable=trainable,
+        per_gpu=per_gpu,
+        activations=worst.activations,
+        reserved=math.ceil(per_gpu["total"] * RESERVED_RATIO),
+        host_per_gpu=worst.host,
+        full_checkpoint_host=3 * FP32 * trainable + FP32 * len(parameter_shapes(model)),
+        usable_bytes=usable,
+        fits=per_gpu["total"] <= usable,
+        levers=[],
+        pipeline={
+            "schedule": request.pp_schedule,
+            "stages_per_rank": request.pp_stages_per_rank,
+            "micro_batches": request.grad_accum_steps,
+            "bubble_fraction": bubble,
+            "worst_rank": worst.rank,
+            "worst": plan_pp.describe(request, worst),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "stages": list(r.stages),
+                    "blocks": [[b.start, b.stop] for b in r.blocks],
+                    "in_flight": r.in_flight,
+                    "total_bytes": r.per_gpu["total"],
+                }
+                for r in ranks
+            ],
+        },
     )
     if with_levers and not plan.fits:
         plan.levers = _levers(plan)
@@ -759,7 +820,8 @@ def _levers(plan: Plan) -> list[Lever]:
     if has_experts(request.model):
         options += _ep_levers(plan)
     elif not isinstance(request.model, HfShape):
-        options += _cp_levers(plan)
+        options += _cp_levers(plan) if request.pp == 1 else []
+        options += _pp_levers(plan)
     more = replace(request, nodes=request.nodes * 2)
     if request.micro_batch is None and request.global_batch_size is not None:
         if request.global_batch_size % (more.data_ranks * (request.grad_accum_steps or 1)):
@@ -791,6 +853,27 @@ def _ep_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
         if estimate(changed, with_levers=False).fits:
             break
         ep *= 2
+    return found[-1:]
+
+
+def _pp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
+    """A larger pipeline-parallel degree (1F1B, or the request's schedule) for a llama that does not fit: the
+    smallest power of 2 times the current pp that fits, else the largest the GPUs (pp x tp dividing them) and the
+    blocks allow. Each forward keeps the request's micro-batch; the micro-batches grow to pp where 1F1B needs
+    them. Refused setups (cp, tied embeddings) get none."""
+    request, found = plan.request, []
+    if request.cp > 1 or request.model.tie_embeddings:
+        return []
+    pp = request.pp * 2
+    while request.world_size % (pp * request.tp) == 0 and request.model.n_layers >= pp * request.pp_stages_per_rank:
+        m = max(request.grad_accum_steps or 1, pp * request.pp_stages_per_rank)
+        changed = replace(request, pp=pp, micro_batch=request.batch, grad_accum_steps=m, pp_layers=())
+        label = f"--pp {pp}" + (f" --grad-accum-steps {m}" if m != request.grad_accum_steps else "")
+        label += f" ({request.pp_schedule}, FSDP over {changed.fsdp_ranks} rank(s) per stage)"
+        found.append((label, changed))
+        if estimate(changed, with_levers=False).fits:
+            break
+        pp *= 2
     return found[-1:]
 
 
@@ -945,6 +1028,23 @@ def _project_parallel(path: Path, answers: dict[str, Any], name: str) -> int:
     return degree
 
 
+def _project_pipeline(path: Path, answers: dict[str, Any]) -> dict[str, Any]:
+    """A project's parallel.pp, pp_schedule, pp_stages_per_rank and pp_layers (absent: no pipeline)."""
+    parallel = _read_toml(path).get("parallel", {})
+    parallel = parallel if isinstance(parallel, dict) else {}
+    pp = _project_parallel(path, answers, "pp")
+    schedule = parallel.get("pp_schedule", "1F1B")
+    v = parallel.get("pp_stages_per_rank", 2 if schedule == "Interleaved1F1B" else 1)
+    layers = parallel.get("pp_layers", [])
+    if not isinstance(schedule, str):
+        raise PlanError(f"{path}: parallel.pp_schedule must be a string, got {schedule!r}; {FIX_CONFIG}")
+    if type(v) is not int or v < 1:
+        raise PlanError(f"{path}: parallel.pp_stages_per_rank must be a positive int, got {v!r}; {FIX_CONFIG}")
+    if not isinstance(layers, list) or any(type(n) is not int for n in layers):
+        raise PlanError(f"{path}: parallel.pp_layers must be a list of ints, got {layers!r}; {FIX_CONFIG}")
+    return {"pp": pp, "pp_schedule": schedule, "pp_stages_per_rank": v, "pp_layers": tuple(layers)}
+
+
 def build_request(
     *,
     size: str | None = None,
@@ -962,6 +1062,10 @@ def build_request(
     hf_config: Path | None = None,
     cp: int | None = None,
     ep: int | None = None,
+    pp: int | None = None,
+    pp_schedule: str | None = None,
+    pp_stages_per_rank: int | None = None,
+    grad_accum_steps: int | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project or of --size, with the options given overriding them."""
@@ -969,14 +1073,42 @@ def build_request(
     if len(sources) > 1:
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
     numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--ep": ep, "--batch": batch, "--seq": seq}
+    numbers |= {"--pp": pp, "--pp-stages-per-rank": pp_stages_per_rank, "--grad-accum-steps": grad_accum_steps}
     ac = activation_checkpointing or "none"
     _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
     request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "ep": ep, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
+    request = _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps)
     _check_request(request, config)
     return request
+
+
+def _pipeline_request(
+    request: PlanRequest, pp: int | None, schedule: str | None, stages_per_rank: int | None, micro_batches: int | None
+) -> PlanRequest:
+    """The request with the pipeline options given over the project's parallel.pp* keys: a schedule given alone
+    takes its own stages per rank (2 for Interleaved1F1B, else 1) unless the project's suit it; parallel.pp_layers
+    holds only for the project's own pp and stages per rank; --size's unknown micro-batches are pp x V (the fewest
+    every schedule takes)."""
+    from fsdp2gen.plan_pp import PP_SCHEDULES
+
+    if schedule is not None and schedule not in PP_SCHEDULES:
+        raise PlanError(f"--pp-schedule {schedule}: choose one of {', '.join(PP_SCHEDULES)}")
+    changed = replace(request, pp=pp or request.pp, pp_schedule=schedule or request.pp_schedule)
+    interleaved = changed.pp_schedule == "Interleaved1F1B"
+    v = stages_per_rank or request.pp_stages_per_rank
+    if stages_per_rank is None and (v >= 2) != interleaved:
+        v = 2 if interleaved else 1
+    changed = replace(changed, pp_stages_per_rank=v)
+    if (changed.pp, v) != (request.pp, request.pp_stages_per_rank):
+        changed = replace(changed, pp_layers=())
+    if micro_batches is not None:
+        changed = replace(changed, grad_accum_steps=micro_batches)
+    elif changed.pp > 1 and changed.grad_accum_steps is None:
+        changed = replace(changed, grad_accum_steps=changed.pp * v)
+    return changed
 
 
 def _check_options(
@@ -1036,7 +1168,9 @@ def _project_request(config: Path, tp: int | None, seq: int | None, cp: int | No
             f"{config}: cp {cp} cannot mask documents (ring attention is causal over the whole sequence); set "
             "data.document_mask = false there, or plan with --cp 1"
         )
+    pipeline = _project_pipeline(config, answers)
     return PlanRequest(
+        **pipeline,
         model=shape_of(model_keys),
         label=str(config),
         gpus=_default("gpus", answers),
@@ -1153,9 +1287,10 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
     _check_experts(request)
+    _check_pipeline(request)
     # layout.py's checks, as preflight.py runs them, worded with plan's options.
     cp = request.cp
-    layout = parallel_layout(request.world_size, tp, cp)
+    layout = parallel_layout(request.world_size, tp, cp, request.pp)
     training = SimpleNamespace(
         seq_len=seq_len,
         global_batch_size=request.global_batch_size,
@@ -1173,6 +1308,26 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
             layout.check_context_parallel(training)
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
+
+
+def _check_pipeline(request: PlanRequest) -> None:
+    """Pipeline parallelism's rules (plan_pp.check_pipeline), and what the project does not build with it."""
+    from fsdp2gen import plan_pp
+
+    if request.pp > 1:
+        if isinstance(request.model, HfShape):
+            raise PlanError(f"--pp {request.pp}: pipeline parallelism is built in for family llama only; use --pp 1")
+        for flag, degree in (("--cp", request.cp), ("--ep", request.ep)):
+            if degree > 1:
+                raise PlanError(f"--pp {request.pp} with {flag} {degree} is not built; use {flag} 1 or --pp 1")
+        if has_experts(request.model):
+            raise PlanError(
+                f"--pp {request.pp}: mixture-of-experts models are not built for pp > 1; use --pp 1 (--ep splits "
+                "the experts over GPUs)"
+            )
+    problem = plan_pp.check_pipeline(request)
+    if problem:
+        raise PlanError(problem)
 
 
 def _check_experts(request: PlanRequest) -> None:
@@ -1288,9 +1443,23 @@ ROWS = {
 }
 
 
+# The rows that mean something else under pp > 1 (plan_pp.py: a rank's stages only, kept gathered).
+PP_ROWS = {
+    "all_gather_buffers": "gathered stage(s) (no reshard under PP)",
+    "deferred_gradients": "unsharded stage gradients (fp32, to last m-b)",
+    "reduce_scatter_buffers": "reduce-scatter buffer (1 block, fp32)",
+    "gradients": "gradients (fp32 shards) [after backward]",
+}
+
+
 def _sync_line(request: PlanRequest) -> str:
     """Which training.grad_sync the figures assume, and what it costs."""
     steps = "if accumulating" if request.grad_accum_steps is None else f"grad_accum_steps {request.grad_accum_steps}"
+    if request.pp > 1:
+        return (
+            f"gradient sync: pipeline stages keep their blocks gathered and their fp32 gradients unsharded until the "
+            f"last of the {request.grad_accum_steps} micro-batches (torch.distributed.pipelining), whatever grad_sync"
+        )
     if request.grad_accum_steps == 1:
         return f"gradient sync: {request.grad_sync} (grad_accum_steps 1: one reduce-scatter per step either way)"
     if request.defers_gradients:
@@ -1309,6 +1478,7 @@ def format_text(plan: Plan) -> str:
         + f", {model.n_layers} blocks, dim {model.dim}",
         _setup_line(request),
         _sync_line(request),
+        *_pipeline_lines(plan),
         *family_lines(plan),
         "",
         f"{'per GPU':<48}{'memory':>12}",
@@ -1324,11 +1494,31 @@ def format_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """pp > 1: the schedule, its bubble, and which pipeline rank the figures below are (the worst)."""
+    pipeline, request = plan.pipeline, plan.request
+    if pipeline is None:
+        return []
+    v = request.pp_stages_per_rank
+    formula = f"(pp - 1) / ({'V x ' if v > 1 else ''}m + pp - 1)"
+    return [
+        f"pipeline: {request.pp_schedule}, {request.pp} ranks x {v} stage(s) per rank, m = {pipeline['micro_batches']} "
+        f"micro-batches (grad_accum_steps) of {request.batch} sample(s); bubble {formula} = "
+        f"{pipeline['bubble_fraction']:.1%}",
+        "per-GPU rows below: the worst " + pipeline["worst"],
+        "  totals by pipeline rank: "
+        + ", ".join(f"{r['rank']}: {r['total_bytes'] / GIB:.1f} GiB" for r in pipeline["ranks"]),
+    ]
+
+
 def _setup_line(request: PlanRequest) -> str:
     """The GPUs, how they shard the model (FSDP, cp, TP), the precision and each GPU's tokens."""
     compute = {"fp32": "fp32", "bf16": "bf16 compute", "fp16": "fp16 compute"}[request.precision]
     return (
-        f"{request.gpus} GPU(s) x {request.nodes} node(s), FSDP over {request.fsdp_ranks} ranks"
+        f"{request.gpus} GPU(s) x {request.nodes} node(s)"
+        + (f", PP {request.pp} (outermost)" if request.pp > 1 else "")
+        + f", FSDP over {request.fsdp_ranks} ranks"
+        + (" per stage" if request.pp > 1 else "")
         + (f" (dp_shard {request.data_ranks} x cp {request.cp})" if request.cp > 1 else "")
         + (f" x TP {request.tp}" if request.tp > 1 else "")
         + f", {compute}, micro-batch {request.batch} x {request.seq_len} tokens"
@@ -1344,7 +1534,7 @@ def _memory_rows(plan: Plan) -> list[str]:
         value = plan.per_gpu[key]
         if request.offload and key in ("parameters", "gradients", "optimizer_state"):
             label += " [CPU]"
-        if key == "deferred_gradients" and not request.defers_gradients:
+        if key == "deferred_gradients" and not request.defers_gradients and request.pp == 1:
             continue  # every_micro_batch or no accumulation: the gradients stay sharded
         if key == "ring_attention" and request.cp == 1:
             continue  # no context parallelism: plain SDPA
@@ -1354,6 +1544,11 @@ def _memory_rows(plan: Plan) -> list[str]:
             continue  # no experts
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
+        if request.pp > 1 and key == "loss_backward" and not value:
+            continue  # not the last stage
+        if request.pp > 1 and key in PP_ROWS:
+            label = PP_ROWS[key]
+
         rows.append(f"{label:<48}{_size(value):>12}")
     return rows
 
@@ -1468,7 +1663,19 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
             "loss_chunks": request.loss_chunks,
+            # Pipeline parallelism's keys only where there is a pipeline (the plan's "pipeline" is null without).
+            **(
+                {
+                    "pp": request.pp,
+                    "pp_schedule": request.pp_schedule,
+                    "pp_stages_per_rank": request.pp_stages_per_rank,
+                    "pp_layers": list(request.pp_layers),
+                }
+                if request.pp > 1
+                else {}
+            ),
         },
+        "pipeline": plan.pipeline,
         "per_gpu_bytes": plan.per_gpu,
         "reserved_bytes_per_gpu": plan.reserved,
         "activations_bytes": plan.activations,
@@ -1499,6 +1706,8 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
         raise PlanError(
             f"--cp-sweep: mixture-of-experts models are not built for cp > 1; plan {request.label} without --cp-sweep"
         )
+    if request.pp > 1:
+        raise PlanError(f"--cp-sweep: --pp {request.pp} with cp > 1 is not built; use --pp 1 or drop --cp-sweep")
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:

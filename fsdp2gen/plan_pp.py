@@ -1,0 +1,260 @@
+"""`fsdp2gen plan --pp N`: per-GPU memory of a pipeline-parallel llama project, for its worst stage.
+
+A project with parallel.pp > 1 splits the blocks into pp x V stages (V = parallel.pp_stages_per_rank virtual stages
+per rank, stage i on rank i mod pp): each stage is the model with the other stages' blocks removed, the first
+keeping the embedding and the last the final norm, the output layer and the loss. FSDP (and TP) work inside each
+stage, over the world / pp / tp ranks of a stage. What differs from a plan without PP (plan.py), per rank:
+
+- State: the fp32 parameter shards, gradient shards and AdamW state of this rank's stages only.
+- Gathered parameters: reshard_after_forward is off under PP (torchtitan), and torch.distributed.pipelining's
+  stage runs every micro-batch's backward with set_reshard_after_backward(False) and
+  set_requires_gradient_sync(False) (stage.py, backward_maybe_with_nosync), resharding and reduce-scattering only
+  after the last one (perform_reduce_grad). So every block of the rank's stages stays gathered (compute dtype) from
+  the first forward to the end of the step, and its gradients stay unsharded in reduce_dtype (fp32) beside them,
+  whatever training.grad_sync says.
+- Activations of the micro-batches in flight (a micro-batch: the per-data-rank batch / grad_accum_steps samples;
+  under PP grad_accum_steps IS the schedule's number of micro-batches m), each its stage's blocks' saved tensors:
+  GPipe: all m forwards before any backward; 1F1B (torch's Schedule1F1B): stage s runs min(m, pp - s) forwards
+  before its first backward and then alternates backward, forward, so the first stage holds the most;
+  Interleaved1F1B (torch's ScheduleInterleaved1F1B and its _get_warmup_ops): rank r runs
+  w = min((V - 1) x m_round + 2 x (pp - 1 - r), m x V) warm-up forwards (m_round = m // max(1, m // pp)), then
+  forward, backward pairs, so it holds min(w + 1, m x V) (virtual stage, micro-batch) activations, each counted as
+  its largest stage's. Under activation checkpointing one recomputed block comes on top, once. The loss's saved
+  tensors (last stage): m of them under GPipe, 1 under the 1F1B schedules (the last stage runs forward, backward
+  back to back).
+- The peak is the larger of the last backward (state without gradient shards, gathered stages, unsharded
+  gradients, activations, and on the last stage the loss's backward) and the reduce-scatter after it (gradient
+  shards appear while the unsharded gradients are still there). Both are upper bounds: the first micro-batches'
+  activations are freed before the last backward.
+
+The bubble (idle fraction of each rank's step): (pp - 1) / (m + pp - 1) for GPipe and 1F1B: the pipeline fills in
+pp - 1 slots and drains in as many, around m slots of work (GPipe, Huang et al. 2019, and Narayanan et al. 2021,
+arXiv 2104.04473 section 2.2: bubble time (p - 1) / m of the ideal); (pp - 1) / (V x m + pp - 1) for
+Interleaved1F1B, whose V virtual stages per rank shrink each slot V times (the same paper, section 2.2.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# parallel.pp_schedule's choices (the generated project's config), and what each needs of V.
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """One pipeline rank's share: its stage indices, each stage's block indices, and its per-GPU figures."""
+
+    rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[range, ...]
+    in_flight: int  # (stage, micro-batch) activations held at once
+    per_gpu: dict[str, int]
+    activations: dict[str, int]
+    host: int  # with --cpu-offload: the state that lives in CPU memory
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds(self) -> str:
+        """Its blocks and the root parameters it holds, e.g. 'blocks 0-15 + embedding'."""
+        parts = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.blocks]
+        return f"block{'s' if sum(map(len, self.blocks)) > 1 else ''} {', '.join(parts)}"
+
+
+def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> list[range]:
+    """Each stage's block indices: parallel.pp_layers' counts, or an even split whose remainder goes one block
+    each to the first stages."""
+    counts = list(layers) or [n_layers // stages + (i < n_layers % stages) for i in range(stages)]
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def bubble_fraction(pp: int, micro_batches: int, schedule: str, stages_per_rank: int) -> float:
+    """The idle fraction of each rank's step (the module docstring's formulas)."""
+    slots = micro_batches * (stages_per_rank if schedule == "Interleaved1F1B" else 1)
+    return (pp - 1) / (slots + pp - 1)
+
+
+def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, stages_per_rank: int) -> int:
+    """(stage, micro-batch) activations rank `rank` holds at once under `schedule` (the module docstring)."""
+    m, v = micro_batches, stages_per_rank
+    if schedule == "GPipe":
+        return m * v
+    if schedule == "1F1B":
+        return min(m, pp - rank)
+    m_round = m // max(1, m // pp)
+    warmup = min((v - 1) * m_round + 2 * (pp - 1 - rank), m * v)
+    return min(warmup + 1, m * v)
+
+
+def check_pipeline(request: Any) -> str | None:
+    """The first problem of the request's pipeline as one line naming the fix, or None (checks run in
+    plan._check_request, before anything is estimated)."""
+    pp, v, m, schedule = request.pp, request.pp_stages_per_rank, request.grad_accum_steps, request.pp_schedule
+    model = request.model
+    if schedule not in PP_SCHEDULES:
+        return f"--pp-schedule {schedule}: choose one of {', '.join(PP_SCHEDULES)}"
+    if pp == 1:
+        return None
+    if request.world_size % pp:
+        fitting = max(d for d in range(1, pp + 1) if request.world_size % d == 0)
+        return f"--pp {pp} does not divide {request.world_size} GPUs; choose a divisor, e.g. --pp {fitting}"
+    if request.world_size % (pp * request.tp):
+        return (
+            f"--pp {pp} x --tp {request.tp} does not divide {request.world_size} GPUs; choose degrees whose product "
+            "divides it"
+        )
+    if schedule == "Interleaved1F1B" and v < 2:
+        return f"--pp-schedule Interleaved1F1B needs 2 or more stages per rank, got {v}; give --pp-stages-per-rank 2"
+    if schedule != "Interleaved1F1B" and v != 1:
+        return (
+            f"--pp-schedule {schedule} runs 1 stage per rank, got {v}; give --pp-stages-per-rank 1, or "
+            "--pp-schedule Interleaved1F1B"
+        )
+    stages = pp * v
+    if model.n_layers < stages:
+        return (
+            f"--pp {pp} x {v} stages per rank = {stages} stages for {model.n_layers} blocks; each stage needs a block, "
+            f"lower --pp or --pp-stages-per-rank"
+        )
+    layers = request.pp_layers
+    if layers and (len(layers) != stages or min(layers) < 1 or sum(layers) != model.n_layers):
+        return (
+            f"parallel.pp_layers {list(layers)} must give {stages} stages (pp x pp_stages_per_rank) 1 or more blocks "
+            f"each, {model.n_layers} in all; fix it in the config, or [] for an even split"
+        )
+    if model.tie_embeddings:
+        return (
+            f"--pp {pp}: tied embeddings cannot span the first and the last stage; set model.tie_embeddings = false "
+            "or plan with --pp 1"
+        )
+    if schedule == "1F1B" and m < pp:
+        return (
+            f"--pp-schedule 1F1B needs at least pp ({pp}) micro-batches, got grad_accum_steps {m}; give "
+            f"--grad-accum-steps {pp} or more, or --pp-schedule GPipe"
+        )
+    if schedule == "Interleaved1F1B" and m % max(1, m // pp):
+        rounds = max(1, m // pp)
+        return (
+            f"--pp-schedule Interleaved1F1B needs grad_accum_steps ({m}) to be a multiple of its rounds "
+            f"(grad_accum_steps // pp = {rounds}); give --grad-accum-steps {rounds * pp} or a multiple of pp"
+        )
+    return None
+
+
+def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, held: int, last: bool) -> int:
+    """Activations of one rank for AC mode `ac`: `held` micro-batches' saved tensors of a stage of `blocks`, one
+    recomputed block under AC, and on the last stage the loss's saved tensors (GPipe: every micro-batch's). With
+    held = 1 and every block on one stage this equals plan.activation_bytes (tests/test_plan_pp.py)."""
+    from fsdp2gen.plan import block_activation_bytes, head_activation_bytes, op_level_kept_bytes
+
+    model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
+    block = block_activation_bytes(model, batch, seq, compute, tp)
+    block_input = math.ceil(compute * batch * seq * model.dim / tp)
+    if ac == "none":
+        kept = len(blocks) * block
+    elif ac == "full":
+        kept = len(blocks) * block_input
+    elif ac == "layer":  # blocks with an even global index are checkpointed (as activation_checkpoint.py)
+        checkpointed = sum(1 for i in blocks if i % 2 == 0)
+        kept = checkpointed * block_input + (len(blocks) - checkpointed) * block
+    else:  # selective: each block keeps its input and its expensive ops' outputs
+        kept = len(blocks) * (block_input + op_level_kept_bytes(model, batch, seq, compute, tp))
+    recompute = 0 if ac == "none" else block
+    losses = (request.grad_accum_steps if request.pp_schedule == "GPipe" else 1) if last else 0
+    head = head_activation_bytes(model, batch, seq, compute, tp, request.loss_chunks)
+    return held * kept + recompute + losses * head
+
+
+def rank_stages(request: Any) -> list[RankStages]:
+    """Every pipeline rank's stages and per-GPU figures (the module docstring's model)."""
+    from fsdp2gen.plan import (
+        AC_MODES,
+        COMPUTE_BYTES,
+        _in_block,
+        loss_backward_bytes,
+        parameter_shapes,
+        request_shard_numel,
+    )
+
+    model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
+    compute = COMPUTE_BYTES[request.precision]
+    layers = stage_layers(model.n_layers, pp * v, request.pp_layers)
+    shapes = parameter_shapes(model, request.tp)
+    last_stage = pp * v - 1
+    ranks = []
+    for rank in range(pp):
+        stages = tuple(rank + k * pp for k in range(v))
+        mine = {i for s in stages for i in layers[s]}
+
+        def holds(name: str, stages: tuple[int, ...] = stages, mine: set[int] = mine) -> bool:
+            if _in_block(name):
+                return int(name.split(".")[1]) in mine
+            return (0 in stages) if name.startswith("tok_embeddings") else (last_stage in stages)
+
+        own = [(name, shape) for name, shape in shapes if holds(name)]
+        sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
+        gathered = sum(math.prod(shape) for _, shape in own)
+        units = [sum(math.prod(s) for n, s in own if _in_block(n) and int(n.split(".")[1]) == i) for i in mine]
+        units.append(sum(math.prod(s) for n, s in own if not _in_block(n)))
+        last = last_stage in stages
+        held = in_flight(request.pp_schedule, pp, rank, m, v)
+        # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
+        largest = max((layers[s] for s in stages), key=len)
+        activations = {mode: stage_activation_bytes(request, compute, mode, largest, held, last) for mode in AC_MODES}
+        state = {
+            "parameters": FP32 * sharded,
+            "gradients": FP32 * sharded,
+            "optimizer_state": 2 * FP32 * sharded + FP32 * len(own),
+        }
+        per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
+        per_gpu |= {
+            "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+            "all_gather_buffers": compute * gathered,
+            "reduce_scatter_buffers": FP32 * max(units),
+            "deferred_gradients": FP32 * gathered,
+            "ring_attention": 0,
+            "all_to_all_buffers": 0,
+            "experts_backward": 0,
+            "loss_backward": loss_backward_bytes(
+                model, request.batch, request.local_seq_len, compute, request.tp, request.loss_chunks
+            )
+            if last
+            else 0,
+            "activations": activations[request.ac],
+        }
+        base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
+        base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
+        in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
+        at_reduce = base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
+        per_gpu["total"] = max(in_backward, at_reduce)
+        host = sum(state.values()) if request.offload else 0
+        ranks.append(RankStages(rank, stages, tuple(layers[s] for s in stages), held, per_gpu, activations, host))
+    return ranks
+
+
+def worst(ranks: list[RankStages]) -> RankStages:
+    """The rank with the largest total (the first of equals)."""
+    return max(ranks, key=lambda r: (r.per_gpu["total"], -r.rank))
+
+
+def describe(request: Any, rank: RankStages) -> str:
+    """'rank 0 (stage 0: blocks 0-15 + embedding, 8 micro-batches in flight)'."""
+    extra = []
+    if rank.first:
+        extra.append("embedding")
+    if request.pp * request.pp_stages_per_rank - 1 in rank.stages:
+        extra.append("norm + output + loss")
+    stages = ", ".join(map(str, rank.stages))
+    return (
+        f"pipeline rank {rank.rank} (stage{'s' if len(rank.stages) > 1 else ''} {stages}: {rank.holds}"
+        + "".join(f" + {e}" for e in extra)
+        + f"; {rank.in_flight} {'(stage, micro-batch)' if len(rank.stages) > 1 else 'micro-batch'} activations "
+        "in flight)"
+    )
