@@ -23,6 +23,7 @@ DEFAULT_OPTIONS = {
     "moe": False,
     "ep": 1,
     "cp": 1,
+    "pp": 1,
     "reshard_after_forward": "true",
     "activation_checkpointing": "none",
     "compile": False,
@@ -140,6 +141,17 @@ GOLDENS = {
         **DEFAULT_OPTIONS,
         "moe": True,
         "ep": 2,
+    },
+    # Pipeline parallelism: 2 stages (1F1B) x FSDP over the other 2 GPUs of each stage.
+    "llama-4gpu-bf16-pp2": {
+        "family": "llama",
+        "gpus": 4,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "pp": 2,
     },
     # A folder relative to the project, which need not exist to generate (scripts/gpu_smoke.sh puts a tiny
     # Llama there); a hub id would be kept as given too.

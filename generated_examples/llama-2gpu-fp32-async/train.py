@@ -96,12 +96,18 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
     wrappers) runs before fully_shard, which must see the final modules; materialize then allocates only the
     shards that fully_shard left on this rank.
     """
-    parallel = config.parallel
-    # What fully_shard shards over (layout.py): the data-parallel dimensions.
-    fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
         model = build_model(config)
+    return parallelize(model, config, mesh, device)
+
+
+def parallelize(model: nn.Module, config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """build_model_meta's sequence on a meta model (or a pipeline stage): tensor parallelism, wrappers,
+    fully_shard, then materialize."""
+    parallel = config.parallel
+    # What fully_shard shards over (layout.py): the data-parallel dimensions.
+    fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
     blocks = modules_to_shard(model, block_classes(model, parallel.shard_modules))
     shard_model(model, [block for _, block in blocks], fsdp_mesh, parallel)
     materialize(model, config, device)
@@ -191,7 +197,7 @@ def train_step(
     averaged over ranks, the learning rate the step used, and optimizer_step's. The loss and optimizer_step's
     numbers are device tensors: reading them here (.item()) would make the host wait for the device every step;
     metrics.py copies them on the steps that report."""
-    model, device, training = state.model, state.device, config.training
+    model, device = state.model, state.device
     lr = state.scheduler.get_last_lr()[0]
     # Targets equal to IGNORE are not counted: a chat prompt's tokens (--task sft), and with data.document_mask
     # a document's last token (the next document's first is not its to predict). The loss is the mean over the
@@ -202,6 +208,25 @@ def train_step(
     dist.all_reduce(targets_in_step, op=dist.ReduceOp.SUM)
     # FSDP averages the gradients over the ranks: multiplying by the world size makes that average their sum.
     scale = dist.get_world_size() / targets_in_step.clamp(min=1)
+    loss_sum = forward_backward(state, batches, config, scale)
+    numbers = optimizer_step(state, config)
+    # A mixture-of-experts model sums the tokens each expert received this step over the ranks and moves its
+    # routing biases (model.py; no-op for a dense model): the load figures go to metrics.jsonl.
+    numbers |= balance_experts(model, config)
+    # Gloo has no AVG reduction: sum the per-rank losses, then divide (in float64, as Python divides a float).
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return {"loss": loss_sum.double() / dist.get_world_size(), "lr": lr, **numbers}
+
+
+def forward_backward(
+    state: TrainState,
+    batches: list[MicroBatch],
+    config: Config,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Forward and backward of each micro-batch, its loss summed over its targets and multiplied by `scale`; the
+    scaled losses summed (this rank's share of the step's mean loss)."""
+    model, device, training = state.model, state.device, config.training
     loss_sum = torch.zeros((), device=device)
     # model.py's loss calls model(...), never model.forward(...): FSDP2 all-gathers parameters in __call__'s hooks.
     # Its logits are computed training.loss_chunks sequence chunks at a time (chunked_loss.py).
@@ -219,19 +244,14 @@ def train_step(
         loss = model_loss(model, *batch, reduction="sum", chunks=chunks) * scale
         loss.backward()
         loss_sum += loss.detach()
-    numbers = optimizer_step(state, config)
-    # A mixture-of-experts model sums the tokens each expert received this step over the ranks and moves its
-    # routing biases (model.py; no-op for a dense model): the load figures go to metrics.jsonl.
-    numbers |= balance_experts(model, config)
-    # Gloo has no AVG reduction: sum the per-rank losses, then divide (in float64, as Python divides a float).
-    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    return {"loss": loss_sum.double() / dist.get_world_size(), "lr": lr, **numbers}
+    return loss_sum
 
 
 def optimizer_step(state: TrainState, config: Config) -> dict[str, torch.Tensor]:
     """Clip the accumulated gradients, step the optimizer and the schedule; returns the numbers for metrics.jsonl."""
     model, optimizer, max_norm = state.model, state.optimizer, config.training.max_norm
-    grad_norm = clip_grad_norm(list(model.parameters()), max_norm if max_norm > 0 else math.inf)
+    limit = max_norm if max_norm > 0 else math.inf  # 0: no clipping, the norm still measured for metrics.jsonl
+    grad_norm = clip_grad_norm(list(model.parameters()), limit)
     optimizer.step()
     numbers = {"grad_norm": grad_norm}
     optimizer.zero_grad(set_to_none=True)
@@ -239,7 +259,10 @@ def optimizer_step(state: TrainState, config: Config) -> dict[str, torch.Tensor]
     return numbers
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: list[torch.nn.Parameter],
+    max_norm: float,
+) -> torch.Tensor:
     """clip_grad_norm_ for gradients that are DTensor shards on any number of meshes (it refuses to mix meshes).
 
     The norm per mesh is reduced over that mesh's ranks, the norms are combined, then one clip for all. (With

@@ -13,7 +13,10 @@ cp ranks, which read the same samples; since each of them computes gradients on 
 dimension the project's config does not have (parallel.tp and parallel.cp only exist in projects generated with
 --tp, --cp) has size 1, and so do the slots for the dimensions not built yet:
 
-- pp (pipeline stages) will split the model's layers; until then it is 1 and no config key names it.
+- pp (pipeline stages: parallel.pp in projects generated with --pp) splits the model's blocks into
+  pp x pp_stages_per_rank stages (pipeline.py); each pp coordinate holds its stages, and the ranks of one pipeline
+  read the same samples (the first stage needs the inputs, the last the targets). Only the last stage's ranks
+  compute the loss (holds_loss()).
 - ep (expert parallelism, mixture-of-experts models: parallel.ep in projects generated with --moe) borrows its
   ranks from dp_shard, as in torchtitan: with ep > 1 the mesh splits dp_shard into dp_shard_mod_ep x ep (ep
   varies faster) and flattens the two back into "dp_shard", so mesh["dp_shard"] and fsdp_mesh() are unchanged.
@@ -42,7 +45,8 @@ SAME_DATA_DIMS = ("cp", "tp")
 class LayoutError(ValueError):
     """A layout that cannot work on this many ranks; the message is one line naming the problem and the fix.
     `problem` names the check ("ranks", "tp_shape", "tp_seq_len", "cp_seq_len", "cp_loss_chunks", "batch",
-    "reshard", "ep_ranks", "ep_experts") for callers that word it their own way (`fsdp2gen plan` names its options)."""
+    "reshard", "ep_ranks", "ep_experts", "pp_schedule", "pp_tied", "pp_layers", "pp_micro_batches") for
+    callers that word it their own way (`fsdp2gen plan` names its options)."""
 
     def __init__(self, message: str, problem: str) -> None:
         super().__init__(message)
@@ -64,6 +68,10 @@ class ParallelLayout:
     dp_shard_given: int = -1
     # parallel.reshard_after_forward: true, false, or the size of the groups that keep parameters sharded.
     reshard_after_forward: bool | int = True
+    # Pipeline parallelism (parallel.pp_*; pipeline.py): the schedule, the stages per pp rank, the blocks per stage.
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_layers: tuple[int, ...] = ()
     sizes: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,8 +84,15 @@ class ParallelLayout:
         then says that the product does not match)."""
         configured = tuple(name for name in MESH_DIMS if hasattr(parallel, name))
         reshard = getattr(parallel, "reshard_after_forward", True)
+        pipeline = {
+            "pp_schedule": getattr(parallel, "pp_schedule", "1F1B"),
+            "pp_stages_per_rank": getattr(parallel, "pp_stages_per_rank", 1),
+            "pp_layers": tuple(getattr(parallel, "pp_layers", ())),
+        }
         if world_size == 1:
-            return cls(1, configured=configured, dp_shard_given=parallel.dp_shard, reshard_after_forward=reshard)
+            return cls(
+                1, configured=configured, dp_shard_given=parallel.dp_shard, reshard_after_forward=reshard, **pipeline
+            )
         sizes = {name: getattr(parallel, name, 1) for name in MESH_DIMS}
         if sizes["dp_shard"] == -1:
             others = 1
@@ -91,6 +106,7 @@ class ParallelLayout:
             configured=configured,
             dp_shard_given=parallel.dp_shard,
             reshard_after_forward=reshard,
+            **pipeline,
         )
 
     @property
@@ -176,6 +192,8 @@ class ParallelLayout:
         if self.cp > 1:
             self.check_context_parallel(training)
         self.check_expert_parallel(model)
+        if self.pp > 1:
+            self.check_pipeline(training, model)
         self.check_batch(training)
         self.check_reshard()
 
@@ -256,6 +274,68 @@ class ParallelLayout:
                 f"model.n_experts ({n_experts}) must be divisible by parallel.ep ({ep}), which shares them out "
                 f"equally; e.g. --parallel.ep {fitting}",
                 "ep_experts",
+            )
+
+    def stage_layers(self, n_layers: int) -> list[int]:
+        """How many blocks each of the pp x pp_stages_per_rank stages holds, first stage first: parallel.pp_layers,
+        or as even as possible (the first stages one more)."""
+        return list(self.pp_layers) or self.even_layers(n_layers)
+
+    def even_layers(self, n_layers: int) -> list[int]:
+        stages = self.pp * self.pp_stages_per_rank
+        return [n_layers // stages + (1 if stage < n_layers % stages else 0) for stage in range(stages)]
+
+    def check_pipeline(self, training: Any, model: Any) -> None:
+        pp, per_rank, stages = self.pp, self.pp_stages_per_rank, self.pp * self.pp_stages_per_rank
+        schedule, micro = self.pp_schedule, training.grad_accum_steps
+        if schedule == "Interleaved1F1B" and per_rank < 2:
+            raise LayoutError(
+                f"parallel.pp_schedule = Interleaved1F1B needs at least 2 stages per rank, but "
+                f"parallel.pp_stages_per_rank is {per_rank}; use --parallel.pp_stages_per_rank 2 (or "
+                "--parallel.pp_schedule 1F1B)",
+                "pp_schedule",
+            )
+        if schedule != "Interleaved1F1B" and per_rank != 1:
+            raise LayoutError(
+                f"parallel.pp_schedule = {schedule} runs one stage per rank, but parallel.pp_stages_per_rank is "
+                f"{per_rank}; use --parallel.pp_stages_per_rank 1 (or --parallel.pp_schedule Interleaved1F1B)",
+                "pp_schedule",
+            )
+        if model.tie_embeddings:
+            raise LayoutError(
+                f"model.tie_embeddings shares one matrix between the first and the last of the {pp} pipeline stages, "
+                "which pipelines cannot; use --model.tie_embeddings false, or --parallel.pp 1",
+                "pp_tied",
+            )
+        if model.n_layers < stages:
+            raise LayoutError(
+                f"model.n_layers ({model.n_layers}) leaves a pipeline stage without a block: parallel.pp x "
+                f"pp_stages_per_rank = {stages} stages; use fewer stages (or a deeper model)",
+                "pp_layers",
+            )
+        if self.pp_layers and (len(self.pp_layers) != stages or sum(self.pp_layers) != model.n_layers):
+            raise LayoutError(
+                f"parallel.pp_layers = {list(self.pp_layers)} must give the blocks of each of the {stages} stages "
+                f"(parallel.pp x pp_stages_per_rank), summing to model.n_layers ({model.n_layers}); e.g. "
+                f"--parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
+                "pp_layers",
+            )
+        if min(self.stage_layers(model.n_layers)) < 1:
+            raise LayoutError(
+                f"parallel.pp_layers = {list(self.pp_layers)} leaves a pipeline stage without a block; give each "
+                f"stage at least 1, e.g. --parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
+                "pp_layers",
+            )
+        # torch's schedules: 1F1B runs each stage's first micro-batch forward before any backward, so it needs as
+        # many micro-batches as stages; Interleaved1F1B runs rounds of pp micro-batches.
+        rounds = max(1, micro // pp)
+        if (schedule == "1F1B" and micro < pp) or (schedule == "Interleaved1F1B" and micro % rounds):
+            fitting = pp if schedule == "1F1B" else max(pp, micro // pp * pp)
+            need = "at least" if schedule == "1F1B" else "fewer than, or a multiple of,"
+            raise LayoutError(
+                f"training.grad_accum_steps ({micro}) is the pipeline's micro-batches per step; parallel.pp_schedule "
+                f"{schedule} needs {need} parallel.pp ({pp}); e.g. --training.grad_accum_steps {fitting}",
+                "pp_micro_batches",
             )
 
     def check_batch(self, training: Any) -> None:

@@ -21,7 +21,7 @@ from data import IGNORE
 from document_attention import Mask, attention, document_mask
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, SIZES, ModelArgs
 from moe import MoE, balance_load, forget_routing, take_aux_loss
-from sharded_init import fill_by_blocks
+from sharded_init import draw_by_blocks, fill_by_blocks
 
 if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
     from config import Config
@@ -152,13 +152,17 @@ class Transformer(nn.Module):
         else:  # per-token positions: restarting per document, or a context-parallel rank's slice of the sequence
             cos, sin = rotary_tables(self.rope_cos[positions], self.rope_sin[positions])
         mask = document_mask(document_ids)  # None: plain causal attention
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (pipeline.py) after the first has no embedding: `tokens` are the previous stage's hidden
+        # states; one before the last has no norm and output layer: it passes its hidden states on.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         forget_routing(self)  # mixture of experts: drop what a recompute in the last backward recorded
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         # Mixture of experts: counts this forward's tokens per expert once; the balance loss, None unless
         # model.aux_loss_coef > 0 and training.
         aux_loss = take_aux_loss(self)
+        if self.output is None:
+            return h
         if targets is None:
             return self.output(self.norm(h))
         loss = chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
@@ -180,19 +184,40 @@ class Transformer(nn.Module):
         1-rank one.) Extra memory is one block of at most INIT_BLOCK_ELEMENTS values.
         The rotary tables go to `buffer_device` (default: where the parameters are).
         """
-        device = self.output.weight.device
+        # Under the names of the whole model: the wrappers of activation checkpointing and compile add a part to the
+        # names of a block's parameters (layers.7._checkpoint_wrapped_module.attention.wq.weight).
+        present = {
+            name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): param
+            for name, param in self.named_parameters()
+        }
+        device = next(iter(present.values())).device
         generator = torch.Generator(device=device).manual_seed(seed)
         residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        # A pipeline stage (pipeline.py) holds some of the parameters: whole_model_shapes lists all of them, in the
+        # whole model's order, and the values of the others are drawn too and dropped, so that every parameter gets
+        # the values it has in the whole model.
+        shapes = getattr(self, "whole_model_shapes", None) or {name: param.shape for name, param in present.items()}
+
+        def ones(block: torch.Tensor) -> torch.Tensor:
+            return block.fill_(1.0)
+
+        def residual(block: torch.Tensor) -> torch.Tensor:
+            return block.normal_(0.0, residual_std, generator=generator)
+
+        def normal(block: torch.Tensor) -> torch.Tensor:
+            return block.normal_(0.0, self.args.init_std, generator=generator)
+
         # named_parameters() lists a tied output weight once, as tok_embeddings.weight. An expert weight (n_experts,
         # out, in) is filled expert by expert, each expert as a linear layer's weight.
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                fill_by_blocks(param, lambda block: block.fill_(1.0))
-            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
-                # Residual projections are scaled down so the residual stream does not grow with depth.
-                fill_by_blocks(param, lambda block: block.normal_(0.0, residual_std, generator=generator))
+        for name, shape in shapes.items():
+            # Residual projections are scaled down so the residual stream does not grow with depth.
+            fill = ones if name.endswith("norm.weight") else normal
+            if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+                fill = residual
+            if name in present:
+                fill_by_blocks(present[name], fill)
             else:
-                fill_by_blocks(param, lambda block: block.normal_(0.0, self.args.init_std, generator=generator))
+                draw_by_blocks(shape, device, fill)
         self._init_rope(buffer_device or device)
         for module in self.modules():
             if isinstance(module, MoE):  # routing starts unbiased, with no tokens counted

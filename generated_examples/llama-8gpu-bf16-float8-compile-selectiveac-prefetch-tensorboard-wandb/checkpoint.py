@@ -44,7 +44,10 @@ class DcpState(Stateful):
     def load_state_dict(self, saved: dict) -> None:
         state = self.state
         set_state_dict(
-            state.model, state.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
+            state.model,
+            state.optimizer,
+            model_state_dict=saved["model"],
+            optim_state_dict=saved["optimizer"],
         )
         state.restore_progress(saved)
         if self.with_rng:

@@ -88,7 +88,7 @@ def check_value(key: str, value: Any, bound: Bound, default: Any) -> None:
     if isinstance(value, str | list):
         if bound.nonempty and not value:
             raise SchemaError(f"{key} is empty; {bound.nonempty}")
-        if any("\0" in item for item in ([value] if isinstance(value, str) else value)):
+        if any(isinstance(item, str) and "\0" in item for item in ([value] if isinstance(value, str) else value)):
             raise SchemaError(f"{key} contains a NUL character, which no path or name may hold; remove it")
         return
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -1,0 +1,285 @@
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), dense or with
+mixture-of-experts feed-forwards (model.n_experts > 0: moe.py).
+
+The model is written so that FSDP2 can build it on the meta device and shard it
+block by block: every `TransformerBlock` becomes one `fully_shard` unit, and
+`init_weights` fills parameters *after* sharding without ever materialising a
+full copy of the model, or even of one parameter, on one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunked_loss import chunked_cross_entropy
+from data import IGNORE
+from document_attention import Mask, attention, document_mask
+from model_args import MODEL_RULES, RESUME_MAY_CHANGE, SIZES, ModelArgs
+from moe import MoE, balance_load, forget_routing, take_aux_loss
+from sharded_init import draw_by_blocks, fill_by_blocks
+
+if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
+    from config import Config
+
+# The names train.py, preflight.py and the scripts import from every family's model.py (AGENTS.md lists them);
+# SIZES: the model.size presets.
+__all__ = ["MODEL_RULES", "RESUME_MAY_CHANGE", "SIZES", "Model", "ModelArgs", "balance_experts", "block_classes",
+           "build_model", "initialize", "loss", "output_logits"]  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even when the parameters run in bf16/fp16.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq, head_dim / 2) or (batch, seq, head_dim / 2) tables -> the (1 or batch, seq, 1, head_dim) factors of
+    `apply_rotary`: (cos, cos), (-sin, sin)."""
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of a (batch, seq, heads, head_dim) tensor by the angles of
+    `rotary_tables`: (x1 cos - x2 sin, x2 cos + x1 sin).
+
+    Written as x * (cos, cos) + roll(x) * (-sin, sin), which gives the same bits as rotating each half: three
+    whole-tensor ops and one copy (roll), where slicing the halves and concatenating the results took eight
+    ops forward and zero-filled slice gradients backward (4-5% of a CPU step at seq 256, torch.profiler).
+    """
+    x_float = x.float()
+    rotated = x_float * cos + x_float.roll(x.shape[-1] // 2, dims=-1) * sin
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Causal, and within each document when `mask` keeps packed documents apart (document_attention.py).
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # With experts, the blocks from model.n_dense_layers on route each token to top_k of them (moe.py).
+        self.feed_forward = MoE(args) if index in args.moe_layers else FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Keyed by the layer index (as torchtitan does): a pipeline stage that deletes other stages' blocks keeps
+        # each block's parameter names (layers.7.*), where a ModuleList would renumber them.
+        blocks = [TransformerBlock(args, index) for index in range(args.n_layers)]
+        self.layers = nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            # One parameter under two names: fully_shard keeps it in the root's group, which holds both
+            # modules (torch >= 2.13 refuses to split a shared parameter across groups).
+            self.output.weight = self.tok_embeddings.weight
+        # Rotary tables are derived, not learned: non-persistent, so they are never
+        # checkpointed and must be recomputed after `to_empty` (see `init_weights`).
+        head_dim = args.dim // args.n_heads
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        loss_chunks: int = 1,
+    ) -> torch.Tensor:
+        """The logits (batch, seq, vocab_size); with `targets`, the loss instead (chunked_loss.py), computed
+        here so that FSDP2's hooks around this call gather the output layer's weight for it. `positions` and
+        `document_ids` (batch, seq): see loss()."""
+        seq_len = tokens.shape[1]
+        # Built once per forward for all blocks: (seq, head_dim) each, a few KB (per row with positions).
+        if positions is None:
+            cos, sin = rotary_tables(self.rope_cos[:seq_len], self.rope_sin[:seq_len])
+        else:  # per-token positions: restarting per document, or a context-parallel rank's slice of the sequence
+            cos, sin = rotary_tables(self.rope_cos[positions], self.rope_sin[positions])
+        mask = document_mask(document_ids)  # None: plain causal attention
+        # A pipeline stage (pipeline.py) after the first has no embedding: `tokens` are the previous stage's hidden
+        # states; one before the last has no norm and output layer: it passes its hidden states on.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        forget_routing(self)  # mixture of experts: drop what a recompute in the last backward recorded
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        # Mixture of experts: counts this forward's tokens per expert once; the balance loss, None unless
+        # model.aux_loss_coef > 0 and training.
+        aux_loss = take_aux_loss(self)
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(self.norm(h))
+        loss = chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
+        if aux_loss is None:
+            return loss
+        # The balance loss is a sum over tokens: weighed as the cross-entropy is (per target for "mean"; train.py
+        # divides a "sum" by the step's targets), so a sample adds the same to the loss on any number of ranks.
+        scale = self.args.aux_loss_coef / ((targets != IGNORE).sum() if reduction == "mean" else 1)
+        return loss + scale * aux_loss
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and buffer, sharded or not, identically for any world size.
+
+        Each parameter's values are drawn from one generator seeded with `seed`, in a
+        fixed order and in fixed row blocks, and each rank keeps only the rows and
+        columns of its own shard. (Random ops on a sharded DTensor would instead give
+        every rank the *same* local values, so a 4-rank model would differ from a
+        1-rank one.) Extra memory is one block of at most INIT_BLOCK_ELEMENTS values.
+        The rotary tables go to `buffer_device` (default: where the parameters are).
+        """
+        # Under the names of the whole model: the wrappers of activation checkpointing and compile add a part to the
+        # names of a block's parameters (layers.7._checkpoint_wrapped_module.attention.wq.weight).
+        present = {
+            name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): param
+            for name, param in self.named_parameters()
+        }
+        device = next(iter(present.values())).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        # A pipeline stage (pipeline.py) holds some of the parameters: whole_model_shapes lists all of them, in the
+        # whole model's order, and the values of the others are drawn too and dropped, so that every parameter gets
+        # the values it has in the whole model.
+        shapes = getattr(self, "whole_model_shapes", None) or {name: param.shape for name, param in present.items()}
+
+        def ones(block: torch.Tensor) -> torch.Tensor:
+            return block.fill_(1.0)
+
+        def residual(block: torch.Tensor) -> torch.Tensor:
+            return block.normal_(0.0, residual_std, generator=generator)
+
+        def normal(block: torch.Tensor) -> torch.Tensor:
+            return block.normal_(0.0, self.args.init_std, generator=generator)
+
+        # named_parameters() lists a tied output weight once, as tok_embeddings.weight. An expert weight (n_experts,
+        # out, in) is filled expert by expert, each expert as a linear layer's weight.
+        for name, shape in shapes.items():
+            # Residual projections are scaled down so the residual stream does not grow with depth.
+            fill = ones if name.endswith("norm.weight") else normal
+            if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+                fill = residual
+            if name in present:
+                fill_by_blocks(present[name], fill)
+            else:
+                draw_by_blocks(shape, device, fill)
+        self._init_rope(buffer_device or device)
+        for module in self.modules():
+            if isinstance(module, MoE):  # routing starts unbiased, with no tokens counted
+                for buffer in module.buffers():
+                    buffer.zero_()
+
+    def _init_rope(self, device: torch.device) -> None:
+        head_dim = self.args.dim // self.args.n_heads
+        inv_freq = 1.0 / self.args.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+        angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), inv_freq)
+        # Assigning to a registered buffer replaces it (still non-persistent), on `device`.
+        self.rope_cos = angles.cos()
+        self.rope_sin = angles.sin()
+
+
+# ---- What train.py calls: every family's model.py provides these names (AGENTS.md: the model interface) ------
+
+# The model's class, under the name every family gives it.
+Model = Transformer
+
+
+def build_model(config: Config) -> Model:
+    """The model of config.model, with fp32 parameters; train.py calls it under torch.device("meta")."""
+    return Model(config.model)
+
+
+def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
+    """The classes of the repeated blocks (parallel.shard_modules): each such module is fully_shard-ed on its own."""
+    return shard_modules
+
+
+def initialize(model: Model, config: Config, device: torch.device) -> None:
+    """Fill every parameter and buffer after to_empty, on the sharded model; the rotary tables go to `device`
+    (also when CPU offload keeps the parameters in CPU memory)."""
+    model.init_weights(seed=config.training.seed, buffer_device=device)
+
+
+def balance_experts(model: Model, config: Config) -> dict[str, torch.Tensor]:
+    """After each step's micro-batches and optimizer step: balance the experts' load (moe.py: sums the
+    tokens each expert received over the ranks, moves the routing biases) and return its figures for
+    metrics.jsonl; {} for a dense model."""
+    return balance_load(model, config.model.expert_bias_rate, config.model.aux_loss_coef)
+
+
+def output_logits(output: torch.Tensor) -> torch.Tensor:
+    """The logits (batch, seq, vocab_size) of model(tokens): its output itself."""
+    return output
+
+
+def loss(
+    model: Model,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunks: int = 1,
+) -> torch.Tensor:
+    """The cross-entropy of the model on `tokens` against `targets` (batch, seq), in fp32 whatever the compute dtype,
+    targets equal to IGNORE not counted; the logits computed in `chunks` sequence chunks (training.loss_chunks), one
+    at a time, inside model(...) (chunked_loss.py). `positions`: each token's rotary position (None: 0..seq-1);
+    `document_ids`: a token attends only to earlier tokens of the same id (None: one document per row)."""
+    return model(
+        tokens, positions=positions, document_ids=document_ids, targets=targets, reduction=reduction, loss_chunks=chunks
+    )

@@ -1,0 +1,77 @@
+"""End-to-end tests of training: real torchrun processes, gloo on CPU (or nccl on every visible GPU).
+
+Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoint.py covers checkpoints.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, train
+
+# 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
+PARITY_TOLERANCE = 2e-2
+# training.loss_chunks 4 vs 1: the same sums in another order (the output layer's gradient adds the chunks'
+# parts in the compute dtype).
+CHUNKED_TOLERANCE = 2e-2
+
+
+def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
+    # synthetic_samples == global_batch_size: every step sees the same samples.
+    repeated = ["--data.synthetic_samples", str(GLOBAL_BATCH)]
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", *repeated)
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert losses[-1] < 0.8 * losses[0], losses
+    tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
+    for record in metrics:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        # The allocator reserves at least what it allocated (on CPU both are the resident peak).
+        assert record["peak_reserved_mib"] >= record["peak_mem_mib"], record
+        assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
+        assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
+    # A peak never falls from one step to the next.
+    peaks = [record["peak_mem_mib"] for record in metrics]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
+
+
+def test_ranks_match_one_process(tmp_path: Path) -> None:
+    # The global batch is fixed, so the number of ranks must not change the numbers.
+    steps = ["--training.steps", "4", "--training.grad_accum_steps", "2"]
+    single = train(tmp_path / "one", *steps, nproc=1)
+    sharded = train(tmp_path / "many", *steps)
+    for a, b in zip(single, sharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path) -> None:
+    # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
+    # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
+    # with 2 micro-batches, each one's chunks add into the same gradients.
+    steps = ["--training.steps", "3", "--eval.every", "3", "--eval.batches", "1", "--training.grad_accum_steps", "2"]
+    whole = train(tmp_path / "whole", *steps, "--training.loss_chunks", "1")
+    chunked = train(tmp_path / "chunked", *steps, "--training.loss_chunks", "4")
+    assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
+    for a, b in zip(whole, chunked, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
+
+
+def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
+    result = launch("tests/check_init.py", tmp_path)
+    assert "MISMATCH" not in result.stdout
+    assert result.stdout.count("tensors equal") == NPROC
+
+
+def test_unknown_config_key_is_rejected() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "3"], cwd=PROJECT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "unknown key training.stepz" in result.stderr
