@@ -707,30 +707,33 @@ CpSweepOption = Annotated[
 ]
 
 
+SizeOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"{_size_names()}: model.size's presets and larger Llama 3 shapes, then the mixture-of-experts presets.",
+        show_default=False,
+    ),
+]
+ConfigOption = Annotated[
+    Path | None, typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False)
+]
+BatchOption = Annotated[int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")]
+SeqOption = Annotated[
+    int | None, typer.Option(help="Sequence length. [default: the size's max_seq_len, or the project's]")
+]
+GpuTypeOption = Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")]
+
+
 @app.command()
 @answer_options(PLAN_OPTIONS)
 def plan(
     *,
-    size: Annotated[
-        str | None,
-        typer.Option(
-            help=f"{_size_names()}: model.size's presets and larger Llama 3 shapes, then the mixture-of-experts "
-            "presets.",
-            show_default=False,
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="A generated project's config.toml (model and batch from it).", show_default=False),
-    ] = None,
+    size: SizeOption = None,
+    config: ConfigOption = None,
     hf_config: HfConfigOption = None,
-    batch: Annotated[
-        int | None, typer.Option(help="Micro-batch per GPU. [default: 1, or from global_batch_size]")
-    ] = None,
-    seq: Annotated[
-        int | None, typer.Option(help="Sequence length. [default: the size's max_seq_len, or the project's]")
-    ] = None,
-    gpu_type: Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")] = "h100-80gb",
+    batch: BatchOption = None,
+    seq: SeqOption = None,
+    gpu_type: GpuTypeOption = "h100-80gb",
     grad_sync: GradSyncOption = None,
     cp: CpOption = None,
     cp_sweep: CpSweepOption = False,

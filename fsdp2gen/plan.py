@@ -603,9 +603,7 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
     unsharded = FP32 * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
-    per_gpu["ring_attention"] = ring_attention_bytes(model, request.batch, request.seq_len, compute, tp, request.cp)
-    per_gpu["all_to_all_buffers"] = all_to_all_bytes(model, request.batch * seq, compute, request.ep)
-    per_gpu["experts_backward"] = grouped_backward_bytes(model, request.batch * seq, compute)
+    per_gpu |= _exchange_buffers(request, compute)
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
     per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
@@ -627,6 +625,16 @@ def estimate(request: PlanRequest, with_levers: bool = True) -> Plan:
     if with_levers and not plan.fits:
         plan.levers = _levers(plan)
     return plan
+
+
+def _exchange_buffers(request: PlanRequest, compute: int) -> dict[str, int]:
+    """Context parallelism's gathered K/V, expert parallelism's all-to-all, the grouped GEMM's backward copies."""
+    model, tokens = request.model, request.batch * request.local_seq_len
+    return {
+        "ring_attention": ring_attention_bytes(model, request.batch, request.seq_len, compute, request.tp, request.cp),
+        "all_to_all_buffers": all_to_all_bytes(model, tokens, compute, request.ep),
+        "experts_backward": grouped_backward_bytes(model, tokens, compute),
+    }
 
 
 def _estimate_pp(request: PlanRequest, with_levers: bool) -> Plan:
@@ -1663,17 +1671,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
             "loss_chunks": request.loss_chunks,
-            # Pipeline parallelism's keys only where there is a pipeline (the plan's "pipeline" is null without).
-            **(
-                {
-                    "pp": request.pp,
-                    "pp_schedule": request.pp_schedule,
-                    "pp_stages_per_rank": request.pp_stages_per_rank,
-                    "pp_layers": list(request.pp_layers),
-                }
-                if request.pp > 1
-                else {}
-            ),
+            **_pipeline_setup(request),
         },
         "pipeline": plan.pipeline,
         "per_gpu_bytes": plan.per_gpu,
@@ -1684,6 +1682,19 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "gpu": {"name": request.gpu, "memory_bytes": GPUS[request.gpu].memory_bytes, "usable_bytes": plan.usable_bytes},
         "fits": plan.fits,
         "levers": [asdict(lever) for lever in plan.levers],
+    }
+
+
+def _pipeline_setup(request: PlanRequest) -> dict[str, Any]:
+    """Pipeline parallelism's keys of the JSON setup, only where there is a pipeline (the plan's "pipeline" is null
+    without)."""
+    if request.pp == 1:
+        return {}
+    return {
+        "pp": request.pp,
+        "pp_schedule": request.pp_schedule,
+        "pp_stages_per_rank": request.pp_stages_per_rank,
+        "pp_layers": list(request.pp_layers),
     }
 
 

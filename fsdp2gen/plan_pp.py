@@ -96,12 +96,16 @@ def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, stages_per_
 def check_pipeline(request: Any) -> str | None:
     """The first problem of the request's pipeline as one line naming the fix, or None (checks run in
     plan._check_request, before anything is estimated)."""
-    pp, v, m, schedule = request.pp, request.pp_stages_per_rank, request.grad_accum_steps, request.pp_schedule
-    model = request.model
-    if schedule not in PP_SCHEDULES:
-        return f"--pp-schedule {schedule}: choose one of {', '.join(PP_SCHEDULES)}"
-    if pp == 1:
+    if request.pp_schedule not in PP_SCHEDULES:
+        return f"--pp-schedule {request.pp_schedule}: choose one of {', '.join(PP_SCHEDULES)}"
+    if request.pp == 1:
         return None
+    return check_pipeline_ranks(request) or check_pipeline_stages(request)
+
+
+def check_pipeline_ranks(request: Any) -> str | None:
+    """The GPUs and the schedule's stages per rank."""
+    pp, v, schedule = request.pp, request.pp_stages_per_rank, request.pp_schedule
     if request.world_size % pp:
         fitting = max(d for d in range(1, pp + 1) if request.world_size % d == 0)
         return f"--pp {pp} does not divide {request.world_size} GPUs; choose a divisor, e.g. --pp {fitting}"
@@ -117,6 +121,13 @@ def check_pipeline(request: Any) -> str | None:
             f"--pp-schedule {schedule} runs 1 stage per rank, got {v}; give --pp-stages-per-rank 1, or "
             "--pp-schedule Interleaved1F1B"
         )
+    return None
+
+
+def check_pipeline_stages(request: Any) -> str | None:
+    """The blocks of each stage, tied embeddings, and the schedule's micro-batches (torch's rules)."""
+    pp, v, m, schedule = request.pp, request.pp_stages_per_rank, request.grad_accum_steps, request.pp_schedule
+    model = request.model
     stages = pp * v
     if model.n_layers < stages:
         return (
@@ -174,69 +185,83 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
 
 def rank_stages(request: Any) -> list[RankStages]:
     """Every pipeline rank's stages and per-GPU figures (the module docstring's model)."""
-    from fsdp2gen.plan import (
-        AC_MODES,
-        COMPUTE_BYTES,
-        _in_block,
-        loss_backward_bytes,
-        parameter_shapes,
-        request_shard_numel,
-    )
+    from fsdp2gen.plan import COMPUTE_BYTES, parameter_shapes
+
+    layers = stage_layers(request.model.n_layers, request.pp * request.pp_stages_per_rank, request.pp_layers)
+    shapes = parameter_shapes(request.model, request.tp)
+    return [one_rank(request, rank, layers, shapes, COMPUTE_BYTES[request.precision]) for rank in range(request.pp)]
+
+
+def rank_parameters(
+    shapes: list[tuple[str, tuple[int, ...]]], stages: tuple[int, ...], layers: list[range], last_stage: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) of the parameters a rank holding `stages` has: its blocks, the embedding on the first
+    stage, the final norm and output layer on the last."""
+    from fsdp2gen.plan import _in_block
+
+    mine = {i for s in stages for i in layers[s]}
+
+    def holds(name: str) -> bool:
+        if _in_block(name):
+            return int(name.split(".")[1]) in mine
+        return (0 in stages) if name.startswith("tok_embeddings") else (last_stage in stages)
+
+    return [(name, shape) for name, shape in shapes if holds(name)]
+
+
+def one_rank(
+    request: Any, rank: int, layers: list[range], shapes: list[tuple[str, tuple[int, ...]]], compute: int
+) -> RankStages:
+    """Pipeline rank `rank`'s stages and per-GPU figures."""
+    from fsdp2gen.plan import AC_MODES, _in_block, loss_backward_bytes, request_shard_numel
 
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
-    compute = COMPUTE_BYTES[request.precision]
-    layers = stage_layers(model.n_layers, pp * v, request.pp_layers)
-    shapes = parameter_shapes(model, request.tp)
     last_stage = pp * v - 1
-    ranks = []
-    for rank in range(pp):
-        stages = tuple(rank + k * pp for k in range(v))
-        mine = {i for s in stages for i in layers[s]}
+    stages = tuple(rank + k * pp for k in range(v))
+    own = rank_parameters(shapes, stages, layers, last_stage)
+    sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
+    gathered = sum(math.prod(shape) for _, shape in own)
+    blocks = {int(n.split(".")[1]) for n, _ in own if _in_block(n)}
+    units = [sum(math.prod(s) for n, s in own if _in_block(n) and int(n.split(".")[1]) == i) for i in blocks]
+    units.append(sum(math.prod(s) for n, s in own if not _in_block(n)))
+    last = last_stage in stages
+    held = in_flight(request.pp_schedule, pp, rank, m, v)
+    # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
+    largest = max((layers[s] for s in stages), key=len)
+    activations = {mode: stage_activation_bytes(request, compute, mode, largest, held, last) for mode in AC_MODES}
+    state = {
+        "parameters": FP32 * sharded,
+        "gradients": FP32 * sharded,
+        "optimizer_state": 2 * FP32 * sharded + FP32 * len(own),
+    }
+    loss_backward = loss_backward_bytes(
+        model, request.batch, request.local_seq_len, compute, request.tp, request.loss_chunks
+    )
+    per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
+    per_gpu |= {
+        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        "all_gather_buffers": compute * gathered,
+        "reduce_scatter_buffers": FP32 * max(units),
+        "deferred_gradients": FP32 * gathered,
+        "ring_attention": 0,
+        "all_to_all_buffers": 0,
+        "experts_backward": 0,
+        "loss_backward": loss_backward if last else 0,
+        "activations": activations[request.ac],
+    }
+    per_gpu["total"] = stage_peak(per_gpu)
+    host = sum(state.values()) if request.offload else 0
+    return RankStages(rank, stages, tuple(layers[s] for s in stages), held, per_gpu, activations, host)
 
-        def holds(name: str, stages: tuple[int, ...] = stages, mine: set[int] = mine) -> bool:
-            if _in_block(name):
-                return int(name.split(".")[1]) in mine
-            return (0 in stages) if name.startswith("tok_embeddings") else (last_stage in stages)
 
-        own = [(name, shape) for name, shape in shapes if holds(name)]
-        sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
-        gathered = sum(math.prod(shape) for _, shape in own)
-        units = [sum(math.prod(s) for n, s in own if _in_block(n) and int(n.split(".")[1]) == i) for i in mine]
-        units.append(sum(math.prod(s) for n, s in own if not _in_block(n)))
-        last = last_stage in stages
-        held = in_flight(request.pp_schedule, pp, rank, m, v)
-        # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
-        largest = max((layers[s] for s in stages), key=len)
-        activations = {mode: stage_activation_bytes(request, compute, mode, largest, held, last) for mode in AC_MODES}
-        state = {
-            "parameters": FP32 * sharded,
-            "gradients": FP32 * sharded,
-            "optimizer_state": 2 * FP32 * sharded + FP32 * len(own),
-        }
-        per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
-        per_gpu |= {
-            "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
-            "all_gather_buffers": compute * gathered,
-            "reduce_scatter_buffers": FP32 * max(units),
-            "deferred_gradients": FP32 * gathered,
-            "ring_attention": 0,
-            "all_to_all_buffers": 0,
-            "experts_backward": 0,
-            "loss_backward": loss_backward_bytes(
-                model, request.batch, request.local_seq_len, compute, request.tp, request.loss_chunks
-            )
-            if last
-            else 0,
-            "activations": activations[request.ac],
-        }
-        base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
-        base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
-        in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
-        at_reduce = base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
-        per_gpu["total"] = max(in_backward, at_reduce)
-        host = sum(state.values()) if request.offload else 0
-        ranks.append(RankStages(rank, stages, tuple(layers[s] for s in stages), held, per_gpu, activations, host))
-    return ranks
+def stage_peak(per_gpu: dict[str, int]) -> int:
+    """A rank's peak: the larger of its last backward (in-flight activations, the loss's) and the reduce-scatter
+    after it, both over the state and the stages' gathered parameters and unsharded gradients."""
+    base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
+    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
+    in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
+    at_reduce = base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
+    return max(in_backward, at_reduce)
 
 
 def worst(ranks: list[RankStages]) -> RankStages:
