@@ -855,7 +855,7 @@ def _ep_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
     block, n_experts / ep experts instead of all, and its gradients before the reduce-scatter."""
     request, found = plan.request, []
     ep = request.ep * 2
-    while request.fsdp_ranks % ep == 0 and request.model.n_experts % ep == 0:
+    while ep_takes(request, ep):
         changed = replace(request, ep=ep)
         found.append((f"--ep {ep} ({request.model.n_experts // ep} experts per GPU)", changed))
         if estimate(changed, with_levers=False).fits:
@@ -1363,19 +1363,27 @@ def _check_experts(request: PlanRequest) -> None:
                 f"{flag} {degree}: mixture-of-experts models are not built for {flag[2:]} > 1; use {flag} 1 (--ep "
                 "splits the experts over GPUs)"
             )
-    dp_shard = request.fsdp_ranks
-    # As layout.py's check_expert_parallel: the largest ep not above the one asked for that both rules accept.
-    fitting = max(d for d in range(1, ep + 1) if dp_shard % d == 0 and experts % d == 0)
-    if dp_shard % ep:
-        raise PlanError(
-            f"--ep {ep} must divide the {dp_shard} dp_shard ranks it borrows from ({request.world_size} GPUs); "
-            f"e.g. --ep {fitting}"
-        )
-    if experts % ep:
-        raise PlanError(
-            f"--ep {ep} must divide model.n_experts ({experts}): each GPU holds n_experts / ep whole experts; "
-            f"e.g. --ep {fitting}"
-        )
+    if ep > 1 and request.world_size == 1:  # layout.py lets one process (a debugging run) hold every expert
+        raise PlanError(_plan_wording("ep_ranks", request))
+    try:
+        expert_layout(request, ep).check_expert_parallel(SimpleNamespace(n_experts=experts))
+    except layout_module().LayoutError as error:
+        raise PlanError(_plan_wording(error.problem, request)) from None
+
+
+def expert_layout(request: PlanRequest, ep: int) -> Any:
+    """The ParallelLayout whose check_expert_parallel (as a project's preflight runs it) judges `ep` experts
+    groups borrowed from request's dp_shard ranks."""
+    return layout_module().ParallelLayout(request.world_size, dp_shard=request.fsdp_ranks, ep=ep)
+
+
+def ep_takes(request: PlanRequest, ep: int) -> bool:
+    """Whether a project's layout.py takes parallel.ep = `ep` for request's model and GPUs."""
+    try:
+        expert_layout(request, ep).check_expert_parallel(request.model)
+    except layout_module().LayoutError:
+        return False
+    return True
 
 
 def cp_takes(seq_len: int, cp: int, tp: int, loss_chunks: int) -> bool:
@@ -1412,10 +1420,18 @@ def _plan_wording(problem: str, request: PlanRequest) -> str:
         f"e.g. --seq {_cp_fitting_seq_len(request)}",
         "cp_loss_chunks": f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens "
         f"each context-parallel rank holds (seq / cp); e.g. --seq {_cp_fitting_seq_len(request)}",
+        "ep_ranks": f"--ep {request.ep} must divide the {request.fsdp_ranks} dp_shard ranks it borrows from "
+        f"({request.world_size} GPUs); e.g. --ep {_fitting_ep(request)}",
+        "ep_experts": f"--ep {request.ep} must divide model.n_experts ({model.n_experts}): each GPU holds n_experts / "
+        f"ep whole experts; e.g. --ep {_fitting_ep(request)}",
         "batch": f"training.global_batch_size ({request.global_batch_size}) is not divisible by "
         f"{request.data_ranks} data-parallel ranks x grad_accum_steps ({request.grad_accum_steps}); change the "
         "config or pass --batch",
     }[problem]
+
+
+def _fitting_ep(request: PlanRequest) -> int:
+    return expert_layout(request, request.ep).fitting_ep(request.model.n_experts)
 
 
 def _cp_fitting_seq_len(request: PlanRequest) -> int:

@@ -261,8 +261,7 @@ class ParallelLayout:
                 "or a model with experts (e.g. --model.size debug-moe)",
                 "ep_experts",
             )
-        # The largest ep not above the one asked for that both checks accept.
-        fitting = max(d for d in range(1, ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
+        fitting = self.fitting_ep(n_experts)
         if self.dp_shard % ep:
             raise LayoutError(
                 f"parallel.ep ({ep}) must divide parallel.dp_shard ({self.dp_shard}): expert parallelism borrows its "
@@ -275,6 +274,11 @@ class ParallelLayout:
                 f"equally; e.g. --parallel.ep {fitting}",
                 "ep_experts",
             )
+
+    def fitting_ep(self, n_experts: int) -> int:
+        """The largest expert-parallel degree not above parallel.ep that check_expert_parallel accepts: one that
+        divides both dp_shard (the ranks it borrows) and n_experts (each rank holds whole experts)."""
+        return max(d for d in range(1, self.ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
 
     def stage_layers(self, n_layers: int) -> list[int]:
         """How many blocks each of the pp x pp_stages_per_rank stages holds, first stage first: parallel.pp_layers,
