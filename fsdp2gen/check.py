@@ -1150,8 +1150,9 @@ def _cuts(scope: _Scope) -> list[tuple[ast.stmt, str]]:
             continue
         for target in targets:
             path = scope.path(target) if isinstance(target, ast.Attribute | ast.Subscript) else None
-            if path:
-                cuts.append((node, path.replace("()", "")))
+            # Not a part of a module: what a call returned (`for p in model.parameters(): p.grad = None`), a gradient.
+            if path and "()" not in path and not path.endswith(".grad"):
+                cuts.append((node, path))
     return cuts
 
 
