@@ -1263,6 +1263,27 @@ def _rule_renumbered_stage_blocks(module: _Module) -> None:
             )
 
 
+@rule(
+    "FSDP015",
+    "weights tied (`a.weight = b.weight`) in a pipelined model (embedding and output layer on different stages)",
+    "untie them (a separate output weight), or keep the model unpipelined (pp 1)",
+)
+def _rule_tied_weights_across_stages(module: _Module) -> None:
+    if not _uses_pipelining(module):
+        return
+    for node in ast.walk(module.tree):
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Attribute):
+            continue
+        tied = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == node.value.attr == "weight"]
+        if tied:
+            module.report(
+                node,
+                f"{ast.unparse(tied[0])} = {ast.unparse(node.value)} ties two modules' weights in a pipelined model: "
+                "the first stage holds the embedding and the last the output layer, so cutting the stages unties "
+                "them silently (each trains its own copy, and a checkpoint keeps one)",
+            )
+
+
 def _suppressed(source: str) -> dict[int, set[str] | None]:
     """Line -> codes silenced by `# fsdp2gen: noqa FSDPxxx` (None: every code) on that line."""
     suppressed: dict[int, set[str] | None] = {}
