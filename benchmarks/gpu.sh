@@ -10,6 +10,9 @@
 #                                            # beside `fsdp2gen plan`'s per-GPU figure
 #   benchmarks/gpu.sh --long-context         # context parallelism on GPUS (default 2) GPUs: see below
 #   benchmarks/gpu.sh --long-context --plan-only   # print the runs it would make (no GPU needed)
+#   benchmarks/gpu.sh --pp                   # pipeline parallelism: pp 2 vs FSDP on the same GPUS (default: all
+#                                            # visible GPUs, 2 or more): see below
+#   benchmarks/gpu.sh --pp --plan-only       # print the runs it would make (no GPU needed)
 #
 # Generates a project (`fsdp2gen new --gpus 1 --bf16 --compile [--float8]`), trains it with torchrun (1 process)
 # once per variant and reads outputs/metrics.jsonl. Prints one line per variant: tokens/s/GPU (median after the
@@ -24,6 +27,15 @@
 # costs on the same work) and cp 2 at 2 x SEQ (a sequence cp 1 cannot hold). One line per run: tokens/s/GPU, step
 # time, TFLOP/s/GPU (ModelArgs.flops_per_token at that run's sequence length), peak memory beside the plan's
 # total, and the ratios of tokens/s and TFLOP/s to the baseline.
+#
+# --pp: one project generated with --pp 2 (the 1b preset, bf16, eager: compile is not built with PP) on $GPUS GPUs
+# (even, 2 or more; fewer visible GPUs: one line says the run is skipped, exit 0), two runs of the same global
+# batch (2 samples of 2048 tokens per GPU, $STEPS steps, default 20; --tiny: the tiny model, 2 steps, no plan): "fsdp" (parallel.pp 1: FSDP over every GPU,
+# no accumulation) and "pp2-1F1B" (pp 2 x dp_shard GPUS/2, Schedule1F1B over $PP_MICRO micro-batches, default 4,
+# of 1 sample). One line per run: tokens/s/GPU, step time, peak memory (the largest rank's) beside the plan's
+# total, and the pipeline's ratios to fsdp measured in the same invocation: what PP costs where both fit (the
+# bubble; FSDP's parameters kept gathered until the last micro-batch). PP pays off where FSDP (+ TP) cannot fit the
+# model, or across nodes on slow links.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -33,6 +45,7 @@ FLOAT8=""
 NPROC=1
 REFERENCE=""
 LONG=""
+PP=""
 PLAN_ONLY=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -41,13 +54,17 @@ while [[ $# -gt 0 ]]; do
     --float8) FLOAT8=1; shift ;;
     --reference-8b) REFERENCE=1; FLOAT8=1; NPROC=8; shift ;;
     --long-context) LONG=1; shift ;;
+    --pp) PP=1; shift ;;
     --plan-only) PLAN_ONLY=1; shift ;;
     *) echo "usage: benchmarks/gpu.sh [--device cuda|cpu] [--tiny] [--float8] [--reference-8b]" \
-            "[--long-context [--plan-only]]" >&2; exit 2 ;;
+            "[--long-context [--plan-only]] [--pp [--plan-only]]" >&2; exit 2 ;;
   esac
 done
-if [[ -n "$PLAN_ONLY" && -z "$LONG" ]]; then
-  echo "benchmarks/gpu.sh: --plan-only goes with --long-context; add it" >&2; exit 2
+if [[ -n "$PLAN_ONLY" && -z "$LONG$PP" ]]; then
+  echo "benchmarks/gpu.sh: --plan-only goes with --long-context or --pp; add one" >&2; exit 2
+fi
+if [[ -n "$LONG" && -n "$PP" ]]; then
+  echo "benchmarks/gpu.sh: --long-context and --pp are separate benchmarks; run one at a time" >&2; exit 2
 fi
 if [[ -n "$LONG" ]]; then
   NPROC="${GPUS:-2}"
@@ -90,6 +107,50 @@ PY
   echo "long context: 1b, $NPROC GPUs ($GPU_TYPE), bf16, AC $LC_AC; plan: cp 1 fits seq $SEQ at most ($PLAN_CP1 GiB)"
   echo "runs: cp1-seq$SEQ (plan $PLAN_CP1 GiB), cp2-seq$SEQ (plan $PLAN_CP2 GiB), cp2-seq$((2 * SEQ)) (plan" \
        "$PLAN_LONG GiB)"
+  if [[ -n "$PLAN_ONLY" ]]; then exit 0; fi
+fi
+if [[ -n "$PP" ]]; then
+  VISIBLE=2  # CPU ranks (--device cpu), or --plan-only
+  if [[ "$DEVICE" == cuda && -z "$PLAN_ONLY" ]]; then
+    VISIBLE=0
+    if command -v nvidia-smi >/dev/null; then VISIBLE="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
+  fi
+  NPROC="${GPUS:-$VISIBLE}"
+  if ! [[ "$NPROC" =~ ^[0-9]+$ ]] || (( NPROC % 2 && NPROC > 1 )); then
+    echo "benchmarks/gpu.sh: --pp runs pp 2 on GPUS=$NPROC; set GPUS to an even number, 2 or more" >&2; exit 2
+  fi
+  if (( NPROC < 2 )); then
+    echo "pp: skipped: --pp needs 2 or more GPUs, found $NPROC; run it on a machine with 2+ GPUs (or set GPUS)"
+    exit 0
+  fi
+  PP_MICRO="${PP_MICRO:-4}"
+  BATCH="${BATCH:-$((2 * NPROC))}"
+  if [[ -z "${GPU_TYPE:-}" ]]; then
+    GPU_TYPE=h100-80gb
+    if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      GPU_TYPE=h200-141gb
+    fi
+  fi
+  # The plan's per-GPU totals of both runs (the worst stage for pp 2) and the 1F1B bubble.
+  read -r PLAN_FSDP PLAN_PP BUBBLE < <("$PYTHON" - "$NPROC" "$BATCH" "$PP_MICRO" "$GPU_TYPE" <<'PY'
+import sys
+from fsdp2gen.plan import GIB, build_request, estimate
+from fsdp2gen.plan_pp import bubble_fraction
+
+gpus, batch, micro, gpu_type = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+totals = []
+for pp, accum in ((1, 1), (2, micro)):
+    request = build_request(size="1b", gpus=gpus, precision="bf16", seq=2048, pp=pp, grad_accum_steps=accum,
+                            batch=batch // (gpus // pp * accum), gpu_type=gpu_type)
+    totals.append(f"{estimate(request, with_levers=False).per_gpu['total'] / GIB:.1f}")
+print(*totals, f"{100 * bubble_fraction(2, micro, '1F1B', 1):.0f}")
+PY
+  )
+  MODEL=1b
+  if [[ -n "$TINY" ]]; then MODEL=tiny; PLAN_FSDP=-; PLAN_PP=-; fi  # the plan is the 1b model's
+  echo "pipeline: $MODEL, $NPROC GPUs ($GPU_TYPE), bf16, global batch $BATCH; pp2-1F1B: pp 2 x dp_shard" \
+       "$((NPROC / 2)), $PP_MICRO micro-batches (plan: bubble $BUBBLE%) vs fsdp: dp_shard $NPROC, no accumulation"
+  echo "runs: fsdp (plan $PLAN_FSDP GiB), pp2-1F1B (plan $PLAN_PP GiB)"
   if [[ -n "$PLAN_ONLY" ]]; then exit 0; fi
 fi
 AC=none
@@ -167,6 +228,48 @@ for variant, seq in runs:
     print(f"{variant}: {tokens:,.0f} tokens/s/GPU | step {step:.3f} s | {tflops:.1f} TFLOP/s/GPU | peak "
           f"{max(r['peak_mem_mib'] for r in records) / 1024:.1f} GiB | vs {runs[0][0]}: tokens/s x{tokens / base[0]:.2f},"
           f" TFLOP/s x{tflops / base[1]:.2f} | {len(records)} timed steps")
+PY
+  fi
+  exit "$status"
+fi
+if [[ -n "$PP" ]]; then
+  PROJECT="$WORK/llama-1b-pp2"
+  "$PYTHON" -m fsdp2gen new "$PROJECT" --gpus "$NPROC" --bf16 --pp 2 --yes >/dev/null
+  STEPS="${STEPS:-20}"
+  [[ -n "$TINY" ]] && STEPS=2
+  OVERRIDES=("${SHAPE[@]}" --job.device "$DEVICE" --training.steps "$STEPS" --training.warmup_steps 2
+             --checkpoint.interval "$STEPS" --checkpoint.resume never --job.log_every 1 --parallel.pp_schedule 1F1B)
+  status=0
+  runs=()
+  for run in "fsdp 1 1" "pp2-1F1B 2 $PP_MICRO"; do
+    read -r variant pp accum <<<"$run"
+    if train "$variant" --parallel.pp "$pp" --training.grad_accum_steps "$accum"; then
+      runs+=("$variant")
+    else
+      status=1
+    fi
+  done
+  if [[ ${#runs[@]} -gt 0 ]]; then
+    (cd "$PROJECT" && "$PYTHON" - "$WORK" "$DEVICE" "$PLAN_FSDP" "$PLAN_PP" "${runs[@]}" <<'PY') || status=1
+import json, os, statistics, sys
+import torch
+
+work, device, plans, runs = sys.argv[1], sys.argv[2], dict(zip(("fsdp", "pp2-1F1B"), sys.argv[3:5])), sys.argv[5:]
+print(f"device {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} | torch {torch.__version__}")
+base = None
+for variant in runs:
+    with open(os.path.join(work, variant, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    timed = records[min(5, len(records) - 1):]  # after the CUDA context and the allocator's growth
+    tokens = statistics.median(r["tokens_per_s_per_gpu"] for r in timed)
+    step = statistics.median(r["step_time_s"] for r in timed)
+    peak = max(r["peak_mem_mib"] for r in records) / 1024
+    base = base or (variant, tokens, step, peak)
+    ratios = f" | vs {base[0]}: tokens/s x{tokens / base[1]:.2f}, step time x{step / base[2]:.2f}, peak memory " \
+             f"x{peak / base[3]:.2f}" if variant != base[0] else ""
+    plan = f" (plan {plans[variant]} GiB)" if plans[variant] != "-" else ""
+    print(f"{variant}: {tokens:,.0f} tokens/s/GPU | step {step:.3f} s | peak {peak:.2f} GiB{plan}{ratios} | "
+          f"{len(timed)} timed steps")
 PY
   fi
   exit "$status"

@@ -200,3 +200,41 @@ def test_moe_experts_benchmark_compares_the_generated_grouped_and_looped_experts
     for name in ("output", "routed grad", "w1 grad", "w2 grad", "w3 grad"):
         difference = re.search(rf"^{name}: max \|grouped - looped\| / max \|looped\| = (\S+)$", out, flags=re.M)
         assert difference and float(difference.group(1)) < 1e-6, (name, out)
+
+
+def test_gpu_script_pp_compares_pp2_with_fsdp_on_the_same_ranks_or_says_it_is_skipped() -> None:
+    # The PP entry of the first multi-GPU run: pp 2 (Schedule1F1B) vs FSDP on the same GPUs, ratios from the same
+    # invocation. Planned for 2 and 8 GPUs (no GPU needed), skipped in one line on fewer than 2, and run once on 2
+    # CPU ranks with the tiny model so that the script and its report cannot rot.
+    from fsdp2gen.plan import GIB, build_request, estimate
+
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "GPU_TYPE": "h100-80gb"}
+    for gpus in (2, 8):
+        out = run_benchmark("bash", "benchmarks/gpu.sh", "--pp", "--plan-only", env={**env, "GPUS": str(gpus)})
+        totals = [
+            estimate(build_request(size="1b", gpus=gpus, precision="bf16", seq=2048, pp=pp, grad_accum_steps=m,
+                                   batch=2 * gpus // (gpus // pp * m)), with_levers=False).per_gpu["total"] / GIB
+            for pp, m in ((1, 1), (2, 4))
+        ]  # fmt: skip
+        assert out.splitlines() == [
+            f"pipeline: 1b, {gpus} GPUs (h100-80gb), bf16, global batch {2 * gpus}; pp2-1F1B: pp 2 x dp_shard "
+            f"{gpus // 2}, 4 micro-batches (plan: bubble 20%) vs fsdp: dp_shard {gpus}, no accumulation",
+            f"runs: fsdp (plan {totals[0]:.1f} GiB), pp2-1F1B (plan {totals[1]:.1f} GiB)",
+        ]
+    skipped = run_benchmark("bash", "benchmarks/gpu.sh", "--pp", env={**env, "GPUS": "1"})
+    assert (
+        skipped == "pp: skipped: --pp needs 2 or more GPUs, found 1; run it on a machine with 2+ GPUs (or set GPUS)\n"
+    )
+    result = subprocess.run(["bash", "benchmarks/gpu.sh", "--pp", "--plan-only"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env={**env, "GPUS": "3"})  # fmt: skip
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "benchmarks/gpu.sh: --pp runs pp 2 on GPUS=3; set GPUS to an even number, 2 or more\n"
+    out = run_benchmark("bash", "benchmarks/gpu.sh", "--pp", "--device", "cpu", "--tiny", env={**env, "GPUS": "2"})
+    assert out.startswith("pipeline: tiny, 2 GPUs (h100-80gb), bf16, global batch 4; pp2-1F1B: pp 2 x dp_shard 1"), out
+    assert re.search(r"^fsdp: [\d,]+ tokens/s/GPU \| step \d+\.\d{3} s \| peak \d+\.\d\d GiB \| 1 timed steps$", out,
+                     flags=re.M), out  # fmt: skip
+    ratios = (
+        r"^pp2-1F1B: [\d,]+ tokens/s/GPU \| step \d+\.\d{3} s \| peak \d+\.\d\d GiB \| vs fsdp: tokens/s x\d+\.\d\d, "
+        r"step time x\d+\.\d\d, peak memory x\d+\.\d\d \| 1 timed steps$"
+    )
+    assert re.search(ratios, out, flags=re.M), out

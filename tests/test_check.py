@@ -338,3 +338,31 @@ def test_readme_documents_every_rule() -> None:
     for code, rule in RULES.items():
         assert f"| {code} | {rule.catches} | {rule.fix} |" in section, code
     assert "# fsdp2gen: noqa FSDP" in section
+
+
+def test_a_generated_pp_project_passes_clean_and_pp_mistakes_planted_in_its_pipeline_py_are_found(
+    tmp_path: Path,
+) -> None:
+    from tests.conftest import generate
+
+    project = generate(tmp_path / "pp", "--gpus", "4", "--pp", "2")
+    result = fsdp2gen("check", str(project))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    source = (project / "pipeline.py").read_text()
+    assert found(source) == []
+    cut = "        first = sum(layers[:index])\n"
+    mistakes = {
+        # An optimizer over the whole meta model, built before the other stages' blocks are deleted from it.
+        "FSDP012": ("        optimizer = torch.optim.AdamW(stage.parameters())\n", "optimizer = "),
+        # The stage handed to the pipeline before the cut.
+        "FSDP013": ("        early = PipelineStage(stage, index, n_stages, device)\n", "early = "),
+    }
+    for code, (line, at) in mistakes.items():
+        planted = _plant(source, (cut, line + cut))
+        # (An optimizer in this file also makes it train the meta model it builds, which FSDP006 reports: this
+        # file has no to_empty, train.py's parallelize does it.)
+        assert [f for f in found(planted) if f[1] != "FSDP006"] == [(_line_of(planted, at), code)], code
+    # The stage's blocks renumbered from 0 in a new list instead of deleted by name.
+    renumber = "        stage.layers = nn.ModuleList(list(stage.layers.values())[first : first + layers[index]])\n"
+    planted = _plant(source, ("        if index > 0:\n", renumber + "        if index > 0:\n"))
+    assert found(planted) == [(_line_of(planted, renumber), "FSDP014")]

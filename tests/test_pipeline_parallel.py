@@ -412,3 +412,82 @@ def test_the_pp_layout_splits_the_blocks_and_micro_batches_or_says_why_in_one_li
     assert [layout.holds_loss(rank) for rank in range(world_size)] == [
         r >= world_size - dp_shard for r in range(world_size)
     ]
+
+
+# train.py, except that on torchrun's first attempt rank 3 (the last stage, data rank 1) SIGKILLs itself in the middle
+# of step 3's schedule, at its second micro-batch's loss: ranks 0-1 have sent activations forward and wait for
+# gradients, rank 2 is mid-step too. The step-2 checkpoint is complete by then (saved synchronously after step 2).
+KILL_MID_STEP = """\
+import os
+import signal
+
+import torch.distributed as dist
+
+import pipeline
+import train
+
+doomed = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+steps, losses = 0, 0
+real_forward_backward, real_loss = pipeline.PipelineModel.forward_backward, pipeline.PipelineModel.loss
+
+
+def forward_backward(self, *args, **kwargs):
+    global steps, losses
+    steps, losses = steps + 1, 0
+    return real_forward_backward(self, *args, **kwargs)
+
+
+def loss(self, *args, **kwargs):
+    global losses
+    losses += 1
+    if doomed and dist.get_rank() == 3 and steps == 3 and losses == 2:
+        print("rank 3: SIGKILL in step 3", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_loss(self, *args, **kwargs)
+
+
+# The schedule binds self.loss when the pipeline is built, after this.
+pipeline.PipelineModel.forward_backward, pipeline.PipelineModel.loss = forward_backward, loss
+train.main()
+"""
+
+
+def checkpoint_tensors(output_dir: Path, step: int) -> dict[str, object]:
+    """The model's weights and the optimizer's state in the DCP checkpoint of `step`, flattened by name."""
+    dcp_to_torch_save(output_dir / "checkpoints" / f"step-{step}", output_dir / f"all-{step}.pt")
+    saved = torch.load(output_dir / f"all-{step}.pt")["train"]
+    flat: dict[str, object] = {}
+
+    def walk(tree: object, prefix: str) -> None:
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix] = tree
+
+    walk({"model": saved["model"], "optimizer": saved["optimizer"]}, "")
+    return flat
+
+
+@pytest.mark.parametrize("pp2_dp2", ["1F1B"], indirect=True)
+def test_a_rank_killed_mid_step_restarts_and_resumes_bit_for_bit(pp2_dp2: Path, project: Path, tmp_path: Path) -> None:
+    # torchrun --max-restarts 1 restarts all 4 ranks from the step-2 checkpoint; each stage loads its own blocks and
+    # their optimizer state, the data position is the step's, the RNG states the checkpoint's: steps 3 and 4 and the
+    # final weights and Adam moments are those of the uninterrupted run exactly (==, not within a tolerance).
+    script = tmp_path / "kill_mid_step.py"
+    script.write_text(KILL_MID_STEP)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+               "--max-restarts=1", str(script), *RUN, "--job.output_dir", str(tmp_path / "run")]  # fmt: skip
+    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    ran(result)
+    assert "rank 3: SIGKILL in step 3" in result.stdout
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    resumed, uninterrupted = numbers(tmp_path / "run"), numbers(pp2_dp2)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert [resumed[step] for step in (3, 4)] == [uninterrupted[step] for step in (3, 4)]
+    mine, theirs = checkpoint_tensors(tmp_path / "run", 4), checkpoint_tensors(pp2_dp2, 4)
+    assert mine.keys() == theirs.keys() and any(key.startswith("optimizer.") for key in theirs)
+    same = {key: torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
+            for key, value in theirs.items()}  # fmt: skip
+    assert [key for key, equal in same.items() if not equal] == []
