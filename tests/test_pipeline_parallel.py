@@ -314,10 +314,6 @@ GENERATOR_REFUSALS = {
         ["--precision", "fp16"],
         "pipeline parallelism with fp16's loss scaler is not built yet; use --bf16 or --fp32 with --pp",
     ),
-    "prefetch": (
-        ["--prefetch"],
-        "--prefetch with pipeline parallelism (--pp) is not built yet; use --pp 1 (or leave out --prefetch)",
-    ),
     "not-dividing": (["--gpus", "4", "--pp", "3"], "3 must divide the 4 GPUs, e.g. --pp 2"),
     "tp-not-dividing": (
         ["--gpus", "2", "--tp", "2"],
@@ -455,3 +451,14 @@ def test_a_tp_group_across_nodes_is_refused_in_one_line_by_each_launcher(tp_proj
     )
     assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n"), result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_cpu_offload_and_prefetch_in_the_stages_equal_one_process(one_process: Path, tmp_path: Path) -> None:
+    # parallel.cpu_offload (each stage's shards, gradients and Adam state in CPU memory, stepped there) and
+    # parallel.prefetch_blocks 1 (a stage's blocks all-gather the next of its own blocks early): pp 2 x dp_shard 2.
+    # On CPU ranks the offload copies nothing; this proves they compose with the schedule, not the copies' speed.
+    project = generate(tmp_path / "offload", "--gpus", "4", "--pp", "2", "--fp32", "--cpu-offload", "--prefetch")
+    ran(train(project, tmp_path / "out", "--parallel.cpu_offload", "true", "--parallel.prefetch_blocks", "1", nproc=4))
+    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    print(diffs)  # measured: weights 6.6e-6, losses 4.8e-7
+    assert max(diffs.values()) <= TOLERANCE, diffs
