@@ -118,12 +118,79 @@ def test_pp2_x_dp_shard2_on_4_ranks_equals_one_process(pp2_dp2: Path, one_proces
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-def test_uneven_stages_from_pp_layers_equal_one_process(project: Path, one_process: Path, tmp_path: Path) -> None:
-    # parallel.pp_layers 1,3: the first stage (which also holds the embedding) gets 1 block, the last 3.
-    ran(train(project, tmp_path / "out", "--parallel.pp_layers", "1,3", nproc=4))
-    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+UNEVEN = ["--parallel.pp_layers", "1,3"]  # the first stage (which also holds the embedding) gets 1 block, the last 3
+
+
+@pytest.fixture(scope="module")
+def uneven(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """pp 2 x dp_shard 2 with uneven stages: the output folder, and what rank 0 printed."""
+    output_dir = tmp_path_factory.mktemp("uneven")
+    result = train(project, output_dir, *UNEVEN, nproc=4)
+    ran(result)
+    return output_dir, result.stdout
+
+
+def test_uneven_stages_from_pp_layers_equal_one_process(uneven: tuple[Path, str], one_process: Path) -> None:
+    diffs = differences(uneven[0], one_process, [1, 2, 3, 4])
     print(diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+# The whole model on the meta device, counted by module: its size, rank 0's stage (the embedding and block 0), and
+# the matmul FLOPs per token (6 x each nn.Linear's weights, + 12 x dim x seq of attention scores per block) of each
+# pp rank's stages; beside them what train.py and metrics.py compute.
+COUNT_MODEL = """
+import json, sys, torch
+from config import parse_args
+from metrics import pp_rank_flops_per_token
+from model import build_model
+config = parse_args(sys.argv[1:])
+with torch.device("meta"):
+    model = build_model(config)
+def flops(prefixes, blocks):
+    linear = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefixes)]
+    return 6 * sum(m.weight.numel() for m in linear) + blocks * 12 * config.model.dim * config.training.seq_len
+print(json.dumps({
+    "whole": sum(p.numel() for p in model.parameters()),
+    "rank_0": sum(p.numel() for n, p in model.named_parameters() if n.startswith(("tok_embeddings.", "layers.0."))),
+    "counted": [flops(("layers.0.",), 1), flops(("layers.1.", "layers.2.", "layers.3.", "output"), 3)],
+    "computed": pp_rank_flops_per_token(config, 4),
+}))
+"""
+
+
+def test_the_model_line_counts_the_whole_model_and_each_pp_rank_s_flops_are_its_stages(
+    project: Path, uneven: tuple[Path, str]
+) -> None:
+    result = subprocess.run([sys.executable, "-c", COUNT_MODEL, *RUN, *UNEVEN], cwd=project, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    ran(result)
+    counts = json.loads(result.stdout)
+    # Rank 0 holds one stage, but says the whole model's size (what a reader compares with the model card).
+    assert f"model: {counts['whole']:,} parameters; {counts['rank_0']:,} in rank 0's pipeline stages\n" in uneven[1]
+    # metrics.jsonl's mfu_pp_rank_N (on GPUs with a known peak) divides these by the step time.
+    assert counts["computed"] == counts["counted"], counts
+
+
+def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
+    project: Path, uneven: tuple[Path, str], one_process: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from tests.test_generate_script import run_scripts
+
+    runs = []
+    for name, output_dir in (("pp", uneven[0]), ("one", one_process)):
+        checkpoint, exported = output_dir / "checkpoints" / "step-4", tmp_path / name
+        runs.append(["scripts/export.py", str(checkpoint), "--output", str(exported)])
+        runs.append(["scripts/generate.py", str(checkpoint), "--prompt-ids", "1,2,3", "--max-new-tokens", "8"])
+    pp_export, pp_text, one_export, one_text = run_scripts(project, *runs)
+    assert pp_export[0] == one_export[0] == 0, (pp_export, one_export)
+    mine, theirs = load_file(tmp_path / "pp" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert mine.keys() == theirs.keys()  # every block once, under its global name
+    assert max((mine[name] - theirs[name]).abs().max().item() for name in theirs) <= TOLERANCE
+    # Greedy decoding from the pp checkpoint continues the prompt as the one-process checkpoint does.
+    assert pp_text[0] == one_text[0] == 0 and pp_text[1] == one_text[1] and pp_text[1].strip(), (pp_text, one_text)
 
 
 def test_pp2_x_hsdp_on_4_ranks_equals_one_process(project: Path, one_process: Path, tmp_path: Path) -> None:
