@@ -375,11 +375,11 @@ class ParallelLayout:
             need, fitting = f"fewer than, or a multiple of, parallel.pp ({pp})", micro // pp * pp
         else:
             return
-            raise LayoutError(
-                f"training.grad_accum_steps ({micro}) is the pipeline's micro-batches per step; parallel.pp_schedule "
-                f"{schedule} needs {need}; e.g. --training.grad_accum_steps {fitting}",
-                "pp_micro_batches",
-            )
+        raise LayoutError(
+            f"training.grad_accum_steps ({micro}) is the pipeline's micro-batches per step; parallel.pp_schedule "
+            f"{schedule} needs {need}; e.g. --training.grad_accum_steps {fitting}",
+            "pp_micro_batches",
+        )
 
     def check_batch(self, training: Any) -> None:
         per_step = self.data_ranks * training.grad_accum_steps
