@@ -31,6 +31,16 @@ The bubble (idle fraction of each rank's step): (pp - 1) / (m + pp - 1) for GPip
 pp - 1 slots and drains in as many, around m slots of work (GPipe, Huang et al. 2019, and Narayanan et al. 2021,
 arXiv 2104.04473 section 2.2: bubble time (p - 1) / m of the ideal); (pp - 1) / (V x m + pp - 1) for
 Interleaved1F1B, whose V virtual stages per rank shrink each slot V times (the same paper, section 2.2.2).
+
+The zero-bubble schedules (InterleavedZeroBubble = ZB-H1 interleaved, ZBVZeroBubble: Qi et al. 2024, arXiv
+2401.10241; DualPipeV: DeepSeek-V3's DualPipe cut in half, arXiv 2412.19437) split each backward into the input
+gradient and the weight gradient, run later in the bubble. ZBVZeroBubble and DualPipeV place exactly 2 stages per rank
+in a V (rank r: stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the output layer). Their bubble and
+in-flight counts are those of torch's own action tables run in unit time (a stage's forward, input gradient and weight
+gradient one unit each, the papers' cost model; tests/test_plan_pp.py checks every accepted setup against torch):
+idle pp - 1 units of 3 x V x m (ZBVZeroBubble: max(pp - 1, 2 x (2 pp - 1 - m)) of 6 x m, its V's warm-up partly empty
+below 2 pp - 1 micro-batches); a stage's activations are held until its weight gradient: InterleavedZeroBubble
+min((V - 1) x m_round + pp, m x V) on every rank, ZBVZeroBubble min(2 m, m + 1 + r, 2 pp), DualPipeV 2 pp + 1.
 """
 
 from __future__ import annotations
