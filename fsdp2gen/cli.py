@@ -676,15 +676,16 @@ PpOption = Annotated[
 PpScheduleOption = Annotated[
     str | None,
     typer.Option(
-        help="Pipeline schedule: 1F1B, GPipe or Interleaved1F1B. [default: 1F1B, or the project's "
-        "parallel.pp_schedule]",
+        help="Pipeline schedule: 1F1B, GPipe, Interleaved1F1B, or zero bubble: InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV. [default: 1F1B, or the project's parallel.pp_schedule]",
         show_default=False,
     ),
 ]
 PpStagesOption = Annotated[
     int | None,
     typer.Option(
-        help="Stages per pipeline rank (V): 1, or 2 or more for Interleaved1F1B. [default: 1 (Interleaved1F1B: 2), "
+        help="Stages per pipeline rank (V): 1, 2 or more for the interleaved schedules, 2 for ZBVZeroBubble and "
+        "DualPipeV. [default: 1 (the multi-stage schedules: 2), "
         "or the project's parallel.pp_stages_per_rank]",
         show_default=False,
     ),

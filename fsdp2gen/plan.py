@@ -1038,11 +1038,13 @@ def _project_parallel(path: Path, answers: dict[str, Any], name: str) -> int:
 
 def _project_pipeline(path: Path, answers: dict[str, Any]) -> dict[str, Any]:
     """A project's parallel.pp, pp_schedule, pp_stages_per_rank and pp_layers (absent: no pipeline)."""
+    from fsdp2gen.plan_pp import MULTI_STAGE
+
     parallel = _read_toml(path).get("parallel", {})
     parallel = parallel if isinstance(parallel, dict) else {}
     pp = _project_parallel(path, answers, "pp")
     schedule = parallel.get("pp_schedule", "1F1B")
-    v = parallel.get("pp_stages_per_rank", 2 if schedule == "Interleaved1F1B" else 1)
+    v = parallel.get("pp_stages_per_rank", 2 if schedule in MULTI_STAGE else 1)
     layers = parallel.get("pp_layers", [])
     if not isinstance(schedule, str):
         raise PlanError(f"{path}: parallel.pp_schedule must be a string, got {schedule!r}; {FIX_CONFIG}")
@@ -1097,15 +1099,15 @@ def _pipeline_request(
     request: PlanRequest, pp: int | None, schedule: str | None, stages_per_rank: int | None, micro_batches: int | None
 ) -> PlanRequest:
     """The request with the pipeline options given over the project's parallel.pp* keys: a schedule given alone
-    takes its own stages per rank (2 for Interleaved1F1B, else 1) unless the project's suit it; parallel.pp_layers
-    holds only for the project's own pp and stages per rank; --size's unknown micro-batches are pp x V (the fewest
-    every schedule takes)."""
-    from fsdp2gen.plan_pp import PP_SCHEDULES
+    takes its own stages per rank (2 for the multi-stage schedules, else 1) unless the project's suit it;
+    parallel.pp_layers holds only for the project's own pp and stages per rank; --size's unknown micro-batches are
+    pp x V (the fewest every schedule takes)."""
+    from fsdp2gen.plan_pp import MULTI_STAGE, PP_SCHEDULES
 
     if schedule is not None and schedule not in PP_SCHEDULES:
         raise PlanError(f"--pp-schedule {schedule}: choose one of {', '.join(PP_SCHEDULES)}")
     changed = replace(request, pp=pp or request.pp, pp_schedule=schedule or request.pp_schedule)
-    interleaved = changed.pp_schedule == "Interleaved1F1B"
+    interleaved = changed.pp_schedule in MULTI_STAGE
     v = stages_per_rank or request.pp_stages_per_rank
     if stages_per_rank is None and (v >= 2) != interleaved:
         v = 2 if interleaved else 1
@@ -1520,11 +1522,13 @@ def format_text(plan: Plan) -> str:
 
 def _pipeline_lines(plan: Plan) -> list[str]:
     """pp > 1: the schedule, its bubble, and which pipeline rank the figures below are (the worst)."""
+    from fsdp2gen.plan_pp import bubble_formula
+
     pipeline, request = plan.pipeline, plan.request
     if pipeline is None:
         return []
     v = request.pp_stages_per_rank
-    formula = f"(pp - 1) / ({'V x ' if v > 1 else ''}m + pp - 1)"
+    formula = bubble_formula(request.pp_schedule, v)
     return [
         f"pipeline: {request.pp_schedule}, {request.pp} ranks x {v} stage(s) per rank, m = {pipeline['micro_batches']} "
         f"micro-batches (grad_accum_steps) of {request.batch} sample(s); bubble {formula} = "

@@ -31,6 +31,16 @@ The bubble (idle fraction of each rank's step): (pp - 1) / (m + pp - 1) for GPip
 pp - 1 slots and drains in as many, around m slots of work (GPipe, Huang et al. 2019, and Narayanan et al. 2021,
 arXiv 2104.04473 section 2.2: bubble time (p - 1) / m of the ideal); (pp - 1) / (V x m + pp - 1) for
 Interleaved1F1B, whose V virtual stages per rank shrink each slot V times (the same paper, section 2.2.2).
+
+The zero-bubble schedules (InterleavedZeroBubble = ZB-H1 interleaved, ZBVZeroBubble: Qi et al. 2024, arXiv
+2401.10241; DualPipeV: DeepSeek-V3's DualPipe cut in half, arXiv 2412.19437) split each backward into the input
+gradient and the weight gradient, run later in the bubble. ZBVZeroBubble and DualPipeV place exactly 2 stages per rank
+in a V (rank r: stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the output layer). Their bubble and
+in-flight counts are those of torch's own action tables run in unit time (a stage's forward, input gradient and weight
+gradient one unit each, the papers' cost model; tests/test_plan_pp.py checks every accepted setup against torch):
+idle pp - 1 units of 3 x V x m (ZBVZeroBubble: max(pp - 1, 2 x (2 pp - 1 - m)) of 6 x m, its V's warm-up partly empty
+below 2 pp - 1 micro-batches); a stage's activations are held until its weight gradient: InterleavedZeroBubble
+min((V - 1) x m_round + pp, m x V) on every rank, ZBVZeroBubble min(2 m, m + 1 + r, 2 pp), DualPipeV 2 pp + 1.
 """
 
 from __future__ import annotations
@@ -39,8 +49,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# parallel.pp_schedule's choices (the generated project's config), and what each needs of V.
-PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+# parallel.pp_schedule's choices (the generated project's config), and what each needs of V: several stages per rank
+# (2 or more), of which the V-shaped ones place exactly 2 (rank r: stages r and 2 pp - 1 - r).
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 FP32 = 4
 
 
@@ -76,9 +89,25 @@ def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> li
 
 
 def bubble_fraction(pp: int, micro_batches: int, schedule: str, stages_per_rank: int) -> float:
-    """The idle fraction of each rank's step (the module docstring's formulas)."""
-    slots = micro_batches * (stages_per_rank if schedule == "Interleaved1F1B" else 1)
-    return (pp - 1) / (slots + pp - 1)
+    """The idle fraction of each rank's step (the module docstring's formulas). The zero-bubble schedules count in
+    thirds of a stage's micro-batch (forward, input gradient, weight gradient): 3 x V x m of them per rank."""
+    m, v = micro_batches, stages_per_rank
+    if schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
+        slots = m * (v if schedule == "Interleaved1F1B" else 1)
+        return (pp - 1) / (slots + pp - 1)
+    idle = pp - 1
+    if schedule == "ZBVZeroBubble":  # fewer than 2 pp - 1 micro-batches leave the V's warm-up partly empty
+        idle = max(pp - 1, 2 * (2 * pp - 1 - m))
+    return idle / (3 * v * m + idle)
+
+
+def bubble_formula(schedule: str, stages_per_rank: int) -> str:
+    """bubble_fraction's formula as plan prints it."""
+    if schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
+        return f"(pp - 1) / ({'V x ' if stages_per_rank > 1 else ''}m + pp - 1)"
+    if schedule == "ZBVZeroBubble":
+        return "b / (6 x m + b), b = max(pp - 1, 2 x (2 pp - 1 - m))"
+    return "(pp - 1) / (3 x V x m + pp - 1)"
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, stages_per_rank: int) -> int:
@@ -88,7 +117,13 @@ def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, stages_per_
         return m * v
     if schedule == "1F1B":
         return min(m, pp - rank)
+    if schedule == "ZBVZeroBubble":
+        return min(2 * m, m + 1 + rank, 2 * pp)
+    if schedule == "DualPipeV":
+        return 2 * pp + 1
     m_round = m // max(1, m // pp)
+    if schedule == "InterleavedZeroBubble":  # each rank holds a stage's inputs until its weight gradient
+        return min((v - 1) * m_round + pp, m * v)
     warmup = min((v - 1) * m_round + 2 * (pp - 1 - rank), m * v)
     return min(warmup + 1, m * v)
 
@@ -114,9 +149,11 @@ def check_pipeline_ranks(request: Any) -> str | None:
             f"--pp {pp} x --tp {request.tp} does not divide {request.world_size} GPUs; choose degrees whose product "
             "divides it"
         )
-    if schedule == "Interleaved1F1B" and v < 2:
-        return f"--pp-schedule Interleaved1F1B needs 2 or more stages per rank, got {v}; give --pp-stages-per-rank 2"
-    if schedule != "Interleaved1F1B" and v != 1:
+    if schedule in V_SHAPED and v != 2:
+        return f"--pp-schedule {schedule} places 2 stages per rank (a V), got {v}; give --pp-stages-per-rank 2"
+    if schedule in MULTI_STAGE and v < 2:
+        return f"--pp-schedule {schedule} needs 2 or more stages per rank, got {v}; give --pp-stages-per-rank 2"
+    if schedule not in MULTI_STAGE and v != 1:
         return (
             f"--pp-schedule {schedule} runs 1 stage per rank, got {v}; give --pp-stages-per-rank 1, or "
             "--pp-schedule Interleaved1F1B"
@@ -150,11 +187,28 @@ def check_pipeline_stages(request: Any) -> str | None:
             f"--pp-schedule 1F1B needs at least pp ({pp}) micro-batches, got grad_accum_steps {m}; give "
             f"--grad-accum-steps {pp} or more, or --pp-schedule GPipe"
         )
-    if schedule == "Interleaved1F1B" and m % max(1, m // pp):
+    return check_pipeline_micro_batches(request)
+
+
+def check_pipeline_micro_batches(request: Any) -> str | None:
+    """torch's rules for the schedule's micro-batches, and where plan's model of InterleavedZeroBubble holds."""
+    pp, m, schedule = request.pp, request.grad_accum_steps, request.pp_schedule
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
         rounds = max(1, m // pp)
         return (
-            f"--pp-schedule Interleaved1F1B needs grad_accum_steps ({m}) to be a multiple of its rounds "
+            f"--pp-schedule {schedule} needs grad_accum_steps ({m}) to be a multiple of its rounds "
             f"(grad_accum_steps // pp = {rounds}); give --grad-accum-steps {rounds * pp} or a multiple of pp"
+        )
+    if schedule == "DualPipeV" and m < 2 * pp:
+        return (
+            f"--pp-schedule DualPipeV needs at least 2 x pp = {2 * pp} micro-batches (its stages), got {m}; give "
+            f"--grad-accum-steps {2 * pp} or more"
+        )
+    if schedule == "InterleavedZeroBubble" and m < pp:
+        # torch runs it, but its bubble then follows no formula plan has (measured on torch's schedule tables).
+        return (
+            f"--pp-schedule InterleavedZeroBubble is planned for at least pp ({pp}) micro-batches, got {m}; give "
+            f"--grad-accum-steps {pp} or more"
         )
     return None
 
@@ -217,7 +271,7 @@ def one_rank(
 
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
     last_stage = pp * v - 1
-    stages = tuple(rank + k * pp for k in range(v))
+    stages = (rank, 2 * pp - 1 - rank) if request.pp_schedule in V_SHAPED else tuple(rank + k * pp for k in range(v))
     own = rank_parameters(shapes, stages, layers, last_stage)
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
     gathered = sum(math.prod(shape) for _, shape in own)

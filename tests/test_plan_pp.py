@@ -164,7 +164,8 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
     cases = {
         ("--pp", "3"): "--pp 3 does not divide 8 GPUs; choose a divisor, e.g. --pp 2",
         ("--pp", "4", "--tp", "4"): "--pp 4 x --tp 4 does not divide 8 GPUs; choose degrees whose product divides it",
-        ("--pp", "2", "--pp-schedule", "ZB"): "--pp-schedule ZB: choose one of 1F1B, GPipe, Interleaved1F1B",
+        ("--pp", "2", "--pp-schedule", "ZB"): "--pp-schedule ZB: choose one of 1F1B, GPipe, Interleaved1F1B, "
+        "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
         ("--pp", "2", "--pp-schedule", "GPipe", "--pp-stages-per-rank", "2"): "--pp-schedule GPipe runs 1 stage per "
         "rank, got 2; give --pp-stages-per-rank 1, or --pp-schedule Interleaved1F1B",
         ("--pp", "2", "--pp-schedule", "Interleaved1F1B", "--pp-stages-per-rank", "1"): "--pp-schedule "
@@ -254,14 +255,18 @@ def expected_refusal(n_layers: int, pp: int, v: int, m: int, gpus: int, schedule
     """Whether plan must refuse the drawn pipeline (the rules written out again, independently of plan_pp)."""
     if pp == 1:
         return False
-    interleaved = schedule == "Interleaved1F1B"
+    multi = schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    rounds = schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
     return (
         gpus % pp != 0
-        or (interleaved and v < 2)
-        or (not interleaved and v != 1)
+        or (multi and v < 2)
+        or (schedule in ("ZBVZeroBubble", "DualPipeV") and v != 2)
+        or (not multi and v != 1)
         or n_layers < pp * v
         or (schedule == "1F1B" and m < pp)
-        or (interleaved and m % max(1, m // pp) != 0)
+        or (rounds and m % max(1, m // pp) != 0)
+        or (schedule == "DualPipeV" and m < 2 * pp)
+        or (schedule == "InterleavedZeroBubble" and m < pp)
     )
 
 
@@ -300,9 +305,129 @@ def test_drawn_pipelines_are_planned_or_refused_in_one_line(
     assert stage_blocks[-1][1] == n_layers and min(stop - start for start, stop in blocks) >= 1
     assert max(stop - start for start, stop in blocks) - min(stop - start for start, stop in blocks) <= 1
     assert plan.per_gpu["total"] == max(r["total_bytes"] for r in ranks)
-    slots = m * (v if schedule == "Interleaved1F1B" else 1)
-    assert plan.pipeline["bubble_fraction"] == (pp - 1) / (slots + pp - 1)
+    if schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
+        slots = m * (v if schedule == "Interleaved1F1B" else 1)
+        assert plan.pipeline["bubble_fraction"] == (pp - 1) / (slots + pp - 1)
     held = [r["in_flight"] for r in ranks]
-    assert held == sorted(held, reverse=True) and 1 <= held[-1] and held[0] <= m * v
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):  # the V: every rank holds 2 stages' activations
+        assert held == sorted(held) and 1 <= held[0] and held[-1] <= 2 * m + 1
+    else:
+        assert held == sorted(held, reverse=True) and 1 <= held[-1] and held[0] <= m * v
     if schedule == "1F1B":
         assert held == [min(m, pp - s) for s in range(pp)]
+
+
+def torch_zero_bubble_table(schedule: str, pp: int, v: int, m: int) -> dict[int, list]:
+    """torch's own compute actions of each rank for a zero-bubble schedule (its constructor's table, without stages)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, f"Schedule{schedule}")
+    table = cls.__new__(cls)
+    table.pp_group_size, table.n_local_stages, table._n_microbatches = pp, v, m
+    table._num_stages = table.num_stages = pp * v
+    table.number_of_rounds = max(1, m // pp)
+    table.microbatches_per_round = m // table.number_of_rounds
+    order = {rank: table._calculate_single_rank_operations(rank) for rank in range(pp)}
+    if schedule == "InterleavedZeroBubble":
+        table.pipeline_order = order
+        order = table._add_bubbles_to_actions(pp * v)
+    # DualPipeV runs a forward and a backward as one overlapped action: its parts, in order.
+    return {rank: [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))] for rank, actions in
+            order.items()}  # fmt: skip
+
+
+def run_in_unit_time(table: dict[int, list], n_stages: int) -> tuple[float, list[int]]:
+    """Each rank runs its actions in order, a forward, an input gradient and a weight gradient one unit each (the
+    zero-bubble papers' cost model; a full backward two), each waiting for the previous stage's forward or the next
+    stage's input gradient of its micro-batch. The idle fraction, and the most activations each rank holds (a
+    forward's until its weight gradient)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    cost = {C.FORWARD: 1, C.BACKWARD_INPUT: 1, C.BACKWARD_WEIGHT: 1, C.FULL_BACKWARD: 2}
+    done: dict[tuple, int] = {}
+    clock, position, held, most = ({rank: 0 for rank in table} for _ in range(4))
+    while any(position[rank] < len(table[rank]) for rank in table):
+        moved = False
+        for rank, actions in table.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                kind, stage, micro = action.computation_type, action.stage_index, action.microbatch_index
+                if kind == C.FORWARD:
+                    needs = [("F", stage - 1, micro)] if stage > 0 else []
+                elif kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+                    needs = [("B", stage + 1, micro)] if stage < n_stages - 1 else [("F", stage, micro)]
+                else:
+                    needs = [("B", stage, micro)]
+                if not all(need in done for need in needs):
+                    break
+                clock[rank] = max([clock[rank]] + [done[need] for need in needs]) + cost[kind]
+                if kind == C.FORWARD:
+                    done[("F", stage, micro)], held[rank] = clock[rank], held[rank] + 1
+                if kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+                    done[("B", stage, micro)] = clock[rank]
+                held[rank] -= kind in (C.BACKWARD_WEIGHT, C.FULL_BACKWARD)
+                most[rank] = max(most[rank], held[rank])
+                position[rank] += 1
+                moved = True
+        assert moved, "the table deadlocks"
+    work = sum(cost[action.computation_type] for action in table[0])
+    return 1 - work / max(clock.values()), [most[rank] for rank in table]
+
+
+@PROPERTY
+@given(
+    schedule=st.sampled_from(["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]),
+    pp=st.integers(2, 8),
+    v=st.integers(2, 4),
+    m=st.integers(1, 32),
+)
+def test_zero_bubble_in_flight_and_bubble_are_torchs(schedule: str, pp: int, v: int, m: int) -> None:
+    # plan's closed forms against torch's own action tables run in unit time, for every setup plan accepts.
+    v = 2 if schedule != "InterleavedZeroBubble" else v
+    request = small_request(model=replace(SMALL, n_layers=pp * v), gpus=pp, pp=pp, pp_stages_per_rank=v,
+                            grad_accum_steps=m, pp_schedule=schedule)  # fmt: skip
+    if plan_pp.check_pipeline(request):
+        return
+    bubble, held = run_in_unit_time(torch_zero_bubble_table(schedule, pp, v, m), pp * v)
+    assert [plan_pp.in_flight(schedule, pp, rank, m, v) for rank in range(pp)] == held
+    assert plan_pp.bubble_fraction(pp, m, schedule, v) == pytest.approx(bubble, abs=1e-12)
+
+
+def test_the_same_unit_time_run_gives_interleaved_1f1b_its_formula() -> None:
+    # The simulation is not blind: torch's Interleaved1F1B table in it gives (pp - 1) / (V x m + pp - 1) and the
+    # in-flight counts plan takes from torch's warm-up rule (a full backward holds its activations until it ends).
+    table = {rank: [a for a in torch_interleaved_table(4, 2, 8, rank) if a is not None] for rank in range(4)}
+    bubble, held = run_in_unit_time(table, 8)
+    assert bubble == pytest.approx((4 - 1) / (2 * 8 + 4 - 1))
+    assert held == [plan_pp.in_flight("Interleaved1F1B", 4, rank, 8, 2) for rank in range(4)]
+
+
+def torch_interleaved_table(pp: int, v: int, m: int, rank: int) -> list:
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, pp, m
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    return schedule._calculate_single_rank_operations(rank)
+
+
+def test_zero_bubble_plans_place_the_v_and_name_their_rules() -> None:
+    # ZBV on 4 GPUs (pp 2, V 2): rank 0 holds stages 0 and 3 (embedding, output and loss), rank 1 stages 1 and 2.
+    ranks = plan_pp.rank_stages(small_request(pp_schedule="ZBVZeroBubble", pp_stages_per_rank=2))
+    assert [r.stages for r in ranks] == [(0, 3), (1, 2)]
+    assert ranks[0].first and ranks[0].per_gpu["loss_backward"] > 0 == ranks[1].per_gpu["loss_backward"]
+    assert [r.in_flight for r in ranks] == [4, 4]  # min(2m, m + 1 + r, 2 pp)
+    cases = {
+        ("--pp-schedule", "ZBVZeroBubble", "--pp-stages-per-rank", "3"): "--pp-schedule ZBVZeroBubble places 2 "
+        "stages per rank (a V), got 3; give --pp-stages-per-rank 2",
+        ("--pp-schedule", "DualPipeV", "--grad-accum-steps", "3"): "--pp-schedule DualPipeV needs at least 2 x pp = 4 "
+        "micro-batches (its stages), got 3; give --grad-accum-steps 4 or more",
+        ("--pp-schedule", "InterleavedZeroBubble", "--grad-accum-steps", "1"): "--pp-schedule InterleavedZeroBubble "
+        "is planned for at least pp (2) micro-batches, got 1; give --grad-accum-steps 2 or more",
+    }
+    for args, message in cases.items():
+        result = invoke("plan", "--size", "8b", "--pp", "2", *args)
+        assert (result.exit_code, result.stderr) == (2, f"fsdp2gen: error: {message}\n"), args
+    text = invoke("plan", "--size", "8b", "--gpus", "8", "--pp", "4", "--pp-schedule", "DualPipeV").stdout
+    assert "bubble (pp - 1) / (3 x V x m + pp - 1) = 5.9%" in text  # m = pp x V = 8: 3 / 51
