@@ -88,6 +88,10 @@ class ProfileConfig:
     memory_snapshot_step: int = setting(0, low=1, high=MAX_COUNT, zero="off")
 
 
+# torch.distributed.pipelining's schedules (pipeline.py); the last three are the zero-bubble ones.
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
 @dataclass
 class ParallelConfig:
     # HSDP: shard over groups of dp_shard ranks, replicate across dp_replicate groups (-1: the rest).
@@ -96,8 +100,9 @@ class ParallelConfig:
     # Pipeline parallelism (pipeline.py): the blocks split into pp x pp_stages_per_rank stages, pp the outermost
     # mesh dimension; training.grad_accum_steps is the schedule's number of micro-batches per step. 1: off.
     pp: int = setting(2, low=1, high=MAX_COUNT)
-    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
-    # Stages each pp rank holds: 1, or at least 2 for Interleaved1F1B (its virtual stages).
+    pp_schedule: PipelineSchedule = "1F1B"
+    # Stages each pp rank holds: 1, at least 2 for Interleaved1F1B and InterleavedZeroBubble (virtual stages), exactly
+    # 2 for ZBVZeroBubble and DualPipeV (placed in a V).
     pp_stages_per_rank: int = setting(1, low=1, high=MAX_COUNT)
     # Blocks per stage, first stage first ([]: as even as possible); e.g. fewer on the first and last stages,
     # which also hold the embedding and the output layer.

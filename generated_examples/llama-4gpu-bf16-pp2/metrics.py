@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config
+from layout import ParallelLayout
 
 # Dense bf16/fp16 tensor-core peak FLOP/s of known GPUs, for the MFU estimate: the first name found in the
 # device's name wins, so the PCIe and NVL boards (lower clocks and power) come before their SXM namesakes.
@@ -29,6 +30,23 @@ def peak_flops_per_device(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for model, flops in PEAK_FLOPS.items() if model in name), None)
+
+
+def pp_rank_flops_per_token(config: Config, world_size: int) -> list[int]:
+    """Training FLOPs per token of each pipeline rank's stages, pp rank 0 first: their blocks', and the output
+    layer's where the last stage is. They add up to config.model.flops_per_token."""
+    layout = ParallelLayout.of(config.parallel, world_size)
+    model, seq_len = config.model, config.training.seq_len
+    layers = layout.stage_layers(model.n_layers)
+    flops = []
+    for pp_rank in range(layout.pp):
+        total = 0
+        for stage in layout.rank_stages(pp_rank):
+            first = sum(layers[:stage])
+            total += sum(model.block_flops_per_token(layer, seq_len) for layer in range(first, first + layers[stage]))
+            total += model.output_flops_per_token() if stage == len(layers) - 1 else 0
+        flops.append(total)
+    return flops
 
 
 def local_peak_mib(device: torch.device) -> float:
@@ -71,6 +89,7 @@ class MetricsLog:
         # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
         self.peak_flops = peak_flops_per_device(device)
         self.flops_per_token = config.model.flops_per_token(training.seq_len)
+        self.pp_rank_flops = pp_rank_flops_per_token(config, self.world_size)
         model = config.model
         if getattr(model, "n_experts", 0) and dist.get_rank() == 0:
             # A mixture-of-experts model's size says little of its cost: a token goes through top_k experts
@@ -150,6 +169,12 @@ class MetricsLog:
             "peak_mem_mib": peaks[0],
             "peak_reserved_mib": peaks[1],
         }
+        if self.peak_flops:
+            # Each pipeline rank's MFU: its stages' FLOPs over the step time on its world_size / pp GPUs. They
+            # average to mfu; the pipeline runs at the pace of the busiest rank, so an uneven split shows here.
+            gpus = self.world_size / len(self.pp_rank_flops)
+            for pp_rank, flops in enumerate(self.pp_rank_flops):
+                record[f"mfu_pp_rank_{pp_rank}"] = flops * self.tokens_per_step / elapsed / (self.peak_flops * gpus)
         if validation is not None:
             # Perplexity is exp(mean loss); capped so that a diverged run still writes valid JSON.
             record |= {"val_loss": validation, "val_perplexity": math.exp(min(validation, 80.0))}

@@ -1,8 +1,10 @@
 """Pipeline parallelism (parallel.pp > 1): the model's blocks split into stages, micro-batches flowing through them.
 
 The mesh's outermost dimension, pp, numbers the pipeline ranks (layout.py). The model is cut into pp x
-pp_stages_per_rank stages of consecutive blocks (parallel.pp_layers, or an even split); stage s lives on pp rank
-s % pp, so with several stages per rank (Interleaved1F1B) rank r holds stages r, r + pp, ... Each stage is the meta
+pp_stages_per_rank stages of consecutive blocks (parallel.pp_layers, or an even split); layout.rank_stages() says
+which a pp rank holds: stage s on rank s % pp (with several stages per rank, Interleaved1F1B and
+InterleavedZeroBubble, rank r holds stages r, r + pp, ...), or a V under ZBVZeroBubble and DualPipeV (rank r holds
+stages r and 2 x pp - 1 - r: rank 0 the first and the last). Each stage is the meta
 model with the other stages' blocks deleted by name (layers.7 stays layers.7: a checkpoint saved with any pp loads
 with any other), the first stage keeping the embedding, the last the final norm and output layer; then it goes
 through train.py's own sequence (tensor parallelism, activation checkpointing, fully_shard, materialize) over this
@@ -18,6 +20,7 @@ under PP: resharding would all-gather every block again for each micro-batch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -26,7 +29,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _ComputationType,
+)
+from torch.distributed.tensor.parallel import loss_parallel
 
 from chunked_loss import cross_entropy
 from config import Config
@@ -34,7 +48,20 @@ from data import IGNORE, MicroBatch, SyntheticTokens, TokenShards, micro_batches
 from layout import ParallelLayout
 from model import build_model
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+# The zero-bubble schedules split each micro-batch's backward into the input gradient (sent to the previous stage at
+# once) and the weight gradient (run later, in what would be the bubble). FSDP does not notice: the stage turns its
+# gradient reduction off for every micro-batch and reduce-scatters once after the last weight gradient; whole-block
+# activation checkpointing recomputes a block in the first of the two (both measured equal to one process). Op-level
+# "selective" checkpointing allows one backward per block and is refused with them (config.py).
+SCHEDULES = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+V_SCHEDULES = (ScheduleZBVZeroBubble, ScheduleDualPipeV)  # layout.rank_stages() places their stages in a V
 
 
 def build_pipeline(
@@ -48,7 +75,7 @@ def build_pipeline(
     # Blocks under FSDP keep their gathered parameters from a micro-batch's forward to its backward.
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, reshard_after_forward=False))
     stages, pipeline_stages = [], []
-    for index in range(pp_rank, n_stages, layout.pp):
+    for index in layout.rank_stages(pp_rank):
         with torch.device("meta"):
             stage = build_model(config)
         # Every parameter's shape, in the whole model's order: initialisation draws the values of the other stages'
@@ -65,7 +92,22 @@ def build_pipeline(
         stage = parallelize(stage, config, mesh, device)
         stages.append(stage)
         pipeline_stages.append(PipelineStage(stage, index, n_stages, device, group=mesh["pp"].get_group()))
-    return PipelineModel(stages, pipeline_stages, mesh["pp"], config, device)
+    return PipelineModel(stages, pipeline_stages, mesh["pp"], config, device, layout.loss_pp_rank)
+
+
+def forward_only_order(schedule: PipelineScheduleMulti) -> dict[int, list[_Action]]:
+    """The schedule's actions and messages without the backward ones, for evaluation under a V: torch 2.13's eval()
+    runs the training order with the backward actions as no-ops, but a V's backward hands the gradient to the rank's
+    other stage locally, which fails without a backward ("can't steal_bwd_input if this stage doesn't have
+    backward"). The forwards keep their order, so their sends and receives still pair up."""
+    kept = {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F}
+    kept |= {_ComputationType.UNSHARD, _ComputationType.RESHARD}
+    order: dict[int, list[_Action]] = {}
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        # DualPipeV runs a forward and a backward of two micro-batches as one overlapped action: keep its forward.
+        flat = [sub for action in actions for sub in (action.sub_actions or (action,))]
+        order[rank] = [action for action in flat if action.computation_type in kept]
+    return order
 
 
 class PipelineModel(nn.Module):
@@ -81,6 +123,7 @@ class PipelineModel(nn.Module):
         pp_mesh: DeviceMesh,
         config: Config,
         device: torch.device,
+        loss_pp_rank: int,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
@@ -91,13 +134,16 @@ class PipelineModel(nn.Module):
                 else:
                     self.add_module(name, child)
         self.config, self.pp_mesh, self.device = config, pp_mesh, device
+        # The whole model's size (every stage's parameters), for train.py's "model: N parameters" line.
+        self.whole_model_parameters = sum(shape.numel() for shape in stages[0].whole_model_shapes.values())
         # train.py's clip_grad_norm sums the squared gradient norms of the stages over this group.
         self.pp_group = pp_mesh.get_group()
         self.holds_first = pipeline_stages[0].is_first
         self.holds_last = pipeline_stages[-1].is_last
+        self.loss_pp_rank = loss_pp_rank  # the pp rank of the last stage, whose loss run() broadcasts
         self.scale = 1.0  # what each micro-batch's summed loss is multiplied by (train_step's scale)
         schedule_class = SCHEDULES[config.parallel.pp_schedule]
-        stage_or_stages = pipeline_stages if schedule_class is ScheduleInterleaved1F1B else pipeline_stages[0]
+        stage_or_stages = pipeline_stages if issubclass(schedule_class, PipelineScheduleMulti) else pipeline_stages[0]
         # scale_grads=False: loss() already scales each micro-batch's loss to the step's mean over its targets.
         self.schedule = schedule_class(
             stage_or_stages,
@@ -105,6 +151,7 @@ class PipelineModel(nn.Module):
             loss_fn=self.loss,
             scale_grads=False,
         )
+        self.eval_order = forward_only_order(self.schedule) if schedule_class in V_SCHEDULES else None
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's cross-entropy summed over its targets (fp32, IGNORE not counted), times self.scale: the
@@ -120,12 +167,24 @@ class PipelineModel(nn.Module):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         target = targets if self.holds_last else None
-        if train:
-            self.schedule.step(*args, target=target, losses=losses)
-        else:
-            self.schedule.eval(*args, target=target, losses=losses)
+        # With tensor parallelism the last stage's logits are split by vocabulary over the tp ranks (a DTensor):
+        # loss_parallel computes each micro-batch's loss, and its backward inside the schedule, from the pieces.
+        tp = ParallelLayout.of(self.config.parallel, dist.get_world_size()).tp
+        split_logits = loss_parallel() if tp > 1 else contextlib.nullcontext()
+        with split_logits:
+            if train:
+                self.schedule.step(*args, target=target, losses=losses)
+            elif self.eval_order is None:
+                self.schedule.eval(*args, target=target, losses=losses)
+            else:
+                training_order = self.schedule.pipeline_order_with_comms
+                self.schedule.pipeline_order_with_comms = self.eval_order
+                try:
+                    self.schedule.eval(*args, target=target, losses=losses)
+                finally:
+                    self.schedule.pipeline_order_with_comms = training_order
         total = torch.stack(losses).sum().detach() if self.holds_last else torch.zeros((), device=device)
-        dist.broadcast(total, group=self.pp_group, group_src=self.pp_mesh.size() - 1)
+        dist.broadcast(total, group=self.pp_group, group_src=self.loss_pp_rank)
         return total
 
     def forward_backward(self, batches: list[MicroBatch], scale: torch.Tensor) -> torch.Tensor:

@@ -543,6 +543,10 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
+    if isinstance(model, PipelineModel):
+        # Rank 0 holds its own pipeline stages only: the whole model's count first, then theirs.
+        trainable_note += f"; {total:,} in rank 0's pipeline stages"
+        total = model.whole_model_parameters
     print(f"model: {total:,} parameters{trainable_note}", flush=True)
     if device.type == "cpu" and cpu_has_bf16_instructions() is False:
         print(

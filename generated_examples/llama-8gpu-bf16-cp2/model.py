@@ -77,6 +77,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
+        cos, sin = cos[:, :seq_len], sin[:, :seq_len]  # a no-op, except in a pipeline stage (Transformer.forward)
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -145,7 +146,9 @@ class Transformer(nn.Module):
         """The logits (batch, seq, vocab_size); with `targets`, the loss instead (chunked_loss.py), computed
         here so that FSDP2's hooks around this call gather the output layer's weight for it. `positions` and
         `document_ids` (batch, seq): see loss()."""
-        seq_len = tokens.shape[1]
+        # A pipeline stage after the first gets hidden states, which tensor parallelism splits along the sequence
+        # (1/tp of its tokens): its tables cover every position, and attention takes the first seq_len rows.
+        seq_len = tokens.shape[1] if self.tok_embeddings is not None else self.rope_cos.shape[0]
         # Built once per forward for all blocks: (seq, head_dim) each, a few KB (per row with positions).
         if positions is None:
             cos, sin = rotary_tables(self.rope_cos[:seq_len], self.rope_sin[:seq_len])

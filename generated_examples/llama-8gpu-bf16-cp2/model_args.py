@@ -117,14 +117,23 @@ class ModelArgs:
         """Training FLOPs per token: 6 x the matmul parameters a token goes through + attention scores (PaLM
         appendix B). With experts, a token goes through its top_k routed experts, the shared ones and the router:
         the active parameters, not all of them."""
+        blocks = sum(self.block_flops_per_token(layer, seq_len) for layer in range(self.n_layers))
+        return blocks + self.output_flops_per_token()
+
+    def block_flops_per_token(self, layer: int, seq_len: int) -> int:
+        """flops_per_token's share of block `layer` (a pipeline stage's MFU sums its blocks')."""
         head_dim = self.dim // self.n_heads
         attention = self.dim * (self.n_heads + 2 * self.n_kv_heads) * head_dim + self.dim * self.dim
-        moe_layers = len(self.moe_layers)
-        dense_mlp = (self.n_layers - moe_layers) * 3 * self.dim * self.ffn_dim
-        active_experts = self.top_k + self.n_shared_experts
-        moe_mlp = moe_layers * (3 * self.dim * self.moe_ffn_dim * active_experts + self.dim * self.n_experts)
-        matmul_params = self.n_layers * attention + dense_mlp + moe_mlp + self.dim * self.vocab_size
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+        if layer in self.moe_layers:
+            active_experts = self.top_k + self.n_shared_experts
+            mlp = 3 * self.dim * self.moe_ffn_dim * active_experts + self.dim * self.n_experts
+        else:
+            mlp = 3 * self.dim * self.ffn_dim
+        return 6 * (attention + mlp) + 12 * self.dim * seq_len
+
+    def output_flops_per_token(self) -> int:
+        """flops_per_token's share of the output layer (the embedding is a lookup: no matmul)."""
+        return 6 * self.dim * self.vocab_size
 
 
 # The rules between the keys above (config.py checks them after each key's own bounds, in this order).

@@ -40,6 +40,10 @@ from typing import Any
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Dimensions whose ranks compute on the same samples (they split the model or the sequence, not the batch).
 SAME_DATA_DIMS = ("cp", "tp")
+# Pipeline schedules (parallel.pp_schedule, torch.distributed.pipelining's names) that run several stages per rank,
+# and those of them that place the stages in a V (rank_stages(); exactly 2 stages per rank).
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 class LayoutError(ValueError):
@@ -123,8 +127,29 @@ class ParallelLayout:
         return rank // same_data % self.data_ranks
 
     def holds_loss(self, rank: int) -> bool:
-        """Whether `rank` computes the loss: every rank, except that with pipeline stages only the last one does."""
-        return rank // (self.world_size // self.pp) == self.pp - 1
+        """Whether `rank` computes the loss: every rank, except that with pipeline stages only the last stage's
+        ranks do."""
+        return rank // (self.world_size // self.pp) == self.loss_pp_rank
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the schedule places the stages in a V (ZBVZeroBubble, DualPipeV): pp rank r holds stages r and
+        2 x pp - 1 - r, so the first rank holds the first and the last stage, and each rank's two stages meet at
+        the bottom of the V (stages pp - 1 and pp, on the last rank, pass activations without a message)."""
+        return self.pp_schedule in V_SCHEDULES
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stages pp rank `pp_rank` holds, first first: round-robin (stage s on rank s % pp: rank r holds r,
+        r + pp, ...), or the V of the V-shaped schedules. The one place that decides it (pipeline.py builds these)."""
+        n_stages = self.pp * self.pp_stages_per_rank
+        if self.v_shaped:
+            return [pp_rank, n_stages - 1 - pp_rank]
+        return list(range(pp_rank, n_stages, self.pp))
+
+    @property
+    def loss_pp_rank(self) -> int:
+        """The pp rank that holds the last stage (and computes the loss): pp - 1, or 0 under a V."""
+        return 0 if self.v_shaped else self.pp - 1
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -261,8 +286,7 @@ class ParallelLayout:
                 "or a model with experts (e.g. --model.size debug-moe)",
                 "ep_experts",
             )
-        # The largest ep not above the one asked for that both checks accept.
-        fitting = max(d for d in range(1, ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
+        fitting = self.fitting_ep(n_experts)
         if self.dp_shard % ep:
             raise LayoutError(
                 f"parallel.ep ({ep}) must divide parallel.dp_shard ({self.dp_shard}): expert parallelism borrows its "
@@ -276,6 +300,11 @@ class ParallelLayout:
                 "ep_experts",
             )
 
+    def fitting_ep(self, n_experts: int) -> int:
+        """The largest expert-parallel degree not above parallel.ep that check_expert_parallel accepts: one that
+        divides both dp_shard (the ranks it borrows) and n_experts (each rank holds whole experts)."""
+        return max(d for d in range(1, self.ep + 1) if self.dp_shard % d == 0 and n_experts % d == 0)
+
     def stage_layers(self, n_layers: int) -> list[int]:
         """How many blocks each of the pp x pp_stages_per_rank stages holds, first stage first: parallel.pp_layers,
         or as even as possible (the first stages one more)."""
@@ -286,21 +315,8 @@ class ParallelLayout:
         return [n_layers // stages + (1 if stage < n_layers % stages else 0) for stage in range(stages)]
 
     def check_pipeline(self, training: Any, model: Any) -> None:
-        pp, per_rank, stages = self.pp, self.pp_stages_per_rank, self.pp * self.pp_stages_per_rank
-        schedule, micro = self.pp_schedule, training.grad_accum_steps
-        if schedule == "Interleaved1F1B" and per_rank < 2:
-            raise LayoutError(
-                f"parallel.pp_schedule = Interleaved1F1B needs at least 2 stages per rank, but "
-                f"parallel.pp_stages_per_rank is {per_rank}; use --parallel.pp_stages_per_rank 2 (or "
-                "--parallel.pp_schedule 1F1B)",
-                "pp_schedule",
-            )
-        if schedule != "Interleaved1F1B" and per_rank != 1:
-            raise LayoutError(
-                f"parallel.pp_schedule = {schedule} runs one stage per rank, but parallel.pp_stages_per_rank is "
-                f"{per_rank}; use --parallel.pp_stages_per_rank 1 (or --parallel.pp_schedule Interleaved1F1B)",
-                "pp_schedule",
-            )
+        pp, stages = self.pp, self.pp * self.pp_stages_per_rank
+        self.check_pipeline_stages_per_rank()
         if model.tie_embeddings:
             raise LayoutError(
                 f"model.tie_embeddings shares one matrix between the first and the last of the {pp} pipeline stages, "
@@ -326,17 +342,48 @@ class ParallelLayout:
                 f"stage at least 1, e.g. --parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
                 "pp_layers",
             )
-        # torch's schedules: 1F1B runs each stage's first micro-batch forward before any backward, so it needs as
-        # many micro-batches as stages; Interleaved1F1B runs rounds of pp micro-batches.
-        rounds = max(1, micro // pp)
-        if (schedule == "1F1B" and micro < pp) or (schedule == "Interleaved1F1B" and micro % rounds):
-            fitting = pp if schedule == "1F1B" else max(pp, micro // pp * pp)
-            need = "at least" if schedule == "1F1B" else "fewer than, or a multiple of,"
+        self.check_pipeline_micro_batches(training.grad_accum_steps)
+
+    def check_pipeline_stages_per_rank(self) -> None:
+        schedule, per_rank = self.pp_schedule, self.pp_stages_per_rank
+        if schedule in V_SCHEDULES and per_rank != 2:
             raise LayoutError(
-                f"training.grad_accum_steps ({micro}) is the pipeline's micro-batches per step; parallel.pp_schedule "
-                f"{schedule} needs {need} parallel.pp ({pp}); e.g. --training.grad_accum_steps {fitting}",
-                "pp_micro_batches",
+                f"parallel.pp_schedule = {schedule} places 2 stages on each rank (a V), but "
+                f"parallel.pp_stages_per_rank is {per_rank}; use --parallel.pp_stages_per_rank 2",
+                "pp_schedule",
             )
+        if schedule in MULTI_STAGE_SCHEDULES and per_rank < 2:
+            raise LayoutError(
+                f"parallel.pp_schedule = {schedule} needs at least 2 stages per rank, but "
+                f"parallel.pp_stages_per_rank is {per_rank}; use --parallel.pp_stages_per_rank 2 (or "
+                "--parallel.pp_schedule 1F1B)",
+                "pp_schedule",
+            )
+        if schedule not in MULTI_STAGE_SCHEDULES and per_rank != 1:
+            raise LayoutError(
+                f"parallel.pp_schedule = {schedule} runs one stage per rank, but parallel.pp_stages_per_rank is "
+                f"{per_rank}; use --parallel.pp_stages_per_rank 1 (or --parallel.pp_schedule Interleaved1F1B)",
+                "pp_schedule",
+            )
+
+    def check_pipeline_micro_batches(self, micro: int) -> None:
+        """torch's rules for the schedule's micro-batches (training.grad_accum_steps): 1F1B runs each stage's first
+        micro-batch forward before any backward, so it needs as many micro-batches as pp ranks, DualPipeV as many as
+        stages (it raises otherwise); the interleaved schedules run rounds of pp micro-batches."""
+        pp, schedule = self.pp, self.pp_schedule
+        least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(schedule, 1)
+        if micro < least:
+            need = f"at least parallel.pp ({pp})" if schedule == "1F1B" else f"at least its {least} stages"
+            fitting = least
+        elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % max(1, micro // pp):
+            need, fitting = f"fewer than, or a multiple of, parallel.pp ({pp})", micro // pp * pp
+        else:
+            return
+        raise LayoutError(
+            f"training.grad_accum_steps ({micro}) is the pipeline's micro-batches per step; parallel.pp_schedule "
+            f"{schedule} needs {need}; e.g. --training.grad_accum_steps {fitting}",
+            "pp_micro_batches",
+        )
 
     def check_batch(self, training: Any) -> None:
         per_step = self.data_ranks * training.grad_accum_steps

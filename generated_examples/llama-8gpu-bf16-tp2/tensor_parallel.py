@@ -27,23 +27,26 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     vocabulary: the logits stay split by vocabulary, and loss_parallel computes the loss from the pieces,
     so no rank ever holds the full logits. preflight.py made sure that tp divides the heads, the MLP width
     and training.seq_len.
+
+    A pipeline stage (pipeline.py) lacks the embedding (all but the first) or the final norm and output layer
+    (all but the last): the plan skips them. Its blocks take and give plain tensors, each rank's 1/tp of the
+    sequence, as between two blocks: what the stages send each other, tp times smaller than the whole sequence.
     """
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            # Each rank looks up the tokens of its vocabulary rows (the others give 0); the sum over ranks is
-            # reduce-scattered so each rank gets its 1/tp of the sequence.
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            # The final norm, like the blocks' norms, normalises this rank's tokens.
-            "norm": SequenceParallel(),
-            # Gathers the full sequence and computes this rank's slice of the vocabulary, left a DTensor
-            # (Shard(-1)) so that train_step's loss_parallel can compute the loss from the slices. With
-            # training.loss_chunks > 1 the model splits the final norm's output (split by sequence) into chunks
-            # first: DTensor gathers the sequence once for that split, and each chunk comes here whole.
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+    plan = {
+        # Each rank looks up the tokens of its vocabulary rows (the others give 0); the sum over ranks is
+        # reduce-scattered so each rank gets its 1/tp of the sequence.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        # The final norm, like the blocks' norms, normalises this rank's tokens.
+        "norm": SequenceParallel(),
+        # Gathers the full sequence and computes this rank's slice of the vocabulary, left a DTensor
+        # (Shard(-1)) so that train_step's loss_parallel can compute the loss from the slices. With
+        # training.loss_chunks > 1 the model splits the final norm's output (split by sequence) into chunks
+        # first: DTensor gathers the sequence once for that split, and each chunk comes here whole.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    # A pipeline stage's missing modules are None: left out.
+    present = {name: style for name, style in plan.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, present)
     if model.args.tie_embeddings:
         # Both layers split the (vocab, dim) matrix by vocabulary rows, so one parameter still serves both; but
         # parallelize_module gave each module a new parameter of its own: tie them again.

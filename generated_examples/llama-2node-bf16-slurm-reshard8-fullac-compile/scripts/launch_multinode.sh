@@ -26,7 +26,7 @@ watch_this_script
 
 # Mistakes in the config, the data or the output folder stop here, once per node, with one line and exit
 # code 2, before torchrun starts any rank (so they are neither printed per rank nor retried).
-python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.device "$DEVICE" "$@"
+LOCAL_WORLD_SIZE="$NPROC" python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.device "$DEVICE" "$@"
 
 # One torchrun per attempt. c10d rendezvous: node 0 hosts the store; every node must reach
 # MASTER_ADDR:MASTER_PORT.

@@ -118,12 +118,17 @@ def test_resume_on_fewer_ranks_continues_the_same_run(tmp_path: Path) -> None:
         # (a fresh optimizer would count 2), and its moments match the 4-rank run's (fresh ones would be
         # off by about 100%).
         continued = load_checkpoint(run / "checkpoints" / "step-6")
-        for name, expected in reference["optimizer"]["state"].items():
-            actual = continued["optimizer"]["state"][name]
+        for name, expected in adam_state(reference).items():
+            actual = adam_state(continued)[name]
             assert actual["step"].item() == 6, (nproc, name)
             for moment in ("exp_avg", "exp_avg_sq"):
                 error = ((actual[moment] - expected[moment]).norm() / expected[moment].norm()).item()
                 assert error <= RESHARD_STATE_TOLERANCE, (nproc, name, moment, error)
+
+
+def adam_state(checkpoint: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's AdamW state (step, exp_avg, exp_avg_sq), by parameter name."""
+    return checkpoint["optimizer"]["state"]
 
 
 def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tmp_path: Path) -> None:
