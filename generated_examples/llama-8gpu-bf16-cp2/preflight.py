@@ -16,7 +16,6 @@ that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,18 +127,9 @@ def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
             f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({max_seq_len}); "
             f"use --training.seq_len {max_seq_len} or less"
         )
-    # The mesh, and the model and batch split over it: layout.py's arithmetic, the same train.py builds.
-    layout = ParallelLayout.of(config.parallel, world_size)
-    layout.check(training, config.model)
-    # A tp group is tp consecutive ranks (layout.py) and torchrun numbers each node's ranks consecutively: the group
-    # stays on one node's fast links (as every tp all-gather and reduce-scatter needs) only if tp divides the ranks
-    # per node, whatever parallel.pp puts outside it. LOCAL_WORLD_SIZE: torchrun's, or the launch scripts'.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if layout.tp > 1 and per_node < world_size and per_node % layout.tp:
-        raise PreflightError(
-            f"parallel.tp = {layout.tp} puts tensor-parallel groups across nodes of {per_node} ranks each; use a tp "
-            f"that divides the ranks per node, e.g. --parallel.tp {math.gcd(layout.tp, per_node)}"
-        )
+    # The mesh, the model and batch split over it, tp groups inside a node: layout.py's arithmetic, as train.py's.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's (the launch scripts' for rank 0's)
+    ParallelLayout.of(config.parallel, world_size).check(training, config.model, per_node)
 
 
 def check_memory(config: Config, world_size: int, vocab_size: int, model: torch.nn.Module) -> None:

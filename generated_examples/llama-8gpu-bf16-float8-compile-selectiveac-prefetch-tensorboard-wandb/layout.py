@@ -208,10 +208,11 @@ class ParallelLayout:
         """How many ranks each parameter is sharded over: dp_shard x cp."""
         return self.dp_shard * self.cp
 
-    def check(self, training: Any, model: Any) -> None:
-        """Raise LayoutError unless the mesh covers the ranks, the model and batch split over it evenly, and the
-        reshard groups divide the shard group."""
+    def check(self, training: Any, model: Any, ranks_per_node: int | None = None) -> None:
+        """Raise LayoutError unless the mesh covers the ranks, the model and batch split over it evenly, the
+        reshard groups divide the shard group, and each tp group stays inside a node of ranks_per_node ranks."""
         self.check_product()
+        self.check_nodes(ranks_per_node or self.world_size)
         if self.tp > 1:
             self.check_tensor_parallel(training, model)
         if self.cp > 1:
@@ -235,6 +236,17 @@ class ParallelLayout:
                 f"parallel.{' x '.join(self.configured)} = {' x '.join(given)} does not match the {self.world_size} "
                 f"ranks; choose {choose} {self.world_size} (dp_shard = -1 takes the rest)",
                 "ranks",
+            )
+
+    def check_nodes(self, ranks_per_node: int) -> None:
+        """A tp group is tp consecutive ranks and torchrun numbers each node's ranks consecutively: the group stays on
+        one node's fast links (which every tp all-gather and reduce-scatter needs) only if tp divides the ranks per
+        node, whatever parallel.pp puts outside it."""
+        if self.tp > 1 and ranks_per_node < self.world_size and ranks_per_node % self.tp:
+            raise LayoutError(
+                f"parallel.tp = {self.tp} puts tensor-parallel groups across nodes of {ranks_per_node} ranks each; use "
+                f"a tp that divides the ranks per node, e.g. --parallel.tp {math.gcd(self.tp, ranks_per_node)}",
+                "tp_node",
             )
 
     def check_tensor_parallel(self, training: Any, model: Any) -> None:
