@@ -44,10 +44,12 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each balancing's 4-step run on 2 ranks (dp_shard 2), 2 micro-batches per step, checkpoints at 2 and 4."""
+    """Each balancing's 4-step run on 2 ranks (dp_shard 2), 2 micro-batches per step, checkpoints at 2 and 4; its
+    console output beside it (<name>.stdout)."""
     root = tmp_path_factory.mktemp("two-ranks")
     for name, options in BALANCING.items():
-        torchrun(project, "train.py", *TINY_MOE, *STEPS, *options, "--job.output_dir", str(root / name))
+        result = torchrun(project, "train.py", *TINY_MOE, *STEPS, *options, "--job.output_dir", str(root / name))
+        (root / f"{name}.stdout").write_text(result.stdout)
     return {name: root / name for name in BALANCING}
 
 
@@ -102,18 +104,18 @@ def test_resume_is_exact_routing_biases_included(project: Path, two_ranks: dict,
     assert all(a[name].abs().max() > 0 for name in biases)
 
 
-def test_the_console_shows_the_load_and_the_active_parameters(two_ranks: dict, project: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    result = torchrun(project, "train.py", *TINY_MOE, "--training.steps", "2", "--job.output_dir", str(out))
-    records = metrics(out)
-    lines = re.findall(r"^step +\d+/2 \| loss .* \| experts max/mean (\d\.\d\d) \| ETA .*$", result.stdout, re.M)
-    assert lines == [f"{r['moe_load_max_mean']:.2f}" for r in records], result.stdout
+def test_the_console_shows_the_load_and_the_active_parameters(two_ranks: dict) -> None:
+    # The bias-balanced 2-rank run's console (4 steps, 2 micro-batches each).
+    stdout = two_ranks["bias"].with_name("bias.stdout").read_text()
+    records = metrics(two_ranks["bias"])
+    lines = re.findall(r"^step +\d+/4 \| loss .* \| experts max/mean (\d\.\d\d) \| ETA .*$", stdout, re.M)
+    assert len(records) == 4 and lines == [f"{r['moe_load_max_mean']:.2f}" for r in records], stdout
     # 3 blocks of attention (4 x 64 x 64 less the 2 of 4 kv heads: 12,288), norms (7 x 64), embeddings and output
     # (2 x 128 x 64), the dense block's 3 x 64 x 172, and per MoE block the router (64 x 8) and 3 of the 9 experts
     # of 3 x 64 x 32 (top 2 and the shared one).
     active = 3 * 12_288 + 7 * 64 + 2 * 128 * 64 + 3 * 64 * 172 + 2 * (64 * 8 + 3 * 3 * 64 * 32)
     assert f"model: {active:,} parameters active per token (2 of 8 routed experts, 1 shared); MFU counts these" in (
-        result.stdout
+        stdout
     )
 
 
