@@ -83,7 +83,8 @@ class Tracker(FSDPMemTracker):
         self.gpu_peak, self.gpu_snapshot, self.reserved_at_peak, self.peak_at = 0, {}, 0, ""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # Not FSDPMemTracker's own: on every op it walks every module tracked so far (time quadratic in the blocks:
+        # most of a 70B step's) for per-module peaks that this script never reads.
         for snapshot in self._curr_mem_snap.values():
             on_gpu = sum(size for key, size in snapshot.items() if key != "Total" and name(key) not in self.host)
             if on_gpu > self.gpu_peak:

@@ -123,8 +123,9 @@ def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None
         assert "parallel.float8 needs float8 tensor cores" in result.stdout + result.stderr, result.stderr[-2000:]
         return
     result = launch("train.py", tmp_path / "float8", *steps)
-    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers", result.stdout)
+    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers.*", result.stdout)
     assert converted and int(converted[1]) > 0, result.stdout
+    print(converted[0])  # which layers (pytest -s shows it)
     float8 = metrics(tmp_path / "float8")
     bf16 = train(tmp_path / "bf16", *steps, "--parallel.float8", "false")
     for a, b in zip(float8, bf16, strict=True):
