@@ -14,6 +14,22 @@ from fsdp2gen.cli import app
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = REPO / "tests" / "helpers"  # probes and reference loops, run by path inside generated projects
 
+# pytest-xdist (addopts: --dist loadfile --no-loadscope-reorder) hands whole files to the 2 workers in collection
+# order. The files that take minutes go first, longest first, so that none of them is left running alone at the end
+# while the other worker idles (xdist's own reordering puts files with many tests first, which left these last).
+SLOW_FILES_FIRST = (
+    "test_training_runs.py", "test_pipeline_parallel.py", "test_hf.py", "test_benchmarks.py",
+    "test_plan_simulation.py", "test_real_data.py", "test_expert_parallel.py", "test_hf_moe.py", "test_moe.py",
+    "test_option_numerics.py", "test_document_masking.py", "test_launchers.py", "test_float8.py",
+    "test_context_parallel.py", "test_custom.py", "test_run_ownership.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: rank for rank, name in enumerate(SLOW_FILES_FIRST)}
+    # A stable sort: each file's tests stay together and in their order; the other files follow, as collected.
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))
+
 
 def fsdp2gen(*args: str, cwd: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (`python -m fsdp2gen`), stdin not a terminal."""
