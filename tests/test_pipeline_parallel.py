@@ -346,6 +346,11 @@ def test_what_pp_cannot_run_is_refused_in_one_line_before_the_model_is_built(
     case: str, project: Path, tmp_path: Path
 ) -> None:
     args, line = PREFLIGHT_REFUSALS[case]
+    assert_preflight_refuses(project, tmp_path, args, line)
+
+
+def assert_preflight_refuses(project: Path, tmp_path: Path, args: list[str], line: str) -> None:
+    """preflight.py for 4 ranks with `args` exits 2 with exactly `line`, before writing anything."""
     output_dir = ["--job.output_dir", str(tmp_path / "o")]
     command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, *output_dir, *args]
     result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
@@ -691,12 +696,7 @@ def test_what_the_zero_bubble_schedules_cannot_run_is_refused_in_one_line(
     if case == "selective-checkpointing":
         project = generate(tmp_path / "p", "--gpus", "4", "--pp", "2", "--fp32", "--activation-checkpointing",
                            "selective")  # fmt: skip
-    output_dir = ["--job.output_dir", str(tmp_path / "o")]
-    command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, *output_dir, *args]
-    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
-    assert not (tmp_path / "o").exists()
+    assert_preflight_refuses(project, tmp_path, args, line)
 
 
 @settings(max_examples=100, deadline=None)
