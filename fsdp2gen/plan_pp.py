@@ -239,11 +239,15 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
 
 def rank_stages(request: Any) -> list[RankStages]:
     """Every pipeline rank's stages and per-GPU figures (the module docstring's model)."""
-    from fsdp2gen.plan import COMPUTE_BYTES, parameter_shapes
+    from fsdp2gen.plan import COMPUTE_BYTES, layout_module, parameter_shapes
 
-    layers = stage_layers(request.model.n_layers, request.pp * request.pp_stages_per_rank, request.pp_layers)
+    pp, v = request.pp, request.pp_stages_per_rank
+    layers = stage_layers(request.model.n_layers, pp * v, request.pp_layers)
     shapes = parameter_shapes(request.model, request.tp)
-    return [one_rank(request, rank, layers, shapes, COMPUTE_BYTES[request.precision]) for rank in range(request.pp)]
+    # The project's own placement (layout.py): round-robin, or the V of ZBVZeroBubble and DualPipeV.
+    placement = layout_module().ParallelLayout(pp, pp=pp, pp_schedule=request.pp_schedule, pp_stages_per_rank=v)
+    compute = COMPUTE_BYTES[request.precision]
+    return [one_rank(request, rank, tuple(placement.rank_stages(rank)), layers, shapes, compute) for rank in range(pp)]
 
 
 def rank_parameters(
@@ -264,14 +268,18 @@ def rank_parameters(
 
 
 def one_rank(
-    request: Any, rank: int, layers: list[range], shapes: list[tuple[str, tuple[int, ...]]], compute: int
+    request: Any,
+    rank: int,
+    stages: tuple[int, ...],
+    layers: list[range],
+    shapes: list[tuple[str, tuple[int, ...]]],
+    compute: int,
 ) -> RankStages:
-    """Pipeline rank `rank`'s stages and per-GPU figures."""
+    """Pipeline rank `rank`'s figures, for its `stages`."""
     from fsdp2gen.plan import AC_MODES, _in_block, loss_backward_bytes, request_shard_numel
 
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
     last_stage = pp * v - 1
-    stages = (rank, 2 * pp - 1 - rank) if request.pp_schedule in V_SHAPED else tuple(rank + k * pp for k in range(v))
     own = rank_parameters(shapes, stages, layers, last_stage)
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
     gathered = sum(math.prod(shape) for _, shape in own)
