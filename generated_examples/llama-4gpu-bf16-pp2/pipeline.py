@@ -61,7 +61,6 @@ SCHEDULES = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
     "DualPipeV": ScheduleDualPipeV,
 }
-V_SCHEDULES = (ScheduleZBVZeroBubble, ScheduleDualPipeV)  # layout.rank_stages() places their stages in a V
 
 
 def build_pipeline(
@@ -92,7 +91,7 @@ def build_pipeline(
         stage = parallelize(stage, config, mesh, device)
         stages.append(stage)
         pipeline_stages.append(PipelineStage(stage, index, n_stages, device, group=mesh["pp"].get_group()))
-    return PipelineModel(stages, pipeline_stages, mesh["pp"], config, device, layout.loss_pp_rank)
+    return PipelineModel(stages, pipeline_stages, mesh["pp"], config, device, layout)
 
 
 def forward_only_order(schedule: PipelineScheduleMulti) -> dict[int, list[_Action]]:
@@ -123,7 +122,7 @@ class PipelineModel(nn.Module):
         pp_mesh: DeviceMesh,
         config: Config,
         device: torch.device,
-        loss_pp_rank: int,
+        layout: ParallelLayout,
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
@@ -140,7 +139,10 @@ class PipelineModel(nn.Module):
         self.pp_group = pp_mesh.get_group()
         self.holds_first = pipeline_stages[0].is_first
         self.holds_last = pipeline_stages[-1].is_last
-        self.loss_pp_rank = loss_pp_rank  # the pp rank of the last stage, whose loss run() broadcasts
+        self.loss_pp_rank = layout.loss_pp_rank  # the pp rank of the last stage, whose loss run() broadcasts
+        # With tensor parallelism the last stage's logits are split by vocabulary over the tp ranks (a DTensor):
+        # loss_parallel computes each micro-batch's loss, and its backward inside the schedule, from the pieces.
+        self.split_logits = layout.tp > 1
         self.scale = 1.0  # what each micro-batch's summed loss is multiplied by (train_step's scale)
         schedule_class = SCHEDULES[config.parallel.pp_schedule]
         stage_or_stages = pipeline_stages if issubclass(schedule_class, PipelineScheduleMulti) else pipeline_stages[0]
@@ -151,7 +153,7 @@ class PipelineModel(nn.Module):
             loss_fn=self.loss,
             scale_grads=False,
         )
-        self.eval_order = forward_only_order(self.schedule) if schedule_class in V_SCHEDULES else None
+        self.eval_order = forward_only_order(self.schedule) if layout.v_shaped else None
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's cross-entropy summed over its targets (fp32, IGNORE not counted), times self.scale: the
@@ -167,11 +169,7 @@ class PipelineModel(nn.Module):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         target = targets if self.holds_last else None
-        # With tensor parallelism the last stage's logits are split by vocabulary over the tp ranks (a DTensor):
-        # loss_parallel computes each micro-batch's loss, and its backward inside the schedule, from the pieces.
-        tp = ParallelLayout.of(self.config.parallel, dist.get_world_size()).tp
-        split_logits = loss_parallel() if tp > 1 else contextlib.nullcontext()
-        with split_logits:
+        with loss_parallel() if self.split_logits else contextlib.nullcontext():
             if train:
                 self.schedule.step(*args, target=target, losses=losses)
             elif self.eval_order is None:
