@@ -49,11 +49,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# parallel.pp_schedule's choices (the generated project's config), and what each needs of V: several stages per rank
-# (2 or more), of which the V-shaped ones place exactly 2 (rank r: stages r and 2 pp - 1 - r).
+from fsdp2gen.plan import layout_module
+
+# parallel.pp_schedule's choices (the generated project's config), and what each needs of V, as the project's layout.py
+# says: several stages per rank (2 or more), of which the V-shaped ones place exactly 2 (rank r: r and 2 pp - 1 - r).
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE = layout_module().MULTI_STAGE_SCHEDULES
+V_SHAPED = layout_module().V_SCHEDULES
 FP32 = 4
 
 
