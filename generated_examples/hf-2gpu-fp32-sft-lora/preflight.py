@@ -16,6 +16,7 @@ that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,8 +70,7 @@ def preflight(config: Config, world_size: int) -> None:
 
 
 def start_run(output_dir: Path, config: Config, launch_ids: list[str]) -> str:
-    """run_folder.start_run (rank 0, after preflight(): lock job.output_dir, check it again, record the run),
-    its mistakes as PreflightError."""
+    """run_folder.start_run (rank 0, after preflight(): lock, check again, record the run) raising PreflightError."""
     with one_line():
         return run_folder.start_run(output_dir, config, launch_ids)
 
@@ -92,8 +92,7 @@ def check_environment(config: Config) -> None:
 
 
 def model_limits(config: Config) -> tuple[int, int]:
-    """The model's vocabulary size and longest sequence. Reading them may load the model's own config (a
-    Hugging Face folder or hub id), so any failure to do that is reported here, as one line."""
+    """The model's vocabulary size and longest sequence; a failure to load its config (hf) as one line."""
     try:
         return config.model.vocab_size, config.model.max_seq_len
     except Exception as exc:  # whatever the model's loader raises: a missing folder, a bad hub id, no network
@@ -183,6 +182,7 @@ def check_data(config: Config, vocab_size: int) -> None:
 
 
 def main() -> None:
+    gc.freeze()  # torch's import-time objects outlive the check: the collector's full passes skip them
     parser = argparse.ArgumentParser(description="Check a run before torchrun starts it", allow_abbrev=False)
     parser.add_argument("--world-size", type=int, required=True, help="ranks the run will have (nodes x GPUs)")
     args, rest = parser.parse_known_args()

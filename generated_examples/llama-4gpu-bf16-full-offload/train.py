@@ -447,6 +447,10 @@ def run_on_every_rank(
 ) -> NoReturn:
     """Parse the config, join the process group, run work(config, device, mesh) and exit with the code it
     returns (None: 0), every rank leaving the process group together: also when stop() ends the work."""
+    # Everything imported so far (torch's millions of objects) lives as long as the process: keep it out of the
+    # garbage collector's full passes, which would otherwise walk it during every build, checkpoint and teardown
+    # (about 2 s of CPU per rank on a small run). Only objects made from here on are collected.
+    gc.freeze()
     die_with_launcher()  # a killed torchrun or launch script leaves no rank behind
     config = parse_args(args)
     device, mesh = init_distributed(config)
