@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -125,6 +126,7 @@ def main() -> None:
     import train  # noqa: F401
     from config import Config
 
+    gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
     base = json.loads(Path(base_file).read_text())
     config_toml = str(Path(project) / "config.toml")
     keys = keys_of(Config)

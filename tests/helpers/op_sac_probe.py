@@ -45,6 +45,7 @@ class Created(TorchDispatchMode):
 
 
 def main() -> None:
+    gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
     dim, n_heads, n_kv_heads, ffn_dim, batch, seq_len = (int(value) for value in sys.argv[1:7])
     args = ModelArgs(dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=8, ffn_dim=ffn_dim,
                      max_seq_len=seq_len)  # fmt: skip

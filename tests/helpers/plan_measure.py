@@ -21,6 +21,7 @@ uses foreach AdamW, whose temporaries of the size of the shards the plan leaves 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import weakref
@@ -121,6 +122,7 @@ def measure_train_step(state, config, batches) -> dict[str, int]:
 
 
 def main() -> None:
+    gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
     project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     sys.path.insert(0, str(project))
     from config import parse_args

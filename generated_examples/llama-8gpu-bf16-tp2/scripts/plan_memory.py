@@ -22,6 +22,7 @@ Mixture-of-experts layers are simulated with balanced routing (ValuesReadOnTheHo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -215,6 +216,7 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
 
 
 def main() -> None:
+    gc.freeze()  # torch's import-time objects live as long as the process: the collector's full passes skip them
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--gpus", type=int, required=True, help="the number of GPUs (world size) to simulate")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
