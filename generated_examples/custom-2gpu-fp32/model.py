@@ -139,7 +139,11 @@ def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
 
 
 def initialize(model: Model, config: Config, device: torch.device) -> None:
-    """Fill every parameter and buffer after to_empty, on the sharded model."""
+    """Fill every parameter and buffer after to_empty, on the sharded model or a plain one (never fully_shard-ed)."""
+    if model.output.weight is not model.tok_embeddings.weight:
+        # to_empty gives each module of a plain model its own copy of a tied weight (fully_shard keeps it one
+        # tensor): tie them again before they are filled. (Drop this if your model ties none.)
+        model.output.weight = model.tok_embeddings.weight
     model.init_weights(seed=config.training.seed)
 
 
