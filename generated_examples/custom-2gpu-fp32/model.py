@@ -6,6 +6,8 @@
   to the loss, which the output layer computes chunk by chunk (chunked_loss.py);
 - `init_weights(seed)` fills every parameter and buffer: train.py calls it after `to_empty`, on the
   sharded model, where the memory holds garbage until then;
+- `tie_weights()` makes modules share a weight (here the output layer and the token embedding), or does nothing:
+  called again after `to_empty`, which gives each module of a plain (never sharded) model its own copy;
 - the class names of its repeated blocks are listed in config.toml's `parallel.shard_modules`: each such
   module becomes one FSDP unit, the rest of the model (embeddings, final norm, output) the root's.
 
@@ -76,7 +78,11 @@ class Model(nn.Module):
         self.layers = nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
         self.norm = nn.LayerNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Tied: the output layer reuses the token embedding matrix. Both stay in the root's FSDP group.
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Tied: the output layer reuses the token embedding matrix, one parameter under two names (both stay in the
+        root's FSDP group). Leave the body out to untie them."""
         self.output.weight = self.tok_embeddings.weight
 
     def forward(
@@ -139,7 +145,10 @@ def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
 
 
 def initialize(model: Model, config: Config, device: torch.device) -> None:
-    """Fill every parameter and buffer after to_empty, on the sharded model."""
+    """Fill every parameter and buffer after to_empty, on the sharded model or a plain one (never fully_shard-ed)."""
+    # to_empty gives each module of a plain model its own copy of a tied weight (fully_shard keeps it one tensor):
+    # tie them again before they are filled.
+    model.tie_weights()
     model.init_weights(seed=config.training.seed)
 
 

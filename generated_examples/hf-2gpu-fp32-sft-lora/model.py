@@ -618,7 +618,11 @@ def run_hf_init(model: PreTrainedModel) -> None:
 def treat_as_library_code(model: PreTrainedModel) -> None:
     """fully_shard swapped the model's class for a subclass defined in torch, which transformers would take for
     remote code: its init would then skip modules without parameters of their own (e.g. GPT-2's scaled c_proj
-    init), and its loading the model's conversion rules. The class answers as the model's own class does."""
+    init), and its loading the model's conversion rules. That subclass answers as the model's own class does. A
+    model fully_shard has not wrapped keeps transformers' own class, which needs nothing (and must not be patched:
+    its is_custom_code would call itself)."""
+    if not isinstance(model, FSDPModule):
+        return
     original = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
     type(model).is_custom_code = classmethod(lambda cls: original.is_custom_code())
 
@@ -859,8 +863,13 @@ def block_classes(model: PreTrainedModel, shard_modules: list[str]) -> list[str]
 
 
 def initialize(model: PreTrainedModel, config: Config, device: torch.device) -> None:
-    """Fill the sharded model after to_empty: the pretrained weights, or the model's own random initialisation;
-    both recompute the non-persistent buffers (rotary tables). Then the adapters' initialisation."""
+    """Fill the model after to_empty, sharded or plain (never fully_shard-ed): the pretrained weights, or the
+    model's own random initialisation; both recompute the non-persistent buffers (rotary tables).
+    Then the adapters' initialisation."""
+    if not isinstance(model, FSDPModule):
+        # to_empty gives each module of a plain model its own copy of a tied weight (lm_head and the embedding);
+        # fully_shard keeps them one tensor. Tie them again before they are filled.
+        model.tie_weights()
     if config.model.pretrained:
         try:
             load_pretrained(model, config.model.folder)

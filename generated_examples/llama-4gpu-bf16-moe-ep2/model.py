@@ -253,8 +253,12 @@ def block_classes(model: Model, shard_modules: list[str]) -> list[str]:
 
 
 def initialize(model: Model, config: Config, device: torch.device) -> None:
-    """Fill every parameter and buffer after to_empty, on the sharded model; the rotary tables go to `device`
-    (also when CPU offload keeps the parameters in CPU memory)."""
+    """Fill every parameter and buffer after to_empty, on the sharded model or a plain one (never fully_shard-ed);
+    the rotary tables go to `device` (also when CPU offload keeps the parameters in CPU memory)."""
+    if model.args.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+        # to_empty gives each module of a plain model its own copy of a tied weight (fully_shard keeps it one
+        # tensor): tie them again before they are filled.
+        model.output.weight = model.tok_embeddings.weight
     model.init_weights(seed=config.training.seed, buffer_device=device)
 
 
