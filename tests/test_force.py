@@ -82,7 +82,8 @@ def test_force_removes_stale_files_only_when_unedited(tmp_path: Path) -> None:
     edit(project / "tensor_parallel.py", "import", "# mine\nimport")
     edited_tp = (project / "tensor_parallel.py").read_bytes()
 
-    result = fsdp2gen("new", str(project), "-y", "--gpus", "2", "--force")
+    # The recorded answers are kept unless given: --tp 1 and --launcher torchrun drop what tp 2 and slurm made.
+    result = fsdp2gen("new", str(project), "-y", "--tp", "1", "--launcher", "torchrun", "--force")
     assert result.returncode == 0, result.stderr
     assert "  removed: scripts/slurm.sbatch\n" in result.stdout
     assert "  kept, edited, no longer generated: tensor_parallel.py\n" in result.stdout
