@@ -301,12 +301,13 @@ def _collect_answers(
         fail("DEST is empty; give the folder to create, e.g. fsdp2gen new my-run")
     dest_path = Path(dest)
     if force and is_project(dest_path):  # a re-render keeps every recorded answer it is not given
+        project = Path(os.path.abspath(dest_path))
         try:
-            recorded = recorded_answers(dest_path, f"restore it (git log -- {ANSWERS_FILE}) or choose another DEST")
+            recorded = recorded_answers(project, f"restore it (git log -- {ANSWERS_FILE}) or choose another DEST")
         except UpdateError as error:
             fail(str(error))
         answers = q.with_recorded(recorded, answers)
-        sources.update({name: f"{name} in {dest_path / ANSWERS_FILE}" for name in answers if name not in sources})
+        sources.update({name: f"{name} in {project / ANSWERS_FILE}" for name in answers if name not in sources})
     missing = [name for name in ASKED if name not in answers]
     if interactive is None:
         interactive = _stdin_is_terminal()
