@@ -181,7 +181,7 @@ def test_update_with_new_answers_adds_what_they_need_and_keeps_edits(tmp_path: P
     """`update --tensorboard --tp 1 --launcher torchrun` on a tp 2 SLURM project: every file becomes the new answers'
     rendering but for the user's edits: one in a file the change leaves alone (kept), one in a file it changes away
     from the edit (merged), one on a line it changes (a conflict, reported), and an edited file the new answers no
-    longer generate (kept, reported); the unedited ones are removed."""
+    longer generate (kept, reported); the unedited ones are removed; one the user deleted is not re-created."""
     before_options = ("--gpus", "2", "--tp", "2", "--launcher", "slurm")
     after_options = ("--gpus", "2", "--tensorboard", "--tp", "1", "--launcher", "torchrun")
     before = project_files(fsdp2gen_new(tmp_path / "before" / "run", *before_options))
@@ -205,6 +205,8 @@ def test_update_with_new_answers_adds_what_they_need_and_keeps_edits(tmp_path: P
     }
     for path, content in edits.items():
         (project / path).write_bytes(content)
+    deleted = next(p for p in both if p not in edits and p.endswith(".md"))
+    (project / deleted).unlink()
     commit_all(project, "user edits")
 
     result = fsdp2gen("update", str(project), "--tensorboard", "--tp", "1", "--launcher", "torchrun", "--json")
@@ -213,8 +215,10 @@ def test_update_with_new_answers_adds_what_they_need_and_keeps_edits(tmp_path: P
     assert (report["conflicts"], report["kept"]) == ([conflicted], [stale_edited])
     assert report["removed"] == [p for p in stale if p != stale_edited]
     assert (report["changes"][untouched], report["changes"][merged]) == ("kept, edited", "merged")
+    assert report["changes"][deleted] == "deleted by you, not re-created"
     files = project_files(project)
     expected = {**after, untouched: edits[untouched], stale_edited: edits[stale_edited]}
+    del expected[deleted]
     expected[merged] = edit_line(after[merged], stable_line(before[merged], after[merged]))
     assert sorted(files) == sorted(expected)
     assert [path for path in files if files[path] != expected[path]] == [conflicted]
