@@ -57,7 +57,7 @@ def update_report(project: Path, given: dict[str, Any], result: Rerendered, *, a
              "kept": result.kept},
             indent=2,
         )  # fmt: skip
-    versions = f"from v{result.version} to v{__version__}"
+    versions = f"from v{result.version} to v{__version__}" if result.version != __version__ else f"(v{__version__})"
     if result.conflicts:
         lines = [f"Updated {project} {versions} with conflicts to resolve in: {', '.join(result.conflicts)}"]
     else:
