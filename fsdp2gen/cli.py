@@ -8,12 +8,10 @@ Errors are one line on stderr with exit code 2.
 
 from __future__ import annotations
 
-import collections
 import enum
 import inspect
 import json
 import os
-import shlex
 import stat
 import sys
 from collections.abc import Callable
@@ -24,9 +22,12 @@ import typer
 from typer.core import TyperGroup
 
 from fsdp2gen import __version__
-from fsdp2gen.questions import Question, load_answers_file, project_name_from_folder, questions, validate
-from fsdp2gen.render import CONFLICT, UNCHANGED, DestinationError, check_destination, render_project
+from fsdp2gen import questions as q
+from fsdp2gen.questions import Question, load_answers_file, project_name_from_folder, questions
+from fsdp2gen.render import ANSWERS_FILE, DestinationError, check_destination, is_project, render_project
+from fsdp2gen.report import new_report, update_report
 from fsdp2gen.sizes import sizes
+from fsdp2gen.update import UpdateError, recorded_answers, rerender, update_project
 
 EXIT_BAD_INPUT = 2
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -200,8 +201,8 @@ def _given_answers(options: dict[str, Any]) -> dict[str, Any]:
 
 def _check_answers(answers: dict[str, Any], sources: dict[str, str]) -> None:
     """Fail on the first invalid answer, naming where it came from: a flag, or `name in FILE`."""
-    for name, problem in validate(answers).items():
-        fail(f"{sources.get(name, QUESTIONS[name].flag if name in QUESTIONS else name)}: {problem}")
+    if problem := q.first_problem(answers, sources):
+        fail(problem)
 
 
 def _complete_answers(answers: dict[str, Any], *, prompting: bool) -> list[str]:
@@ -269,7 +270,8 @@ def new(
         dest, answers, answers_file=answers_file, yes=yes, force=force, interactive=interactive, as_json=as_json
     )
     written, answers, changes = _write_project(dest_path, answers, force=force, dry_run=dry_run)
-    _report(dest_path, answers, written, changes, defaults_used=defaults_used, dry_run=dry_run, as_json=as_json)
+    typer.echo(new_report(dest_path, answers, written, changes, defaults_used=defaults_used, dry_run=dry_run,
+                          as_json=as_json))  # fmt: skip
 
 
 def _apply_precision_shortcut(flags: dict[str, Any]) -> None:
@@ -288,9 +290,9 @@ def _collect_answers(
     dest: str, answers: dict[str, Any], *, answers_file: Path | None, yes: bool, force: bool,
     interactive: bool | None, as_json: bool,
 ) -> tuple[Path, dict[str, Any], list[str]]:  # fmt: skip
-    """Every answer, checked, from the flags, then the answers file, then prompts (on a terminal) or the
-    defaults; and DEST, checked before any prompt. Returns DEST, the answers and the asked questions that
-    took their default (JSON's defaults_used)."""
+    """Every answer, checked, from the flags, then the answers file, then (with --force over a project) its
+    recorded answers, then prompts (on a terminal) or the defaults; and DEST, checked before any prompt. Returns
+    DEST, the answers and the asked questions that took their default (JSON's defaults_used)."""
     sources = {name: QUESTIONS[name].flag for name in answers}
     if answers_file is not None:
         answers = _merge_answers_file(answers_file, answers)
@@ -298,6 +300,14 @@ def _collect_answers(
     if not dest.strip():
         fail("DEST is empty; give the folder to create, e.g. fsdp2gen new my-run")
     dest_path = Path(dest)
+    if force and is_project(dest_path):  # a re-render keeps every recorded answer it is not given
+        project = Path(os.path.abspath(dest_path))
+        try:
+            recorded = recorded_answers(project, f"restore it (git log -- {ANSWERS_FILE}) or choose another DEST")
+        except UpdateError as error:
+            fail(str(error))
+        answers = q.with_recorded(recorded, answers)
+        sources.update({name: f"{name} in {project / ANSWERS_FILE}" for name in answers if name not in sources})
     missing = [name for name in ASKED if name not in answers]
     if interactive is None:
         interactive = _stdin_is_terminal()
@@ -338,52 +348,14 @@ def _write_project(
     dest: Path, answers: dict[str, Any], *, force: bool, dry_run: bool
 ) -> tuple[list[str], dict[str, Any], dict[str, str]]:
     """Render the project (or list its files, on a dry run); returns its files, the recorded answers and,
-    under --force over an existing project, what was done to each file."""
+    under --force over an existing project (re-rendered like `update`), what was done to each file."""
     try:
-        return render_project(dest, answers, force=force, dry_run=dry_run)
+        if force and is_project(dest) and dest.is_dir():
+            result = rerender(dest, answers, dry_run=dry_run)
+            return result.files, result.answers, result.changes
+        return (*render_project(dest, answers, dry_run=dry_run), {})
     except (DestinationError, ValueError) as error:
         fail(str(error))
-
-
-def _report(
-    dest: Path, answers: dict[str, Any], written: list[str], changes: dict[str, str], *, defaults_used: list[str],
-    dry_run: bool, as_json: bool,
-) -> None:  # fmt: skip
-    """What was written (per file, when --force updated a project) and the commands to run next: as text, or as
-    one JSON object."""
-    commands = next_commands(dest, answers)
-    if as_json:
-        report = {
-            "dest": str(dest.absolute()),
-            "dry_run": dry_run,
-            "answers": answers,
-            "defaults_used": defaults_used,
-            "files": written,
-            "changes": changes,
-            "next": [{"command": command, "why": why} for command, why in commands],
-        }
-        typer.echo(json.dumps(report, indent=2))
-        return
-    summary = ", ".join(f"{name}={value if value != '' else repr('')}" for name, value in answers.items())
-    if changes:
-        verb = "Would update" if dry_run else "Updated"
-        tally = collections.Counter(changes.values())
-        counts = ", ".join(f"{tally[change]} {change}" for change in sorted(tally))
-        typer.echo(f"{verb} {dest} ({summary}): {counts}:")
-        for path, change in changes.items():
-            if change != UNCHANGED:
-                typer.echo(f"  {change}: {path}")
-        if CONFLICT in changes.values():
-            typer.echo("Resolve the conflicts (between <<<<<<< and >>>>>>> markers) in the files listed as conflict.")
-    else:
-        verb = "Would create" if dry_run else "Created"
-        typer.echo(f"{verb} {dest} ({summary}) with {len(written)} files:")
-        for path in written:
-            typer.echo(f"  {path}")
-    if not dry_run:
-        typer.echo("\nNext:")
-        for command, why in commands:
-            typer.echo(f"  {command}" + (f"   # {why}" if why else ""))
 
 
 def _merge_answers_file(path: Path, flag_answers: dict[str, Any]) -> dict[str, Any]:
@@ -437,113 +409,25 @@ def _ask(question: Question, answers: dict[str, Any]) -> Any:
         typer.echo(f"Error: {problem}", err=True)
 
 
-CPU_RUN = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
-# Context parallelism needs CUDA: a --cp project's CPU run trains without it.
-CPU_NO_CP = " --parallel.cp 1"
-CPU_PP = " --parallel.pp 2"  # the 2 CPU processes hold 2 pipeline stages
-
-
-def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
-    """(command, why) pairs to run after generation, in order."""
-    commands = [
-        # Absolute: the README's main command has already cd'ed into a relative DEST when this is read.
-        (f"cd {shlex.quote(str(dest.absolute()))}", ""),
-        ("pip install -e '.[test]'", ""),
-        # The sizes of the README's CPU run: this continues that run in outputs/ (or starts one), as a resume must
-        # keep the batch size and the sequence length.
-        (
-            f"{CPU_RUN}{CPU_NO_CP if answers.get('cp', 1) > 1 else ''}{CPU_PP if answers.get('pp', 1) > 2 else ''}"
-            " --training.steps 20",
-            "2 CPU processes, gloo",
-        ),
-        # A folder of its own: outputs/ may hold the CPU run, whose sizes a default run does not share.
-        ("scripts/launch_local.sh --job.output_dir outputs-gpu", f"{answers['gpus']} GPU(s) with nccl"),
-    ]
-    if answers["launcher"] == "slurm":
-        commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))
-    if answers["launcher"] == "ray":
-        workers = answers["gpus"] * answers["nodes"]
-        commands.append((f"python ray_train.py --workers {workers}", "on the Ray cluster in RAY_ADDRESS"))
-    if answers["nodes"] > 1:
-        commands.append(
-            ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/launch_multinode.sh", "on each node")
-        )
-    commands.append(("pytest", "the project's own tests"))
-    return commands
-
-
-class Conflict(enum.StrEnum):
-    inline = "inline"
-    rej = "rej"
-
-
 @app.command()
 @answer_options(ANSWER_OPTIONS)
 def update(
     path: Annotated[str, typer.Argument(help="The generated project (a clean git checkout).")] = ".",
     *,
-    conflict: Annotated[
-        Conflict, typer.Option(help="How to show conflicts: inline markers or .rej files, as copier does.")
-    ] = Conflict.inline,
-    vcs_ref: Annotated[
-        str | None, typer.Option(help="Template version (git tag) to update to [default: newest]")
-    ] = None,
     as_json: JsonOption = False,
     **flags: Any,
 ) -> None:
-    """Update a generated project to a newer template version, keeping your edits (runs `copier update`)."""
-    from fsdp2gen.update import UpdateError, check_updatable, update_project
-
+    """Bring a generated project to this fsdp2gen's template, with its recorded answers and any given: your edits
+    are kept or merged (conflicts inline), offline."""
     if not path.strip():
         fail("PATH is empty; give the generated project's folder, e.g. fsdp2gen update .")
     project = Path(path)
     given = _given_answers(flags)
     try:
-        recorded = check_updatable(project)
-        answers = _update_answers(project, recorded, given)
-        result = update_project(project, answers, conflict=conflict.value, vcs_ref=vcs_ref)
-    except UpdateError as error:
+        result = update_project(project, given)
+    except (UpdateError, DestinationError) as error:
         fail(str(error))
-    if as_json:
-        report = {"project": str(project.absolute()), "answers": given, "conflicts": result.conflicts,
-                  "removed": result.removed, "kept": result.kept}  # fmt: skip
-        typer.echo(json.dumps(report, indent=2))
-        return
-    if result.conflicts:
-        typer.echo(f"Updated {project} with conflicts to resolve in: {', '.join(result.conflicts)}")
-    else:
-        typer.echo(f"Updated {project}; review with `git diff` and commit")
-    for path in result.removed:
-        typer.echo(f"  removed (no longer generated, unedited): {path}")
-    for path in result.kept:
-        typer.echo(f"  kept, edited: {path} (no longer generated; delete it yourself if unneeded)")
-
-
-def _update_answers(project: Path, recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The answers to pass to `copier update`: the flags, checked against the project's recorded answers
-    (not the defaults: `--tp 3` on a `--gpus 2` project must speak of its 2 GPUs)."""
-    from fsdp2gen.render import ANSWERS_FILE
-
-    where = project / ANSWERS_FILE
-    # Keys of other template versions are copier's business; only this version's questions are checked.
-    known = {name: QUESTIONS[name].normalise(value) for name, value in recorded.items() if name in QUESTIONS}
-    merged = {**known, **given}
-    for name in FAMILY_QUESTIONS:
-        if not QUESTIONS[name].applies(merged):
-            if name not in given:
-                merged.pop(name, None)  # copier drops it too (its `when:` is false now)
-        elif name not in merged:
-            merged[name] = QUESTIONS[name].default
-    sources = {name: f"{name} in {where}" for name in known} | {name: QUESTIONS[name].flag for name in given}
-    _check_answers(merged, sources)
-    # A recorded answer in YAML's natural type (`reshard_after_forward: 4`, hand-edited) is passed converted:
-    # copier would read it as it stands.
-    converted = {
-        name: value
-        for name, value in known.items()
-        if name in merged and value is not recorded[name]  # normalise returns the value itself when it keeps it
-    }
-    return {**converted, **given}
+    typer.echo(update_report(project, given, result, as_json=as_json))
 
 
 @app.command("questions")

@@ -217,6 +217,32 @@ def validate(answers: dict[str, Any]) -> dict[str, str]:
     return problems
 
 
+def first_problem(answers: dict[str, Any], sources: dict[str, str]) -> str | None:
+    """The first invalid answer as one message naming where it came from (`sources`: a flag, or `name in FILE`;
+    the question's flag when not listed), or None when all are valid."""
+    for name, problem in validate(answers).items():
+        return f"{sources.get(name, questions()[name].flag if name in questions() else name)}: {problem}"
+    return None
+
+
+def with_recorded(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The answers of a re-render (`update`, `new --force`): every recorded answer the command does not change,
+    under the `given` ones. The one place both commands merge them.
+
+    Recorded values are normalised (YAML's natural types, as in an answers file); keys this template does not ask
+    (copier's `_` keys, another version's questions) are left out; a recorded family answer (copier's `when:`)
+    that no longer applies is dropped (`hf_model` after `--family llama`), as copier drops it. Questions that
+    nothing answers are left to the caller (a default, or a prompt).
+    """
+    known = questions()
+    merged = {name: known[name].normalise(value) for name, value in recorded.items() if name in known}
+    merged.update(given)
+    for name, question in known.items():
+        if question.when and name not in given and name in merged and not question.applies(merged):
+            del merged[name]
+    return merged
+
+
 def project_name_from_folder(folder_name: str) -> str:
     """The project name copier derives from the destination folder's name (project_name's default)."""
     return _jinja().from_string(questions()["project_name"].default).render(_folder_name=folder_name)

@@ -12,9 +12,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from tests.conftest import fsdp2gen, generate, tree
+import yaml
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from fsdp2gen import __version__
+from fsdp2gen.questions import questions, validate
+from fsdp2gen.render import TEMPLATE_REPOSITORY
+from tests.conftest import fsdp2gen, generate, invoke, tree
+
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.invalid",
+           "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.invalid"}  # fmt: skip
 
 TRAIN_ANCHOR = '    """One optimizer step over this rank\'s micro-batches'
 USER_NOTE = "    # user note: tuned for our cluster\n"
@@ -82,7 +93,8 @@ def test_force_removes_stale_files_only_when_unedited(tmp_path: Path) -> None:
     edit(project / "tensor_parallel.py", "import", "# mine\nimport")
     edited_tp = (project / "tensor_parallel.py").read_bytes()
 
-    result = fsdp2gen("new", str(project), "-y", "--gpus", "2", "--force")
+    # The recorded answers are kept unless given: --tp 1 and --launcher torchrun drop what tp 2 and slurm made.
+    result = fsdp2gen("new", str(project), "-y", "--tp", "1", "--launcher", "torchrun", "--force")
     assert result.returncode == 0, result.stderr
     assert "  removed: scripts/slurm.sbatch\n" in result.stdout
     assert "  kept, edited, no longer generated: tensor_parallel.py\n" in result.stdout
@@ -191,3 +203,62 @@ def test_a_run_holding_dest_refuses_a_second(tmp_path: Path) -> None:
             2, f"fsdp2gen: error: another fsdp2gen run is writing into {dest}; wait for it to finish, then run again\n"
         )  # fmt: skip
         assert snapshot(dest) == before
+
+
+# Valid answer sets: the everyday answers drawn freely, at most one parallelism or feature option on (most pairs of
+# them are refused together), hf's own answers with family hf; those the template refuses are dropped.
+EVERYDAY = {
+    "family": st.sampled_from(["llama", "hf", "custom"]), "gpus": st.sampled_from([1, 2, 4, 8]),
+    "nodes": st.sampled_from([1, 2]), "reshard_after_forward": st.sampled_from(["true", "false"]),
+    "tokenizer": st.sampled_from(["", "gpt2"]), "pretrained": st.booleans(),
+    **{name: st.sampled_from(questions()[name].choice_values)
+       for name in ("precision", "checkpoint", "launcher", "activation_checkpointing")},
+    **{name: st.booleans() for name in ("compile", "cpu_offload", "prefetch", "tensorboard", "wandb")},
+}  # fmt: skip
+FEATURES = [{}, {"tp": 2}, {"moe": True}, {"moe": True, "ep": 2}, {"cp": 2}, {"pp": 2}, {"float8": True},
+            {"lora": True}, {"task": "sft"}]  # fmt: skip
+
+
+def _valid(drawn: dict) -> dict:
+    """Every question answered: the drawn answers over the defaults."""
+    defaults = {name: question.default for name, question in questions().items() if name != "project_name"}
+    answers = {**defaults, **drawn}
+    if answers["family"] == "hf":
+        answers["hf_model"] = "meta-llama/Llama-3.2-1B"
+    else:
+        del answers["hf_model"], answers["pretrained"]
+    return answers
+
+
+RECORDED = st.builds(lambda everyday, feature: _valid({**everyday, **feature}), st.fixed_dictionaries(EVERYDAY),
+                     st.sampled_from(FEATURES)).filter(lambda answers: not validate(answers))  # fmt: skip
+CHANGES = st.sampled_from([
+    ("nodes", 4), ("tensorboard", True), ("wandb", True), ("prefetch", False), ("checkpoint", "full"),
+    ("activation_checkpointing", "layer"), ("launcher", "slurm"),
+])  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+@given(RECORDED, CHANGES, st.sampled_from(["new --force", "update"]))
+def test_a_rerender_keeps_every_recorded_answer_it_is_not_given(recorded: dict, change: tuple, command: str) -> None:
+    """`new --force` and `update` with one answer given: every other recorded answer is the one used (none falls
+    back to its default: `new --force --nodes 4` on an hf + LoRA project stays hf + LoRA)."""
+    name, value = change
+    assume(recorded[name] != value and not validate({**recorded, name: value}))
+    flag = questions()[name].flag
+    option = ([flag] if value else [f"--no-{flag[2:]}"]) if isinstance(value, bool) else [flag, str(value)]
+    with tempfile.TemporaryDirectory() as tmp:
+        project = Path(tmp) / "run"
+        project.mkdir()
+        stamped = {"_commit": f"v{__version__}", "_src_path": TEMPLATE_REPOSITORY, "project_name": "run", **recorded}
+        (project / ".copier-answers.yml").write_text(yaml.safe_dump(stamped, sort_keys=False))
+        if command == "update":
+            for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "generated"]):
+                subprocess.run(["git", "-C", str(project), *args], check=True, capture_output=True, env=GIT_ENV)
+            result = invoke("update", str(project), *option)
+        else:
+            result = invoke("new", str(project), "--force", *option)
+        assert result.exit_code == 0, result.output
+        used = yaml.safe_load((project / ".copier-answers.yml").read_text())
+    assert used == {**stamped, name: value}
