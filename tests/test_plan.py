@@ -16,26 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2gen.plan import (
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_activations import head_activation_bytes
+from fsdp2gen.plan_layout import (
     AC_MODES,
     GPUS,
     GRAD_SYNC_MODES,
-    LLAMA_SIZES,
     TEMPLATE_GRAD_SYNC,
     TEMPLATE_LOSS_CHUNKS,
-    TEMPLATE_MODEL,
-    TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
-    LlamaShape,
     PlanRequest,
-    build_request,
-    estimate,
-    head_activation_bytes,
-    parameter_count,
-    parameter_shapes,
 )
+from fsdp2gen.plan_shapes import LLAMA_SIZES, TEMPLATE_MODEL, TEMPLATE_SIZES, parameter_count, parameter_shapes
 from fsdp2gen.questions import questions
-from fsdp2gen.sizes import field_default
+from fsdp2gen.sizes import LlamaShape, field_default
 from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
