@@ -181,12 +181,21 @@ def op_level_kept_bytes(
 
 
 def activation_bytes(
-    model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, tp: int = 1, loss_chunks: int = 1, ep: int = 1
+    model: LlamaShape,
+    batch: int,
+    seq_len: int,
+    compute: int,
+    ac: str,
+    tp: int = 1,
+    loss_chunks: int = 1,
+    ep: int = 1,
+    every: int = 2,
 ) -> int:
     """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
 
     full: every block keeps only its input, and backward recomputes one block at a time.
-    layer: every second block (index 0, 2, ...) is checkpointed whole (torchtitan's selective_ac_option=2).
+    layer: every `every`-th block (index 0, every, ...: parallel.activation_checkpoint_every, 2 by default as
+    torchtitan's selective_ac_option=2) is checkpointed whole.
     selective: op-level, every block keeps its input and its expensive ops' outputs (op_level_kept_bytes), and
     backward recomputes the rest of one block at a time.
     With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
@@ -198,8 +207,8 @@ def activation_bytes(
     if ac == "selective":
         kept = sum(op_level_kept_bytes(model, batch, seq_len, compute, tp, kind) for kind in moe)
         return model.n_layers * block_input + kept + max(blocks.values()) + head
-    # layer: blocks 0, 2, 4, ... are checkpointed; full: all of them. Backward recomputes one at a time.
-    checkpointed = {"none": [], "layer": moe[::2], "full": moe}[ac]
+    # layer: blocks 0, every, 2 x every, ... are checkpointed; full: all of them. Backward recomputes one at a time.
+    checkpointed = {"none": [], "layer": moe[::every], "full": moe}[ac]
     kept = sum(blocks[kind] for kind in moe) - sum(blocks[kind] for kind in checkpointed)
     recompute = max((blocks[kind] for kind in checkpointed), default=0)
     return kept + len(checkpointed) * block_input + recompute + head
@@ -231,7 +240,7 @@ def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: i
     return (2 * FP32 * q + compute * q // 2) + (4 * compute + 2 * FP32) * kv + compute * cp * kv + FP32 * lse // 2
 
 
-def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str) -> int:
+def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, every: int = 2) -> int:
     """How an hf model's activations differ from activation_bytes' llama count: rotary's cos and sin, computed
     once per forward (batch x seq x head_dim each, compute dtype) and used by every block; the final norm's one
     fp32 copy (model.py keeps two); and in each block that keeps its activations, and the one backward
@@ -247,7 +256,8 @@ def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute
     block = hf_block_activation_bytes(model, batch, seq_len, compute) - block_activation_bytes(
         model, batch, seq_len, compute
     )
-    kept = {"none": model.n_layers, "selective": 1, "layer": model.n_layers // 2 + 1, "full": 1}[ac]
+    layer = model.n_layers - math.ceil(model.n_layers / every) + 1  # the blocks layer AC keeps, and one recomputed
+    kept = {"none": model.n_layers, "selective": 1, "layer": layer, "full": 1}[ac]
     # Selective AC with LoRA: every block keeps more matmul outputs (lora_op_level_delta).
     matmuls = model.n_layers * lora_op_level_delta(model, batch, seq_len, compute) if ac == "selective" else 0
     return rotary + final_norm + matmuls + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
@@ -258,7 +268,9 @@ def activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
     tokens."""
     model, seq = request.model, request.local_seq_len
     return {
-        mode: activation_bytes(model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep)
-        + family_activation_bytes(model, request.batch, seq, compute, mode)
+        mode: activation_bytes(
+            model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep, request.ac_every
+        )
+        + family_activation_bytes(model, request.batch, seq, compute, mode, request.ac_every)
         for mode in AC_MODES
     }

@@ -15,6 +15,7 @@ from fsdp2gen.plan_families import (
     read_hf_config,
     read_lora,
 )
+from fsdp2gen.plan_keys import parallel_settings
 from fsdp2gen.plan_layout import (
     GRAD_SYNC_MODES,
     TEMPLATE_GRAD_SYNC,
@@ -36,6 +37,7 @@ from fsdp2gen.sizes import (
 LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--ep": 2**16, "--batch": 2**16, "--seq": 2**24}
 
 LIMITS |= {"--pp": 2**12, "--pp-stages-per-rank": 2**12, "--grad-accum-steps": 2**16}
+LIMITS |= {"--dp-replicate": 16384, "--loss-chunks": 2**24}
 
 MODEL_LIMITS = {
     "dim": 2**17,
@@ -187,6 +189,12 @@ def _project_pipeline(path: Path, answers: dict[str, Any]) -> dict[str, Any]:
     return {"pp": pp, "pp_schedule": schedule, "pp_stages_per_rank": v, "pp_layers": tuple(layers)}
 
 
+def _parallel_settings(path: Path, answers: dict[str, Any]) -> dict[str, Any]:
+    """config.toml's [parallel] memory keys but the degrees (plan_keys.py's parallel_settings)."""
+    parallel = read_toml(path).get("parallel", {})
+    return parallel_settings(path, parallel if isinstance(parallel, dict) else {}, answers)
+
+
 def _default(name: str, answers: dict[str, Any]) -> Any:
     """The answer the project was generated with, else the template's default (copier.yml)."""
     return answers.get(name, questions()[name].default)
@@ -213,6 +221,7 @@ def project_request(config: Path, tp: int | None, seq: int | None, cp: int | Non
     pipeline = _project_pipeline(config, answers)
     return PlanRequest(
         **pipeline,
+        **_parallel_settings(config, answers),
         model=shape_of(model_keys),
         label=str(config),
         gpus=_default("gpus", answers),
@@ -275,6 +284,7 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
     lora = f" + LoRA rank {model.lora.rank}" if model.lora else ""
     task = str(_default("task", answers))
     return PlanRequest(
+        **_parallel_settings(config, answers),
         model=model,
         label=f"{config} ({model.model_type} {model.source}{lora}, task {task})",
         gpus=_default("gpus", answers),

@@ -73,12 +73,14 @@ def layout_module() -> ModuleType:
     return module
 
 
-def parallel_layout(world_size: int, tp: int, cp: int = 1, pp: int = 1) -> Any:
+def parallel_layout(
+    world_size: int, tp: int, cp: int = 1, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1
+) -> Any:
     """The ParallelLayout of a project with parallel.tp = `tp` (and parallel.cp = `cp`, parallel.pp = `pp`) on
-    `world_size` ranks, FSDP over the rest. A project without context (pipeline) parallelism has no parallel.cp
-    (parallel.pp): only cp > 1 (pp > 1) names it."""
+    `world_size` ranks, `dp_replicate` copies (HSDP) of FSDP over `dp_shard` ranks (-1: the rest). A project without
+    context (pipeline) parallelism has no parallel.cp (parallel.pp): only cp > 1 (pp > 1) names it."""
     extra = ({"cp": cp} if cp > 1 else {}) | ({"pp": pp} if pp > 1 else {})
-    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=tp, **extra)
+    parallel = SimpleNamespace(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, **extra)
     return layout_module().ParallelLayout.of(parallel, world_size)
 
 
@@ -108,6 +110,15 @@ class PlanRequest:
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
     pp_layers: tuple[int, ...] = ()
+    # HSDP (parallel.dp_replicate, dp_shard): dp_replicate copies of the model, each sharded over dp_shard ranks
+    # (-1: the rest). The state per GPU is that of dp_shard x cp ranks, not of all of them.
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ac_every: int = 2  # parallel.activation_checkpoint_every: "layer" AC checkpoints the blocks whose index it divides
+    prefetch_blocks: int = 1  # parallel.prefetch_blocks: blocks all-gathered ahead (0: FSDP2's implicit one)
+    # The config's keys off their defaults that change memory in a way plan does not model (plan_config.py's
+    # CONFIG_KEYS), as "key = value: why"; the report lists them under the plan.
+    unmodelled: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -115,14 +126,19 @@ class PlanRequest:
 
     @property
     def data_ranks(self) -> int:
-        """The ranks that read different samples (layout.py's data_ranks: dp_shard, without cp and tp)."""
-        return parallel_layout(self.world_size, self.tp, self.cp, self.pp).data_ranks
+        """The ranks that read different samples: layout.py's data_ranks, dp_replicate x dp_shard."""
+        return self.layout.data_ranks
+
+    @property
+    def layout(self) -> Any:
+        """The project's ParallelLayout of this request (layout.py's)."""
+        return parallel_layout(self.world_size, self.tp, self.cp, self.pp, self.dp_replicate, self.dp_shard)
 
     @property
     def fsdp_ranks(self) -> int:
         """The ranks a parameter is sharded over: dp_shard x cp (FSDP over the flattened mesh, as torchtitan), so
         for a fixed number of GPUs and tp the state per GPU does not change with cp."""
-        return self.data_ranks * self.cp
+        return self.layout.dp_shard * self.cp
 
     @property
     def local_seq_len(self) -> int:

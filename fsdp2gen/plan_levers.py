@@ -39,11 +39,19 @@ def find_levers(plan: Plan) -> list[Lever]:
     elif not isinstance(request.model, HfShape):
         options += _cp_levers(plan) if request.pp == 1 else []
         options += _pp_levers(plan)
-    more = replace(request, nodes=request.nodes * 2)
+    if request.dp_replicate > 1:
+        # HSDP: sharding over every data rank instead of dp_shard of them divides the state by dp_replicate.
+        flat = replace(request, dp_replicate=1, dp_shard=-1)
+        options.append((f"--dp-replicate 1 (FSDP over {flat.fsdp_ranks} ranks instead of {request.fsdp_ranks})", flat))
+    # More nodes shard the state further under FSDP; under HSDP (dp_replicate = nodes, as a project is generated)
+    # they add copies of the same shards, and save only what a smaller micro-batch saves.
+    replicas = request.dp_replicate * 2 if request.dp_replicate == request.nodes > 1 else request.dp_replicate
+    more = replace(request, nodes=request.nodes * 2, dp_replicate=replicas)
     if request.micro_batch is None and request.global_batch_size is not None:
         if request.global_batch_size % (more.data_ranks * (request.grad_accum_steps or 1)):
             more = replace(more, micro_batch=request.batch)  # the global batch cannot be split further
-    options.append((f"--nodes {more.nodes} ({more.world_size} GPUs)", more))
+    copies = f", dp_replicate {replicas}: more copies, the same shards" if replicas > 1 else ""
+    options.append((f"--nodes {more.nodes} ({more.world_size} GPUs{copies})", more))
     levers = []
     for option, changed in options:
         total = memory_plan(changed).per_gpu["total"]
@@ -77,7 +85,10 @@ def _pp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
     if request.cp > 1 or request.model.tie_embeddings:
         return []
     pp = request.pp * 2
-    while request.world_size % (pp * request.tp) == 0 and request.model.n_layers >= pp * request.pp_stages_per_rank:
+    while (
+        request.world_size % (pp * request.tp * request.dp_replicate) == 0
+        and request.model.n_layers >= pp * request.pp_stages_per_rank
+    ):
         m = max(request.grad_accum_steps or 1, pp * request.pp_stages_per_rank)
         changed = replace(request, pp=pp, micro_batch=request.batch, grad_accum_steps=m, pp_layers=())
         label = f"--pp {pp}" + (f" --grad-accum-steps {m}" if m != request.grad_accum_steps else "")
@@ -96,7 +107,7 @@ def _cp_levers(plan: Plan) -> list[tuple[str, PlanRequest]]:
     that each forward keeps the same micro-batch."""
     request, found = plan.request, []
     cp = request.cp * 2
-    while request.world_size % (cp * request.tp) == 0 and cp_takes(
+    while request.world_size % (cp * request.tp * request.dp_replicate) == 0 and cp_takes(
         request.seq_len, cp, request.tp, request.loss_chunks
     ):
         factor = cp // request.cp

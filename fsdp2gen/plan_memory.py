@@ -27,7 +27,8 @@ The estimate follows what a generated project's train.py and model.py actually d
   FSDPMemTracker (1B without TP, the 8B headline run at batch 2 x 8192, 70B with TP 8) and 16% over with CPU offload,
   against the simulated step (a project's scripts/plan_memory.py) in tests/test_plan_simulation.py; every row is now
   within 10% (the largest gap, -9% for 70B with TP 8: DTensor copies at the end of backward not modelled).
-- `reserved` is what the CUDA caching allocator holds at that peak (RESERVED_RATIO, measured the same way).
+- `reserved` adds what the GPU holds beyond the live tensors at that peak, a row per source (plan_reserved.py): the
+  caching allocator's rounding (measured the same way), its per-stream pools and fragmentation, NCCL's buffers.
 
 The generator must not import torch, so everything here is arithmetic on shapes.
 """
@@ -35,7 +36,7 @@ The generator must not import torch, so everything here is arithmetic on shapes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp2gen import plan_pp
@@ -51,6 +52,7 @@ from fsdp2gen.plan_families import (
     is_trainable,
 )
 from fsdp2gen.plan_layout import GPUS, PlanRequest, gathered_numel, largest_block, request_shard_numel
+from fsdp2gen.plan_reserved import largest_request, reserved_rows
 from fsdp2gen.plan_shapes import (
     COMPUTE_BYTES,
     EMBEDDINGS,
@@ -61,14 +63,9 @@ from fsdp2gen.plan_shapes import (
     parameter_shapes,
 )
 
-# Left for the CUDA context, NCCL's own buffers and allocator fragmentation.
+# What a plan may allocate of a GPU: the rest is for the CUDA context and what plan_reserved.py's rows count beyond the
+# allocated peak (allocator rounding, stream pools and fragmentation, NCCL's buffers).
 USABLE_FRACTION = 0.9
-
-# What the CUDA caching allocator reserves (nvidia-smi's figure, what an OOM reports) over what is allocated, at the
-# step's peak: it rounds each block up (to 512 bytes, or 2 MiB above 1 MiB). Measured by the project's
-# scripts/plan_memory.py (the live tensors at FSDPMemTracker's peak, each rounded): at most 1.005x over
-# tests/test_plan_simulation.py's matrix; fragmentation over many steps comes on top (USABLE_FRACTION's margin).
-RESERVED_RATIO = 1.01
 
 
 @dataclass
@@ -85,7 +82,8 @@ class Plan:
     parameters: int  # of the whole model
     per_gpu: dict[str, int]
     activations: dict[str, int]  # by AC mode
-    reserved: int  # what the caching allocator holds at the peak (per_gpu["total"] allocated, blocks rounded)
+    # The allocated peak (per_gpu["total"]) plus reserved_rows: what the GPU holds at the peak but the CUDA context.
+    reserved: int
     host_per_gpu: int  # with --cpu-offload: the state that lives in CPU memory
     # checkpoint = "full": rank 0 gathers the whole model and AdamW state in its CPU memory to write them
     full_checkpoint_host: int
@@ -96,6 +94,8 @@ class Plan:
     active_parameters: int = 0  # that one token goes through: parameters less the experts it is not routed to
     # pp > 1: the schedule, its bubble and every pipeline rank's total; per_gpu is the worst rank's (plan_pp.py).
     pipeline: dict[str, Any] | None = None
+    # What the GPU holds beyond the live tensors at the peak, by source (plan_reserved.py's RESERVED_ROWS).
+    reserved_rows: dict[str, int] = field(default_factory=dict)
 
 
 def memory_plan(request: PlanRequest) -> Plan:
@@ -129,7 +129,9 @@ def memory_plan(request: PlanRequest) -> Plan:
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu |= _exchange_buffers(request, compute)
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
-    per_gpu["total"] = _peak(request, per_gpu, shapes, compute)
+    per_gpu["total"], comm_at_peak = _peak(request, per_gpu, shapes, compute)
+    comm_buffers = per_gpu["all_gather_buffers"] + per_gpu["reduce_scatter_buffers"]
+    rows = reserved_rows(request, per_gpu["total"], comm_buffers, comm_at_peak, _largest_request(request, compute))
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     plan = Plan(
         request=request,
@@ -138,7 +140,8 @@ def memory_plan(request: PlanRequest) -> Plan:
         trainable=trained_total,
         per_gpu=per_gpu,
         activations=activations,
-        reserved=math.ceil(per_gpu["total"] * RESERVED_RATIO),
+        reserved=per_gpu["total"] + sum(rows.values()),
+        reserved_rows=rows,
         host_per_gpu=sum(state.values()) if request.offload else 0,
         # fp32 weights and AdamW's two fp32 moments of every trainable parameter (plus one step count per tensor).
         full_checkpoint_host=FP32 * parameter_count(model) + 2 * FP32 * trained_total + FP32 * len(trainable),
@@ -164,6 +167,13 @@ def pipeline_plan(request: PlanRequest) -> Plan:
     ranks = plan_pp.rank_stages(request)
     worst = plan_pp.worst(ranks)
     model, per_gpu = request.model, worst.per_gpu
+    # The gathered stages stay live the whole step; the reduce-scatter buffer is live at the peak when it is the
+    # reduce-scatter after the last backward (plan_pp.stage_peak), cached on its stream otherwise.
+    in_backward = per_gpu["total"] != plan_pp.at_reduce(per_gpu)
+    comm_buffers = per_gpu["reduce_scatter_buffers"]
+    compute = COMPUTE_BYTES[request.precision]
+    largest = _largest_request(request, compute)
+    rows = reserved_rows(request, per_gpu["total"], comm_buffers, 0 if in_backward else comm_buffers, largest)
     trainable = parameter_count(model)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     m, v = request.grad_accum_steps, request.pp_stages_per_rank
@@ -175,7 +185,8 @@ def pipeline_plan(request: PlanRequest) -> Plan:
         trainable=trainable,
         per_gpu=per_gpu,
         activations=worst.activations,
-        reserved=math.ceil(per_gpu["total"] * RESERVED_RATIO),
+        reserved=per_gpu["total"] + sum(rows.values()),
+        reserved_rows=rows,
         host_per_gpu=worst.host,
         full_checkpoint_host=3 * FP32 * trainable + FP32 * len(parameter_shapes(model)),
         usable_bytes=usable,
@@ -205,8 +216,9 @@ def pipeline_plan(request: PlanRequest) -> Plan:
 
 def _peak(
     request: PlanRequest, per_gpu: dict[str, int], shapes: list[tuple[str, tuple[int, ...]]], compute: int
-) -> int:
-    """The step's peak per GPU: the highest of the three moments of the module docstring."""
+) -> tuple[int, int]:
+    """The step's peak per GPU, the highest of the three moments of the module docstring, and how much of the
+    all-gather and reduce-scatter buffers that moment holds (the rest is cached on FSDP's streams: plan_reserved.py)."""
     # The blocks' backward (the gathered root and blocks and the reduce-scatter buffers, all the activations
     # counted) and the loss's backward, before any block's (only the root is gathered, no reduce-scatter yet, but
     # the logits-sized tensors of loss_backward).
@@ -218,14 +230,27 @@ def _peak(
     # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
     # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input.
     at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit
-    total = max(in_blocks, in_loss, at_root_reduce)
-    if request.grad_accum_steps == 1:
-        # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's
-        # gradient shards appear only as backward frees its activations, so they are not part of the
-        # forward/backward peak; they are at the optimizer step, with the parameters and AdamW state.
-        grads = per_gpu["gradients"]
-        total = max(in_blocks - grads, in_loss - grads, at_step, at_root_reduce)
-    return total
+    grads = per_gpu["gradients"] if request.grad_accum_steps == 1 else 0
+    # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's gradient
+    # shards appear only as backward frees its activations, so they are not part of the forward/backward peak; they
+    # are at the optimizer step, with the parameters and AdamW state.
+    comm = per_gpu["all_gather_buffers"] + per_gpu["reduce_scatter_buffers"]
+    moments = [
+        (in_blocks - grads, comm),
+        (in_loss - grads, compute * root_unit),  # the gathered root
+        (at_root_reduce, FP32 * root_unit),  # the root's reduce-scatter input (and at least the optimizer step's)
+    ]
+    return max(moments, key=lambda moment: moment[0])
+
+
+def _largest_request(request: PlanRequest, compute: int) -> int:
+    """The step's largest short-lived allocation (plan_reserved.largest_request): a gathered block, its fp32
+    reduce-scatter input, or one loss chunk's fp32 logits."""
+    model, tp = request.model, request.tp
+    chunk = (
+        FP32 * request.batch * math.ceil(request.local_seq_len / request.loss_chunks) * math.ceil(model.vocab_size / tp)
+    )
+    return largest_request(largest_block(request, parameter_shapes(model, tp)), chunk, compute)
 
 
 def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> dict[str, int]:
@@ -246,8 +271,9 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
         # balance-loss sum (fp32, moe.py).
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2)
         + FP32 * len(model.moe_layers) * (2 * model.n_experts + 1),
-        # The root stays gathered through forward and backward; a block and the prefetched next one.
-        "all_gather_buffers": compute * (root_unit + 2 * block_unit),
+        # The root stays gathered through forward and backward; a block and the ones prefetched ahead of it
+        # (parallel.prefetch_blocks; 0 leaves FSDP2's implicit prefetch of the next one).
+        "all_gather_buffers": compute * (root_unit + (1 + max(1, request.prefetch_blocks)) * block_unit),
         # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients
         # are copied into an fp32 reduce-scatter input.
         "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,

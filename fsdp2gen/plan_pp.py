@@ -233,8 +233,8 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
         kept = len(blocks) * block
     elif ac == "full":
         kept = len(blocks) * block_input
-    elif ac == "layer":  # blocks with an even global index are checkpointed (as activation_checkpoint.py)
-        checkpointed = sum(1 for i in blocks if i % 2 == 0)
+    elif ac == "layer":  # blocks whose global index activation_checkpoint_every divides (activation_checkpoint.py)
+        checkpointed = sum(1 for i in blocks if i % request.ac_every == 0)
         kept = checkpointed * block_input + (len(blocks) - checkpointed) * block
     else:  # selective: each block keeps its input and its expensive ops' outputs
         kept = len(blocks) * (block_input + op_level_kept_bytes(model, batch, seq, compute, tp))
@@ -326,8 +326,15 @@ def stage_peak(per_gpu: dict[str, int]) -> int:
     base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
     base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
     in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
-    at_reduce = base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
-    return max(in_backward, at_reduce)
+    return max(in_backward, at_reduce(per_gpu))
+
+
+def at_reduce(per_gpu: dict[str, int]) -> int:
+    """A rank's memory at the reduce-scatter after its last backward: the gradient shards appear while the unsharded
+    gradients are still there."""
+    base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
+    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
+    return base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
 
 
 def worst(ranks: list[RankStages]) -> RankStages:

@@ -13,6 +13,7 @@ from fsdp2gen.plan_families import (
 from fsdp2gen.plan_layout import GPUS, PlanRequest, gathered_numel, request_shard_numel
 from fsdp2gen.plan_memory import Plan
 from fsdp2gen.plan_pp import bubble_formula
+from fsdp2gen.plan_reserved import RESERVED_ROWS
 from fsdp2gen.plan_shapes import COMPUTE_BYTES, FP32, GIB, MIB, has_experts, is_expert, parameter_shapes
 
 
@@ -84,12 +85,14 @@ def format_text(plan: Plan) -> str:
         *_memory_rows(plan),
         *_activation_rows(plan),
         f"{'total':<48}{_size(plan.per_gpu['total']):>12}",
-        f"{'reserved by the CUDA caching allocator':<48}{_size(plan.reserved):>12}",
+        *_reserved_rows(plan),
+        f"{'reserved (nvidia-smi less the CUDA context)':<48}{_size(plan.reserved):>12}",
     ]
     if request.offload:
         lines.append(f"{'CPU memory per GPU (offloaded state)':<48}{_size(plan.host_per_gpu):>12}")
     lines.append(f"{'rank 0 CPU memory to write a full checkpoint':<48}{_size(plan.full_checkpoint_host):>12}")
     lines += _verdict_lines(plan)
+    lines += [f"not modelled: {note}" for note in request.unmodelled]
     return "\n".join(lines)
 
 
@@ -117,6 +120,7 @@ def _setup_line(request: PlanRequest) -> str:
         f"{request.gpus} GPU(s) x {request.nodes} node(s)"
         + (f", PP {request.pp} (outermost)" if request.pp > 1 else "")
         + f", FSDP over {request.fsdp_ranks} ranks"
+        + (f" x {request.dp_replicate} copies (HSDP)" if request.dp_replicate > 1 else "")
         + (" per stage" if request.pp > 1 else "")
         + (f" (dp_shard {request.data_ranks} x cp {request.cp})" if request.cp > 1 else "")
         + (f" x TP {request.tp}" if request.tp > 1 else "")
@@ -145,6 +149,8 @@ def _memory_rows(plan: Plan) -> list[str]:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         if request.pp > 1 and key == "loss_backward" and not value:
             continue  # not the last stage
+        if key == "all_gather_buffers":
+            label = label.replace("2 blocks", f"{1 + max(1, request.prefetch_blocks)} blocks")
         if request.pp > 1 and key in PP_ROWS:
             label = PP_ROWS[key]
 
@@ -152,12 +158,24 @@ def _memory_rows(plan: Plan) -> list[str]:
     return rows
 
 
+ORDINALS = {1: "block", 2: "2nd", 3: "3rd"}
+
+
+def _reserved_rows(plan: Plan) -> list[str]:
+    """What the GPU holds beyond the allocated peak, a row per source (plan_reserved.py), those that are not 0."""
+    return [
+        f"{'+ ' + label:<48}{_size(plan.reserved_rows[key]):>12}"
+        for key, label in RESERVED_ROWS.items()
+        if plan.reserved_rows.get(key)
+    ]
+
+
 def _activation_rows(plan: Plan) -> list[str]:
     """The activations under every AC mode, so the plan compares them; the one planned is marked (used)."""
     labels = (
         ("none", "no AC"),
         ("selective", "selective AC (op-level)"),
-        ("layer", "layer AC (every 2nd)"),
+        ("layer", f"layer AC (every {ORDINALS.get(plan.request.ac_every, f'{plan.request.ac_every}th')})"),
         ("full", "full AC"),
     )
     rows = []
@@ -251,6 +269,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "nodes": request.nodes,
             "world_size": request.world_size,
             "fsdp_ranks": request.fsdp_ranks,
+            "dp_replicate": request.dp_replicate,
             "tp": request.tp,
             "cp": request.cp,
             "ep": request.ep,
@@ -267,12 +286,14 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "pipeline": plan.pipeline,
         "per_gpu_bytes": plan.per_gpu,
         "reserved_bytes_per_gpu": plan.reserved,
+        "reserved_bytes_by_source": plan.reserved_rows,
         "activations_bytes": plan.activations,
         "host_bytes_per_gpu": plan.host_per_gpu,
         "full_checkpoint_rank0_host_bytes": plan.full_checkpoint_host,
         "gpu": {"name": request.gpu, "memory_bytes": GPUS[request.gpu].memory_bytes, "usable_bytes": plan.usable_bytes},
         "fits": plan.fits,
         "levers": [asdict(lever) for lever in plan.levers],
+        "unmodelled": list(request.unmodelled),
     }
 
 

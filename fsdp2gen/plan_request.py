@@ -21,7 +21,6 @@ from fsdp2gen.plan_layout import (
     PlanRequest,
     expert_layout,
     layout_module,
-    parallel_layout,
 )
 from fsdp2gen.plan_pp import MULTI_STAGE, PP_SCHEDULES
 from fsdp2gen.plan_shapes import COMPUTE_BYTES, MOE_SIZES, SIZES, has_experts
@@ -58,21 +57,28 @@ def build_request(
     pp_schedule: str | None = None,
     pp_stages_per_rank: int | None = None,
     grad_accum_steps: int | None = None,
+    dp_replicate: int | None = None,
+    loss_chunks: int | None = None,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
-    setup of --config's project or of --size, with the options given overriding them."""
+    setup of --config's project (every key of its config.toml that changes memory: plan_keys.py) or of --size,
+    with the options given overriding them."""
     sources = [flag for flag, value in (("--size", size), ("--config", config), ("--hf-config", hf_config)) if value]
     if len(sources) > 1:
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
     numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--ep": ep, "--batch": batch, "--seq": seq}
     numbers |= {"--pp": pp, "--pp-stages-per-rank": pp_stages_per_rank, "--grad-accum-steps": grad_accum_steps}
-    ac = activation_checkpointing or "none"
+    numbers |= {"--dp-replicate": dp_replicate, "--loss-chunks": loss_chunks}
+    ac = activation_checkpointing
     _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
     request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "ep": ep, "micro_batch": batch}
-    given |= {"grad_sync": grad_sync, "offload": bool(cpu_offload), "ac": ac, "gpu": gpu_type}
+    given |= {"grad_sync": grad_sync, "offload": cpu_offload, "ac": ac, "gpu": gpu_type, "loss_chunks": loss_chunks}
+    given |= {"dp_replicate": dp_replicate}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
     request = _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps)
+    if loss_chunks is not None and loss_chunks > request.seq_len:  # a config's is checked with its seq_len
+        raise PlanError(f"--loss-chunks {loss_chunks} exceeds the sequence length ({request.seq_len}); lower it")
     _check_request(request, config)
     return request
 
@@ -89,7 +95,7 @@ def _pipeline_request(
     changed = replace(request, pp=pp or request.pp, pp_schedule=schedule or request.pp_schedule)
     interleaved = changed.pp_schedule in MULTI_STAGE
     v = stages_per_rank or request.pp_stages_per_rank
-    if stages_per_rank is None and (v >= 2) != interleaved:
+    if schedule is not None and stages_per_rank is None and (v >= 2) != interleaved:
         v = 2 if interleaved else 1
     changed = replace(changed, pp_stages_per_rank=v)
     if (changed.pp, v) != (request.pp, request.pp_stages_per_rank):
@@ -102,12 +108,12 @@ def _pipeline_request(
 
 
 def _check_options(
-    numbers: dict[str, int | None], *, ac: str, gpu_type: str, precision: str | None, grad_sync: str | None
+    numbers: dict[str, int | None], *, ac: str | None, gpu_type: str, precision: str | None, grad_sync: str | None
 ) -> None:
     """The options' own checks, before any file is read: counts in range, names among the choices."""
     for name, value in numbers.items():
         _positive(name, value, LIMITS[name])
-    if ac not in AC_MODES:
+    if ac is not None and ac not in AC_MODES:
         raise PlanError(f"--activation-checkpointing {ac}: choose one of {', '.join(AC_MODES)}")
     if gpu_type not in GPUS:
         raise PlanError(f"--gpu-type {gpu_type}: unknown GPU; choose one of {', '.join(GPUS)}")
@@ -159,7 +165,7 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     _check_pipeline(request)
     # layout.py's checks, as preflight.py runs them, worded with plan's options.
     cp = request.cp
-    layout = parallel_layout(request.world_size, tp, cp, request.pp)
+    layout = request.layout
     training = SimpleNamespace(
         seq_len=seq_len,
         global_batch_size=request.global_batch_size,
@@ -238,6 +244,12 @@ def _plan_wording(problem: str, request: PlanRequest) -> str:
         named = f"--cp {cp}" if tp == 1 else f"--cp {cp} x --tp {tp}"
         fix = "a divisor" if tp == 1 else "degrees whose product divides it"
         ranks = f"{named} does not divide {request.world_size} GPUs; choose {fix}"
+    if request.dp_replicate > 1 or request.dp_shard != -1:  # HSDP: its groups must tile the GPUs too
+        shard = "the rest" if request.dp_shard == -1 else str(request.dp_shard)
+        ranks = (
+            f"dp_replicate {request.dp_replicate} x dp_shard ({shard}) x cp {cp} x tp {tp} does not make the "
+            f"{request.world_size} GPUs; change --dp-replicate or parallel.dp_replicate / dp_shard"
+        )
     return {
         "ranks": ranks,
         # n_heads is a multiple of n_kv_heads (checked above): tp divides both when it divides n_kv_heads.
