@@ -72,7 +72,8 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
     plans = []
     for seq_len in SWEEP_SEQ_LENS:
         for cp in SWEEP_CPS:
-            if request.world_size % (cp * request.tp) or not cp_takes(seq_len, cp, request.tp, request.loss_chunks):
+            ranks = cp * request.tp * request.dp_replicate  # HSDP's copies keep their GPUs
+            if request.world_size % ranks or not cp_takes(seq_len, cp, request.tp, request.loss_chunks):
                 continue
             model = replace(request.model, max_seq_len=max(request.model.max_seq_len, seq_len))
             changed = replace(request, model=model, seq_len=seq_len, cp=cp, micro_batch=request.batch)
