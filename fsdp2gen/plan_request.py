@@ -244,8 +244,8 @@ def _plan_wording(problem: str, request: PlanRequest) -> str:
         named = f"--cp {cp}" if tp == 1 else f"--cp {cp} x --tp {tp}"
         fix = "a divisor" if tp == 1 else "degrees whose product divides it"
         ranks = f"{named} does not divide {request.world_size} GPUs; choose {fix}"
-    if request.dp_replicate > 1 or request.dp_shard != -1:  # HSDP: its groups must tile the GPUs too
-        shard = "the rest" if request.dp_shard == -1 else str(request.dp_shard)
+    if request.dp_replicate > 1 or request.dp_shard > 0:  # HSDP: its groups must tile the GPUs too
+        shard = str(request.dp_shard) if request.dp_shard > 0 else "the rest"
         ranks = (
             f"dp_replicate {request.dp_replicate} x dp_shard ({shard}) x cp {cp} x tp {tp} does not make the "
             f"{request.world_size} GPUs; change --dp-replicate or parallel.dp_replicate / dp_shard"
