@@ -87,7 +87,8 @@ if [[ -n "$LONG" ]]; then
   # SEQ: the longest power-of-2 sequence (from 4096) that cp 1 fits, and the plan's totals of the three runs.
   read -r SEQ PLAN_CP1 PLAN_CP2 PLAN_LONG < <("$PYTHON" - "$NPROC" "$LC_AC" "$GPU_TYPE" <<'PY'
 import sys
-from fsdp2gen.plan import GIB, build_request, estimate
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_shapes import GIB
 
 gpus, ac, gpu_type = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
@@ -134,7 +135,8 @@ if [[ -n "$PP" ]]; then
   # The plan's per-GPU totals of both runs (the worst stage for pp 2) and the 1F1B bubble.
   read -r PLAN_FSDP PLAN_PP BUBBLE < <("$PYTHON" - "$NPROC" "$BATCH" "$PP_MICRO" "$GPU_TYPE" <<'PY'
 import sys
-from fsdp2gen.plan import GIB, build_request, estimate
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_shapes import GIB
 from fsdp2gen.plan_pp import bubble_fraction
 
 gpus, batch, micro, gpu_type = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

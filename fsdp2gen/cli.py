@@ -500,13 +500,15 @@ def _checkable_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-# The options `plan` shares with `new` (a project's answers): the question's flag, choices, type and help; a
-# generated project's own answer is the default under --config. (Activation checkpointing and CPU offload are
-# what-ifs: planned off unless given, whatever the project's answer.)
+# The options `plan` shares with `new` (a project's answers): the question's flag, choices, type and help; under
+# --config the project's config.toml (or its recorded answer) is the default, and a flag given overrides it.
 PLAN_ANSWERS = ["gpus", "nodes", "precision", "tp"]
 PLAN_OPTIONS = [
     _option(QUESTIONS[name], shown_default=f"{QUESTIONS[name].default}, or the project's") for name in PLAN_ANSWERS
-] + [_option(QUESTIONS[name]) for name in ("activation_checkpointing", "cpu_offload")]
+] + [
+    _option(QUESTIONS[name], shown_default=f"{QUESTIONS[name].default}, or the project's parallel.{name}")
+    for name in ("activation_checkpointing", "cpu_offload")
+]
 
 
 def _size_names() -> str:
@@ -582,6 +584,22 @@ GradAccumOption = Annotated[
         show_default=False,
     ),
 ]
+DpReplicateOption = Annotated[
+    int | None,
+    typer.Option(
+        help="HSDP: this many copies of the model, each sharded over the GPUs / dp_replicate (/ tp ...); the state "
+        "per GPU is that of one copy's shard. [default: 1, or the project's parallel.dp_replicate]",
+        show_default=False,
+    ),
+]
+LossChunksOption = Annotated[
+    int | None,
+    typer.Option(
+        help="The loss's logits are computed this many sequence chunks at a time (chunked_loss.py). [default: "
+        "8, or the project's training.loss_chunks]",
+        show_default=False,
+    ),
+]
 CpSweepOption = Annotated[
     bool,
     typer.Option(
@@ -627,6 +645,8 @@ def plan(
     pp_schedule: PpScheduleOption = None,
     pp_stages_per_rank: PpStagesOption = None,
     grad_accum_steps: GradAccumOption = None,
+    dp_replicate: DpReplicateOption = None,
+    loss_chunks: LossChunksOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -641,7 +661,8 @@ def plan(
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
             cp=cp, ep=ep, pp=pp, pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank,
-            grad_accum_steps=grad_accum_steps, **_given_answers(answers),
+            grad_accum_steps=grad_accum_steps, dp_replicate=dp_replicate, loss_chunks=loss_chunks,
+            **_given_answers(answers),
         )  # fmt: skip
         if cp_sweep:
             plans = planner.cp_sweep(request)

@@ -49,14 +49,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp2gen.plan import layout_module
+from fsdp2gen.plan_activations import (
+    block_activation_bytes,
+    head_activation_bytes,
+    loss_backward_bytes,
+    op_level_kept_bytes,
+)
+from fsdp2gen.plan_layout import AC_MODES, layout_module, request_shard_numel
+from fsdp2gen.plan_shapes import COMPUTE_BYTES, FP32, in_block, parameter_shapes
 
 # parallel.pp_schedule's choices (the generated project's config), and what each needs of V, as the project's layout.py
 # says: several stages per rank (2 or more), of which the V-shaped ones place exactly 2 (rank r: r and 2 pp - 1 - r).
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE = layout_module().MULTI_STAGE_SCHEDULES
 V_SHAPED = layout_module().V_SCHEDULES
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,6 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
     """Activations of one rank for AC mode `ac`: `held` micro-batches' saved tensors of a stage of `blocks`, one
     recomputed block under AC, and on the last stage the loss's saved tensors (GPipe: every micro-batch's). With
     held = 1 and every block on one stage this equals plan.activation_bytes (tests/test_plan_pp.py)."""
-    from fsdp2gen.plan import block_activation_bytes, head_activation_bytes, op_level_kept_bytes
 
     model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
     block = block_activation_bytes(model, batch, seq, compute, tp)
@@ -228,8 +233,8 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
         kept = len(blocks) * block
     elif ac == "full":
         kept = len(blocks) * block_input
-    elif ac == "layer":  # blocks with an even global index are checkpointed (as activation_checkpoint.py)
-        checkpointed = sum(1 for i in blocks if i % 2 == 0)
+    elif ac == "layer":  # blocks whose global index activation_checkpoint_every divides (activation_checkpoint.py)
+        checkpointed = sum(1 for i in blocks if i % request.ac_every == 0)
         kept = checkpointed * block_input + (len(blocks) - checkpointed) * block
     else:  # selective: each block keeps its input and its expensive ops' outputs
         kept = len(blocks) * (block_input + op_level_kept_bytes(model, batch, seq, compute, tp))
@@ -241,7 +246,6 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
 
 def rank_stages(request: Any) -> list[RankStages]:
     """Every pipeline rank's stages and per-GPU figures (the module docstring's model)."""
-    from fsdp2gen.plan import COMPUTE_BYTES, layout_module, parameter_shapes
 
     pp, v = request.pp, request.pp_stages_per_rank
     layers = stage_layers(request.model.n_layers, pp * v, request.pp_layers)
@@ -257,12 +261,11 @@ def rank_parameters(
 ) -> list[tuple[str, tuple[int, ...]]]:
     """The (name, shape) of the parameters a rank holding `stages` has: its blocks, the embedding on the first
     stage, the final norm and output layer on the last."""
-    from fsdp2gen.plan import _in_block
 
     mine = {i for s in stages for i in layers[s]}
 
     def holds(name: str) -> bool:
-        if _in_block(name):
+        if in_block(name):
             return int(name.split(".")[1]) in mine
         return (0 in stages) if name.startswith("tok_embeddings") else (last_stage in stages)
 
@@ -278,16 +281,15 @@ def one_rank(
     compute: int,
 ) -> RankStages:
     """Pipeline rank `rank`'s figures, for its `stages`."""
-    from fsdp2gen.plan import AC_MODES, _in_block, loss_backward_bytes, request_shard_numel
 
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
     last_stage = pp * v - 1
     own = rank_parameters(shapes, stages, layers, last_stage)
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
     gathered = sum(math.prod(shape) for _, shape in own)
-    blocks = {int(n.split(".")[1]) for n, _ in own if _in_block(n)}
-    units = [sum(math.prod(s) for n, s in own if _in_block(n) and int(n.split(".")[1]) == i) for i in blocks]
-    units.append(sum(math.prod(s) for n, s in own if not _in_block(n)))
+    blocks = {int(n.split(".")[1]) for n, _ in own if in_block(n)}
+    units = [sum(math.prod(s) for n, s in own if in_block(n) and int(n.split(".")[1]) == i) for i in blocks]
+    units.append(sum(math.prod(s) for n, s in own if not in_block(n)))
     last = last_stage in stages
     held = in_flight(request.pp_schedule, pp, rank, m, v)
     # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
@@ -324,8 +326,15 @@ def stage_peak(per_gpu: dict[str, int]) -> int:
     base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
     base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
     in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
-    at_reduce = base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
-    return max(in_backward, at_reduce)
+    return max(in_backward, at_reduce(per_gpu))
+
+
+def at_reduce(per_gpu: dict[str, int]) -> int:
+    """A rank's memory at the reduce-scatter after its last backward: the gradient shards appear while the unsharded
+    gradients are still there."""
+    base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
+    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
+    return base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
 
 
 def worst(ranks: list[RankStages]) -> RankStages:

@@ -78,7 +78,8 @@ def test_gpu_script_cpu_dry_run_reports_throughput_and_mfu() -> None:
 def test_gpu_script_long_context_plans_its_runs_and_refuses_cpu() -> None:
     # The long-context runs need 2+ CUDA GPUs (context parallelism has no CPU attention kernel): on CPU the script
     # prints the runs `fsdp2gen plan` chose, and refuses to train. SEQ is checked against the plan itself here.
-    from fsdp2gen.plan import GIB, build_request, estimate
+    from fsdp2gen.plan import build_request, estimate
+    from fsdp2gen.plan_shapes import GIB
 
     def plan(seq: int, cp: int, gpus: int):
         request = build_request(size="1b", gpus=gpus, precision="bf16", seq=seq, cp=cp, batch=1)
@@ -206,7 +207,8 @@ def test_gpu_script_pp_compares_pp2_with_fsdp_on_the_same_ranks_or_says_it_is_sk
     # The PP entry of the first multi-GPU run: pp 2 (Schedule1F1B) vs FSDP on the same GPUs, ratios from the same
     # invocation. Planned for 2 and 8 GPUs (no GPU needed), skipped in one line on fewer than 2, and run once on 2
     # CPU ranks with the tiny model so that the script and its report cannot rot.
-    from fsdp2gen.plan import GIB, build_request, estimate
+    from fsdp2gen.plan import build_request, estimate
+    from fsdp2gen.plan_shapes import GIB
 
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "GPU_TYPE": "h100-80gb"}
     for gpus in (2, 8):

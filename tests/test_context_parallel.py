@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan import layout_module
+from fsdp2gen.plan_layout import layout_module
 from tests.conftest import HELPERS, TINY, generate, metrics, torchrun_env
 
 SHIM = HELPERS / "cp_cpu_shim"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2gen.plan import FP32, block_activation_bytes, op_level_kept_bytes
+from fsdp2gen.plan_activations import block_activation_bytes, op_level_kept_bytes
+from fsdp2gen.plan_shapes import FP32
 from fsdp2gen.sizes import LlamaShape
 from tests.conftest import HELPERS, TINY, generate, metrics, torchrun, torchrun_env
 

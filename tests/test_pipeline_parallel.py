@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fsdp2gen.plan import layout_module
+from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, torchrun_env
 from tests.test_launchers import launch_two_nodes
 

@@ -7,6 +7,7 @@ import ast
 import importlib.machinery
 import importlib.util
 import json
+import math
 import re
 import subprocess
 import sys
@@ -16,26 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2gen.plan import (
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_activations import head_activation_bytes
+from fsdp2gen.plan_layout import (
     AC_MODES,
     GPUS,
     GRAD_SYNC_MODES,
-    LLAMA_SIZES,
     TEMPLATE_GRAD_SYNC,
     TEMPLATE_LOSS_CHUNKS,
-    TEMPLATE_MODEL,
-    TEMPLATE_SIZES,
     TEMPLATE_TRAINING,
-    LlamaShape,
     PlanRequest,
-    build_request,
-    estimate,
-    head_activation_bytes,
-    parameter_count,
-    parameter_shapes,
 )
+from fsdp2gen.plan_shapes import LLAMA_SIZES, TEMPLATE_MODEL, TEMPLATE_SIZES, parameter_count, parameter_shapes
 from fsdp2gen.questions import questions
-from fsdp2gen.sizes import field_default
+from fsdp2gen.sizes import LlamaShape, field_default
 from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
@@ -447,20 +442,26 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "gpus": 8,
         "nodes": 2,
         "world_size": 16,
-        "fsdp_ranks": 16,
+        "fsdp_ranks": 8,  # parallel.dp_replicate = 2 (HSDP: 2 copies of 8 shards), as the project is configured
+        "dp_replicate": 2,
         "tp": 1,
         "cp": 1,
         "ep": 1,
         "precision": "bf16",
         "offload": False,
-        "ac": "none",
-        "micro_batch": 2,  # global_batch_size 32 over 16 ranks
+        "ac": "full",  # parallel.activation_checkpointing
+        "micro_batch": 2,  # global_batch_size 32 over 16 data ranks
         "seq_len": 256,
         "grad_accum_steps": 1,
         "grad_sync": "every_micro_batch",
         "loss_chunks": TEMPLATE_LOSS_CHUNKS,  # the file has none: the template's default
     }
     assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512
+    # The keys that change memory in ways plan does not model are named, not silently planned as their defaults.
+    assert [note.split(":")[0] for note in plan["unmodelled"]] == [
+        "parallel.reshard_after_forward = 8",
+        "parallel.compile = true",
+    ]
     fp32 = plan_json("--config", str(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.toml"))
     assert (fp32["setup"]["gpus"], fp32["setup"]["precision"], fp32["setup"]["micro_batch"]) == (1, "fp32", 32)
 
@@ -593,3 +594,32 @@ def test_plan_states_rank_0_memory_for_a_full_checkpoint_as_written(tmp_path: Pa
     assert abs(written - host) <= 0.05 * host, (written, host)
     text = invoke("plan", "--size", "8b", "--gpus", "8").stdout
     assert re.search(r"^rank 0 CPU memory to write a full checkpoint +89\.\d\d GiB$", text, flags=re.M), text
+
+
+def test_reserved_adds_a_row_per_source_beyond_the_allocated_peak() -> None:
+    """fsdp2gen/plan_reserved.py's rows, by hand for Llama 8B on 8 GPUs (one NCCL communicator, FSDP's)."""
+    plan = plan_json("--size", "8b", "--activation-checkpointing", "selective")
+    total, rows = plan["per_gpu_bytes"]["total"], plan["reserved_bytes_by_source"]
+    mib = 2**20
+    block = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096  # wq, wo, wk, wv, w1-3, 2 norms
+    assert rows == {
+        "allocator_rounding": math.ceil(total * 1.01) - total,
+        # The peak is in the blocks' backward, which holds every all-gather and reduce-scatter buffer itself.
+        "allocator_stream_pools": 0,
+        # The largest short-lived request: a block's fp32 reduce-scatter input, in a segment rounded to 2 MiB.
+        "allocator_fragmentation": math.ceil(4 * block / (2 * mib)) * 2 * mib,
+        # 32 channels x 2 ring peers x (Simple 4 MiB + LL 512 KiB), for FSDP's one communicator.
+        "nccl_buffers": 32 * 2 * (4 * mib + mib // 2),
+    }
+    assert plan["reserved_bytes_per_gpu"] == total + sum(rows.values())
+    hsdp_tp = plan_json("--size", "8b", "--nodes", "2", "--dp-replicate", "2", "--tp", "2")
+    assert hsdp_tp["reserved_bytes_by_source"]["nccl_buffers"] == 3 * rows["nccl_buffers"]  # dp_shard, dp_replicate, tp
+    assert plan_json("--size", "debug", "--gpus", "1")["reserved_bytes_by_source"]["nccl_buffers"] == 0
+    # Under pp the peak of the worst rank is its last backward: the reduce-scatter buffer is cached on its stream.
+    pp = plan_json("--size", "8b", "--pp", "2", "--activation-checkpointing", "selective")
+    assert pp["reserved_bytes_by_source"]["allocator_stream_pools"] == pp["per_gpu_bytes"]["reduce_scatter_buffers"]
+    text = invoke("plan", "--size", "8b", "--activation-checkpointing", "selective").stdout
+    for label in ("+ allocator rounding (512 B / 2 MiB blocks)", "+ allocator fragmentation (largest request)",
+                  "+ NCCL buffers (outside the allocator)", "reserved (nvidia-smi less the CUDA context)"):  # fmt: skip
+        assert label in text, label
+    assert "FSDP streams' cached buffers" not in text  # 0: not printed

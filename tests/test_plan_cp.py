@@ -15,16 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan import (
-    AC_MODES,
-    SIZES,
-    SWEEP_SEQ_LENS,
-    LlamaShape,
-    PlanRequest,
-    build_request,
-    estimate,
-    ring_attention_bytes,
-)
+from fsdp2gen.plan import SWEEP_SEQ_LENS, build_request, estimate
+from fsdp2gen.plan_activations import ring_attention_bytes
+from fsdp2gen.plan_layout import AC_MODES, PlanRequest
+from fsdp2gen.plan_shapes import SIZES
+from fsdp2gen.sizes import LlamaShape
 from tests.conftest import HELPERS, invoke, torchrun_env
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

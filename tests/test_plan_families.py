@@ -19,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan import PlanRequest, estimate, parameter_shapes
+from fsdp2gen.plan import estimate
 from fsdp2gen.plan_families import ATTENTION, MLP, HfConfigError, LoraSpec, read_hf_config
+from fsdp2gen.plan_layout import PlanRequest
+from fsdp2gen.plan_shapes import parameter_shapes
 from tests.conftest import HELPERS, generate, invoke, save_tiny_llama
 from tests.test_generator_properties import assert_contract
 

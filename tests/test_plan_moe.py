@@ -16,16 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan import (
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_activations import all_to_all_bytes, moe_activation_parts
+from fsdp2gen.plan_layout import PlanError
+from fsdp2gen.plan_shapes import (
     FP32,
     SIZES,
-    PlanError,
     active_parameter_count,
-    all_to_all_bytes,
-    build_request,
-    estimate,
     expert_shard_numel,
-    moe_activation_parts,
     parameter_count,
     parameter_shapes,
 )

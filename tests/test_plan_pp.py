@@ -13,17 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp2gen import plan_pp
-from fsdp2gen.plan import (
-    AC_MODES,
-    SIZES,
-    LlamaShape,
-    PlanError,
-    PlanRequest,
-    _check_request,
-    activation_bytes,
-    block_activation_bytes,
-    estimate,
-)
+from fsdp2gen.plan import estimate
+from fsdp2gen.plan_activations import activation_bytes, block_activation_bytes
+from fsdp2gen.plan_layout import AC_MODES, PlanError, PlanRequest
+from fsdp2gen.plan_request import _check_request
+from fsdp2gen.plan_shapes import SIZES
+from fsdp2gen.sizes import LlamaShape
 from tests.conftest import invoke
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

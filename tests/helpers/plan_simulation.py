@@ -85,6 +85,8 @@ class Row:
             kind = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft"}[self.project]
             name = f"hf Llama-3.1-8B config.json{kind}"
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
+        replicas = self.extra.get("parallel.dp_replicate", 1)
+        parts += [f"HSDP {replicas} x {self.gpus // replicas}"] if replicas > 1 else []
         micro_batch = self.global_batch_size // (self.gpus // self.tp * self.grad_accum_steps)
         parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
         if self.grad_accum_steps > 1:
@@ -114,10 +116,16 @@ def write_config(project: Path, row: Row) -> Path:
 
 
 def plan_bytes(config: Path, row: Row) -> dict[str, int]:
-    """`fsdp2gen plan --config` of the row: per-GPU allocated and reserved bytes."""
-    request = build_request(config=config, gpus=row.gpus, cpu_offload=row.offload, activation_checkpointing=row.ac)
+    """`fsdp2gen plan --config` of the row: per-GPU allocated and reserved bytes. The row's AC and offload are keys of
+    its config.toml, which plan reads (as configured); only the GPUs are a flag (the project was generated for 8)."""
+    request = build_request(config=config, gpus=row.gpus)
     plan = estimate(request, with_levers=False)
-    return {"allocated": plan.per_gpu["total"], "reserved": plan.reserved}
+    # The simulation rounds each live tensor as the allocator does, and sees nothing else of plan_reserved.py's rows
+    # (no CUDA streams, no history of steps, no NCCL): the rows both have.
+    return {
+        "allocated": plan.per_gpu["total"],
+        "reserved": plan.per_gpu["total"] + plan.reserved_rows["allocator_rounding"],
+    }
 
 
 def simulate(project: Path, config: Path, gpus: int) -> dict:

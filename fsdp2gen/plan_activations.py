@@ -1,0 +1,276 @@
+"""What autograd keeps for backward, op by op, per GPU: a block's, the loss's, under each activation checkpointing
+mode, and the exchange buffers of context and expert parallelism."""
+
+from __future__ import annotations
+
+import math
+
+from fsdp2gen.plan_families import (
+    HfShape,
+    hf_block_activation_bytes,
+    lora_activation_delta,
+    lora_op_level_delta,
+)
+from fsdp2gen.plan_layout import AC_MODES, PlanRequest
+from fsdp2gen.plan_shapes import FP32, INT64
+from fsdp2gen.sizes import (
+    LlamaShape,
+)
+
+
+def norm_activation_bytes(hidden: int, compute: int) -> int:
+    """RMSNorm's saved tensors for `hidden` elements, in model.py's fp32-normalising forward.
+
+    fp32: the input (pow, mul) and the normalised x (weight mul). bf16/fp16: two fp32 copies of the input
+    (x.float() is called twice) and the normalised x cast back to the compute dtype.
+    """
+    return 2 * FP32 * hidden if compute == FP32 else (2 * FP32 + compute) * hidden
+
+
+def moe_activation_parts(model: LlamaShape, tokens: int, compute: int, ep: int = 1) -> dict[str, int]:
+    """What one mixture-of-experts feed-forward (moe.py's MoE) saves for backward, for `tokens` tokens on one rank,
+    by part; all of it is held until the block's backward. (Its input, the normalised tokens, is counted with the
+    block: the router's gate and the shared experts read it as a dense block's w1/w3 do.)
+
+    - router: the scores of all experts (softmax or sigmoid output, fp32), the top_k chosen scores and their sum
+      (the normalisation's division keeps both) and the normalised weights (the combine's multiply keeps them);
+    - indices: the chosen experts (topk's and gather's), the sorted choices' token indices (the dispatch gather)
+      and the inverse order (the combine gather), int64, tokens x top_k each; with ep > 1 two more, the orders
+      expert_parallel.py puts the received copies in (by expert) and back (by sender);
+    - routed copies: tokens x top_k copies of the tokens in expert order, the experts' input (compute dtype);
+      under expert parallelism the copies this rank received from the dispatch all-to-all instead, as many when
+      the routing is balanced;
+    - expert hidden: per routed copy the SwiGLU's w1 output, silu output, w3 output and their product;
+    - combine: the experts' outputs back in token order, in fp32 for the weighted sum over the top_k choices;
+    - shared experts: a dense SwiGLU of n_shared_experts x moe_ffn_dim hidden units.
+    The auxiliary balance loss (model.aux_loss_coef > 0) adds one fp32 per token (the scores' sums): not counted.
+    """
+    routed = tokens * model.top_k
+    return {
+        "router": FP32 * tokens * (model.n_experts + 2 * model.top_k + 1),
+        "indices": INT64 * (3 if ep == 1 else 5) * routed,
+        "routed copies": compute * routed * model.dim,
+        "expert hidden": 4 * compute * routed * model.moe_ffn_dim,
+        "combine": FP32 * routed * model.dim,
+        "shared experts": 4 * compute * tokens * model.n_shared_experts * model.moe_ffn_dim,
+    }
+
+
+def all_to_all_bytes(model: LlamaShape, tokens: int, compute: int, ep: int) -> int:
+    """Expert parallelism's dispatch and combine all-to-alls for one MoE layer: each rank sends its tokens x top_k
+    routed copies and receives as many (balanced routing), in the compute dtype; the send and receive buffers of
+    one exchange coexist, and backward exchanges the gradients the same way. Not held for backward (the received
+    copies are: moe_activation_parts' routed copies), so one layer's pair at the peak. 0 without ep."""
+    if ep == 1 or isinstance(model, HfShape) or not model.n_experts:
+        return 0
+    return 2 * compute * tokens * model.top_k * model.dim
+
+
+def grouped_backward_bytes(model: LlamaShape, tokens: int, compute: int) -> int:
+    """The grouped GEMM's backward (moe.py's grouped_swiglu, torch._grouped_mm: what H100-class GPUs run in bf16):
+    each weight gradient multiplies the transposed routed copies and output gradients, which the kernel takes
+    row-major, so it copies both: tokens x top_k x (dim + moe_ffn_dim) in the compute dtype at w1's/w3's, one
+    layer at a time. Measured by the simulation (fake tensors run the kernel's layout rules); 0 for a dense model."""
+    if isinstance(model, HfShape) or not model.n_experts:
+        return 0
+    return compute * tokens * model.top_k * (model.dim + model.moe_ffn_dim)
+
+
+def block_activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False, ep: int = 1
+) -> int:
+    """Bytes one TransformerBlock saves for backward, for `batch` x `seq_len` tokens, on one rank (`moe`: a
+    mixture-of-experts block, whose feed-forward saves moe_activation_parts; no tensor parallelism there).
+
+    With tp > 1 (train.py's apply_tensor_parallel, torchtitan's layout) a rank holds 1/tp of everything (the
+    norms' tokens, the attention heads, the MLP's hidden units) except the inputs of wq/wk/wv and of w1/w3:
+    attention and the MLP all-gather the sequence, and their first matmuls keep that full input for backward.
+    """
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    kv = tokens * model.n_kv_heads * model.head_dim
+    ffn = tokens * model.ffn_dim
+    split = 2 * norm_activation_bytes(hidden, compute)
+    # Rotated q, k, v and the attention output (laid out as batch, seq, heads, so wo's input is a view of it).
+    split += compute * (hidden + 2 * kv + hidden)
+    # w1 output (silu), silu output and w3 output (their product), and w2's input.
+    split += sum(moe_activation_parts(model, tokens, compute, ep).values()) if moe else 4 * compute * ffn
+    # rsqrt of both norms and attention's logsumexp, in fp32.
+    split += FP32 * (2 * tokens + batch * model.n_heads * seq_len)
+    # The input of wq/wk/wv (one tensor) and the input of w1/w3: full sequence on every tp rank.
+    whole = compute * 2 * hidden
+    if compute != FP32:
+        # MixedPrecisionPolicy casts the block's rotary inputs, (cos, cos) and (-sin, sin), to the compute dtype.
+        whole += 2 * seq_len * model.head_dim * compute
+    return math.ceil(split / tp) + whole
+
+
+def head_activation_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, loss_chunks: int = 1
+) -> int:
+    """Final norm, output layer input, the fp32 log-softmax of the loss, and the token ids and targets.
+
+    With tp > 1 the final norm's tokens and the logits' vocabulary are split (loss_parallel); the output
+    layer's input (all-gathered) and the token ids are whole on every tp rank. With loss_chunks > 1
+    (chunked_loss.py) the log-softmax is that of one chunk of the sequence: forward keeps none, and backward
+    recomputes one chunk at a time while every block's activations are still held.
+    """
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    split = norm_activation_bytes(hidden, compute) + FP32 * tokens
+    return (
+        math.ceil(split / tp)
+        + FP32 * batch * math.ceil(seq_len / loss_chunks) * math.ceil(model.vocab_size / tp)
+        + compute * hidden
+        + 2 * INT64 * tokens
+        + FP32  # cross_entropy's total_weight
+    )
+
+
+def loss_backward_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, loss_chunks: int = 1
+) -> int:
+    """What the loss's backward adds to the saved activations, at its peak. The loss is computed inside the
+    model's forward (chunked_loss.py), so nothing outside it holds the logits; the cross-entropy saved its fp32
+    log-softmax (head_activation_bytes). Its backward makes fp32 tensors of the logits' size: two (the gradients
+    of the log-softmax's output and of its input) without tensor parallelism, three with loss_parallel (the
+    one-hot mask, exp(log-softmax), the scaled gradient). With loss_chunks > 1 those are one chunk's, and the
+    output layer's unsharded gradient (compute dtype) is there from the first chunk on, summing the chunks'.
+    Measured with scripts/plan_memory.py (FSDPMemTracker); tests/test_plan_simulation.py checks it.
+    """
+    vocab = math.ceil(model.vocab_size / tp)
+    chunk_logits = FP32 * batch * math.ceil(seq_len / loss_chunks) * vocab
+    gradients = (3 if tp > 1 else 2) * chunk_logits
+    if loss_chunks == 1:
+        return gradients
+    return gradients + compute * vocab * model.dim
+
+
+def op_level_kept_bytes(
+    model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, moe: bool = False
+) -> int:
+    """Bytes one block keeps under op-level selective AC (activation_checkpoint.py, torchtitan's policy): the
+    outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2; wk, wo and w3 are recomputed), attention's
+    output and logsumexp, and with tp > 1 the two reduce-scatters' outputs (wo's and w2's, sequence-split).
+
+    tp > 1: wq/wv/w1 outputs hold this rank's heads or hidden units (1/tp); w2's output is the full-sequence
+    partial sum that the reduce-scatter then splits. (tests/test_op_level_ac.py measures this figure.)
+
+    `moe`: a mixture-of-experts block's 5th matmul is the router's gate (its output kept), then every other one of
+    the experts' w1, w3, w2 matmuls of the per-expert loop (about half of their outputs) and of the shared
+    experts'. On H100-class GPUs in bf16 the experts run as torch._grouped_mm, which the policy does not keep: this
+    counts the loop's (an upper bound there; not checked against a measurement).
+    """
+    if moe:
+        tokens = batch * seq_len
+        attention = compute * (2 * tokens * model.dim + tokens * model.n_kv_heads * model.head_dim)
+        attention += FP32 * batch * model.n_heads * seq_len
+        routed = tokens * model.top_k
+        shared = model.n_shared_experts * model.moe_ffn_dim
+        experts = compute * (routed * (2 * model.moe_ffn_dim + model.dim) + tokens * (2 * shared + model.dim)) // 2
+        return attention + compute * tokens * model.n_experts + experts
+    tokens = batch * seq_len
+    hidden = tokens * model.dim
+    kv = tokens * model.n_kv_heads * model.head_dim
+    ffn = tokens * model.ffn_dim
+    # wq's, wv's and w1's outputs, attention's output and logsumexp.
+    split = compute * (hidden + kv + ffn + hidden) + FP32 * batch * model.n_heads * seq_len
+    if tp > 1:
+        split += 2 * compute * hidden  # the reduce-scatters' outputs
+    return math.ceil(split / tp) + compute * hidden  # + w2's matmul output
+
+
+def activation_bytes(
+    model: LlamaShape,
+    batch: int,
+    seq_len: int,
+    compute: int,
+    ac: str,
+    tp: int = 1,
+    loss_chunks: int = 1,
+    ep: int = 1,
+    every: int = 2,
+) -> int:
+    """Saved activations per GPU at the end of forward (the peak), for one activation checkpointing mode.
+
+    full: every block keeps only its input, and backward recomputes one block at a time.
+    layer: every `every`-th block (index 0, every, ...: parallel.activation_checkpoint_every, 2 by default as
+    torchtitan's selective_ac_option=2) is checkpointed whole.
+    selective: op-level, every block keeps its input and its expensive ops' outputs (op_level_kept_bytes), and
+    backward recomputes the rest of one block at a time.
+    With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
+    """
+    moe = [isinstance(model, LlamaShape) and i in model.moe_layers for i in range(model.n_layers)]
+    blocks = {kind: block_activation_bytes(model, batch, seq_len, compute, tp, kind, ep) for kind in set(moe)}
+    block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
+    head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
+    if ac == "selective":
+        kept = sum(op_level_kept_bytes(model, batch, seq_len, compute, tp, kind) for kind in moe)
+        return model.n_layers * block_input + kept + max(blocks.values()) + head
+    # layer: blocks 0, every, 2 x every, ... are checkpointed; full: all of them. Backward recomputes one at a time.
+    checkpointed = {"none": [], "layer": moe[::every], "full": moe}[ac]
+    kept = sum(blocks[kind] for kind in moe) - sum(blocks[kind] for kind in checkpointed)
+    recompute = max((blocks[kind] for kind in checkpointed), default=0)
+    return kept + len(checkpointed) * block_input + recompute + head
+
+
+def ring_attention_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, tp: int = 1, cp: int = 1) -> int:
+    """Working memory of one block's ring attention under context parallelism (0 without: plain SDPA), at its
+    largest, in the block's backward while every other block's activations are held. `seq_len` is the whole
+    sample's; a rank holds seq_len / cp of its tokens, and this tp rank's heads (K/V: the kv heads, which the flash
+    kernel takes as they are under GQA).
+
+    torch 2.13's context_parallel rotates K/V with an all-gather by default (_ContextParallelOptions.rotate_method
+    ALL_GATHER; set_rotate_method("alltoall") would hold 2 chunks instead of cp). Its backward
+    (_templated_ring_attention_backward) gathers the whole sequence's K/V of the layer once; accumulates the
+    gradients of q, k and v in fp32 (convert_to_f32), passing the K/V gradients around the ring with all-to-all (the
+    one sent and the one received); the load balancing's partial updates copy the q accumulator and half of the
+    logsumexp. Per element of the rank's local q, K/V and logsumexp, the peak is exactly (measured with torch's
+    MemTracker on gloo ranks for bf16 and fp32, cp 2 and 4, grouped-query attention: tests/test_plan_cp.py; with
+    n_heads == n_kv_heads it peaks at another moment, a few % higher):
+    q: 2 fp32 + compute / 2; K/V: 4 compute + 2 fp32; the gathered K/V: cp x compute; logsumexp: fp32 / 2.
+    (The flash kernel's own workspace is not counted, as it is not without CP.)
+    """
+    if cp == 1:
+        return 0
+    local = batch * (seq_len // cp)
+    q = math.ceil(local * model.n_heads * model.head_dim / tp)
+    kv = 2 * math.ceil(local * model.n_kv_heads * model.head_dim / tp)  # K and V
+    lse = math.ceil(local * model.n_heads / tp)
+    return (2 * FP32 * q + compute * q // 2) + (4 * compute + 2 * FP32) * kv + compute * cp * kv + FP32 * lse // 2
+
+
+def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute: int, ac: str, every: int = 2) -> int:
+    """How an hf model's activations differ from activation_bytes' llama count: rotary's cos and sin, computed
+    once per forward (batch x seq x head_dim each, compute dtype) and used by every block; the final norm's one
+    fp32 copy (model.py keeps two); and in each block that keeps its activations, and the one backward
+    recomputes, a transformers block's own count (hf_block_activation_bytes) with LoRA's change
+    (lora_activation_delta). Selective AC: the recomputed block only; the kept matmul outputs are
+    op_level_kept_bytes' llama count."""
+    if not isinstance(model, HfShape):
+        return 0
+    rotary = 2 * compute * batch * seq_len * model.head_dim
+    # The final norm: transformers' RMSNorm keeps one fp32 copy of its input where model.py's keeps two.
+    hidden = batch * seq_len * model.dim
+    final_norm = (FP32 + compute) * hidden - norm_activation_bytes(hidden, compute)
+    block = hf_block_activation_bytes(model, batch, seq_len, compute) - block_activation_bytes(
+        model, batch, seq_len, compute
+    )
+    layer = model.n_layers - math.ceil(model.n_layers / every) + 1  # the blocks layer AC keeps, and one recomputed
+    kept = {"none": model.n_layers, "selective": 1, "layer": layer, "full": 1}[ac]
+    # Selective AC with LoRA: every block keeps more matmul outputs (lora_op_level_delta).
+    matmuls = model.n_layers * lora_op_level_delta(model, batch, seq_len, compute) if ac == "selective" else 0
+    return rotary + final_norm + matmuls + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
+
+
+def activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
+    """Each AC mode's activations per GPU (the plan shows them all, whichever is used), of a rank's local_seq_len
+    tokens."""
+    model, seq = request.model, request.local_seq_len
+    return {
+        mode: activation_bytes(
+            model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep, request.ac_every
+        )
+        + family_activation_bytes(model, request.batch, seq, compute, mode, request.ac_every)
+        for mode in AC_MODES
+    }
