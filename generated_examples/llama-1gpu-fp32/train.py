@@ -163,6 +163,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    # The fused kernel needs the shards on the GPU.
     on_gpu = device.type == "cuda"
     # Frozen parameters (requires_grad False) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -173,7 +173,8 @@ def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPo
     """The blocks' and the root's MixedPrecisionPolicy.
 
     Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and reduce-scatter
-    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions away.
+    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions
+    away.
     The root's output_dtype casts its outputs: the logits of model(tokens) (generation, tests; float32 keeps them
     exact, "compute" halves their memory). The training loss is fp32 either way (chunked_loss.py).
     """
@@ -203,6 +204,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    # The fused kernel needs the shards on the GPU.
     on_gpu = device.type == "cuda"
     # Frozen parameters (requires_grad False) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -159,7 +159,8 @@ def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPo
     """The blocks' and the root's MixedPrecisionPolicy.
 
     Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and reduce-scatter
-    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions away.
+    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions
+    away.
     The root's output_dtype casts its outputs: the logits of model(tokens) (generation, tests; float32 keeps them
     exact, "compute" halves their memory). The training loss is fp32 either way (chunked_loss.py).
     """
@@ -174,11 +175,11 @@ def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPo
 
 def materialize(model: nn.Module, config: Config, device: torch.device) -> None:
     """Allocate this rank's shards, then fill them (model.py's initialize: initialise, or load weights)."""
-    # With CPU offload the shards live in CPU memory; the buffers then go to the device.
     model.to_empty(device="cpu" if config.parallel.cpu_offload else device)
     # The memory holds garbage until initialize fills every parameter and buffer (including non-persistent
     # ones such as rotary tables, which no checkpoint holds).
     initialize(model, config, device)
+    # With CPU offload the shards live in CPU memory (to_empty above); the buffers go to the device.
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             setattr(module, name, buffer.to(device))  # stays a (non-)persistent buffer, on the device

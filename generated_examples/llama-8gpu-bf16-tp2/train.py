@@ -27,8 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint import Checkpointer, TrainState
@@ -43,7 +41,7 @@ from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
 from profiling import Profiler
-from tensor_parallel import apply_tensor_parallel
+from tensor_parallel import apply_tensor_parallel, local_loss, loss_parallel
 
 
 # fsdp2gen: block init_distributed
@@ -157,7 +155,8 @@ def mixed_precision_policies(parallel: ParallelConfig) -> tuple[MixedPrecisionPo
     """The blocks' and the root's MixedPrecisionPolicy.
 
     Compute in bf16, but keep the sharded master weights in fp32 (the optimizer updates those) and reduce-scatter
-    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions away.
+    gradients in reduce_dtype, fp32 by default: summing many ranks' bf16 gradients rounds small contributions
+    away.
     The root's output_dtype casts its outputs: the logits of model(tokens) (generation, tests; float32 keeps them
     exact, "compute" halves their memory). The training loss is fp32 either way (chunked_loss.py).
     """
@@ -187,6 +186,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    # The fused kernel needs the shards on the GPU.
     on_gpu = device.type == "cuda"
     # Frozen parameters (requires_grad False) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -271,7 +271,7 @@ def forward_backward(
             loss = model_loss(model, *batch, reduction="sum", chunks=chunks) * scale
             loss.backward()
         # The loss comes out replicated over the tp ranks (a DTensor): every rank keeps its own copy.
-        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        loss_sum += local_loss(loss.detach())
     return loss_sum
 
 
@@ -335,7 +335,7 @@ def evaluate(
                 # add the same losses and counts: that scales both totals alike.
                 with loss_parallel():
                     loss = model_loss(model, *micro, reduction="sum", chunks=chunks)
-                totals[0] += loss.to_local() if isinstance(loss, DTensor) else loss
+                totals[0] += local_loss(loss)
                 totals[1] += counted
     model.train()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)

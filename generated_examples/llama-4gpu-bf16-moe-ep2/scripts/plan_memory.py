@@ -222,7 +222,7 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
-    ep = getattr(config.parallel, "ep", 1)
+    ep = config.parallel.ep
     if ep > 1:
         # The fake process group moves no tokens, and the dispatch's split sizes are values fake tensors lack.
         problem = f"parallel.ep = {ep} is not simulated (expert parallelism's all-to-all needs real token counts)"
