@@ -95,9 +95,9 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
 def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Build on the meta device, shard bottom-up, then allocate only local shards and fill them.
 
-    The order is what makes this correct: whatever changes the blocks' modules (tensor parallelism, float8,
-    wrappers) runs before fully_shard, which must see the final modules; materialize then allocates only the
-    shards that fully_shard left on this rank.
+    The order is what makes this correct: whatever changes the blocks' modules (float8, wrappers)
+    runs before fully_shard, which must see the final modules; materialize then allocates only the shards that
+    fully_shard left on this rank.
     """
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
@@ -106,8 +106,8 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """build_model_meta's sequence on a meta model (or a pipeline stage): tensor parallelism, wrappers,
-    fully_shard, then materialize."""
+    """build_model_meta's sequence on a meta model: wrappers, fully_shard,
+    then materialize."""
     parallel = config.parallel
     # What fully_shard shards over (layout.py): the data-parallel dimensions.
     fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
