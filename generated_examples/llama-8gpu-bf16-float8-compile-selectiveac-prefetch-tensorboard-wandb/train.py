@@ -544,7 +544,8 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     model = build_model_meta(config, mesh, device)
     describe_model(model, device)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
+    global_batch = training.global_batch_size  # samples per step, all ranks together
+    state = TrainState(model, optimizer, scheduler, global_batch, device, run_id)
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
     checkpointer = Checkpointer(output_dir / "checkpoints", config)
     # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without
