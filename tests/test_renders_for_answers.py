@@ -73,15 +73,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("ep", "layout.py"): LAYOUT,
     ("moe", "layout.py"): LAYOUT,
     # Still to render for the answers (issue 37's remainder):
-    ("compile", "scripts/plan_memory.py"): "its docstring names what it does not see, parallel.compile's kernels",
     ("cpu_offload", "scripts/plan_memory.py"): "the tracker's offload branch reads parallel.cpu_offload if present",
-    ("float8", "activation_checkpoint.py"): "selective AC's op list names float8's ops",
-    ("moe", "activation_checkpoint.py"): "selective AC's op list names the grouped GEMM of MoE blocks",
-    ("moe", "train.py"): "float8's filter leaves out an MoE router's gate",
-    ("launcher", "ownership.py"): "a comment names ray_train.py among the launchers that set the launch id",
-    ("task", "config.py"): "data.document_mask's comment names prepare_chat.py's files",
     ("task", "data.py"): "data.py reads (and refuses) chat-data files in every project",
-    ("tp", "chunked_loss.py"): "the loss chunks' comments say how loss_parallel splits them",
     ("tp", "pipeline.py"): "pipeline.py's last stage runs its loss under loss_parallel when its stages are tp-split",
 }
 
