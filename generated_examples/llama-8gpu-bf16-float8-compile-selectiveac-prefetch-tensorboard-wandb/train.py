@@ -221,19 +221,15 @@ def convert_blocks_to_float8(blocks: list[nn.Module], device: torch.device) -> N
     # FSDP all-gathers the weights already cast to float8 (half the bytes of bf16), with the scales
     # train_step precomputes after each optimizer step.
     float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+
+    def float8_able(linear: nn.Linear, name: str) -> bool:
+        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16.
+        return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
     linears = converted = 0
     for block in blocks:
         linears += sum(isinstance(module, nn.Linear) for module in block.modules())
-        # torch._scaled_mm needs both dimensions of a float8 matmul to be multiples of 16. A mixture-of-experts
-        # router's gate stays as it is (moe.py computes it in fp32: close scores choose the experts; torchtitan
-        # leaves it out too).
-        convert_to_float8_training(
-            block,
-            config=float8_config,
-            module_filter_fn=lambda linear, name: (
-                linear.in_features % 16 == 0 and linear.out_features % 16 == 0 and not name.endswith("router.gate")
-            ),
-        )
+        convert_to_float8_training(block, config=float8_config, module_filter_fn=float8_able)
         converted += sum(isinstance(module, Float8Linear) for module in block.modules())
     if dist.get_rank() == 0:
         # On CPU torch's float8 matmul is a reference kernel: right for tests, far too slow for training.

@@ -15,7 +15,7 @@ peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --con
 estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
-fragmentation beyond block rounding over many steps, and torch.compile's (parallel.compile) fused kernels.
+fragmentation beyond block rounding over many steps.
 Mixture-of-experts layers are simulated with balanced routing (ValuesReadOnTheHost), without expert parallelism.
 """
 
