@@ -75,7 +75,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # Still to render for the answers (issue 37's remainder):
     ("cpu_offload", "scripts/plan_memory.py"): "the tracker's offload branch reads parallel.cpu_offload if present",
     ("task", "data.py"): "data.py reads (and refuses) chat-data files in every project",
-    ("tp", "pipeline.py"): "pipeline.py's last stage runs its loss under loss_parallel when its stages are tp-split",
 }
 
 
