@@ -14,10 +14,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from fsdp2gen import questions
 
-# The llama family's model_args.py in the template (a file-name conditional: only family llama renders it).
-LLAMA_MODEL = Path("project") / '{% if family == "llama" %}model_args.py{% endif %}'
+# The llama family's model_args.py in the template (a file-name conditional: only family llama renders it), a
+# Jinja template: a dense project's has no mixture-of-experts keys. Read as rendered with --moe, which has them all.
+LLAMA_MODEL = Path("project") / '{% if family == "llama" %}model_args.py{% endif %}.jinja'
 LLAMA3_VOCAB = 128256
 
 
@@ -60,7 +63,10 @@ PUBLISHED = {
 
 @cache
 def _template_model() -> ast.Module:
-    return ast.parse((questions.template_dir() / LLAMA_MODEL).read_text(encoding="utf-8"))
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True).from_string(
+        (questions.template_dir() / LLAMA_MODEL).read_text(encoding="utf-8")
+    )
+    return ast.parse(template.render(moe=True, pp=1, tp=1, cp=1))
 
 
 def template_sizes() -> dict[str, dict[str, Any]]:

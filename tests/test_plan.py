@@ -34,8 +34,10 @@ from fsdp2gen.sizes import LlamaShape, field_default
 from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
 
 TEMPLATE = REPO / "templates" / "project"
-LLAMA_MODEL = TEMPLATE / '{% if family == "llama" %}model.py{% endif %}'
-LLAMA_ARGS = TEMPLATE / '{% if family == "llama" %}model_args.py{% endif %}'
+# The llama model as a --moe project renders it (the templates are Jinja; a dense project's has no experts).
+MOE_GOLDEN = REPO / "generated_examples" / "llama-4gpu-bf16-moe-ep2"
+LLAMA_MODEL = MOE_GOLDEN / "model.py"
+LLAMA_ARGS = MOE_GOLDEN / "model_args.py"
 # A tiny model, quick on 2 CPU cores. vocab_size 130 is not divisible by 4: FSDP2 pads the 4-rank shards.
 TINY_CONFIG = """
 [model]
@@ -99,13 +101,9 @@ def test_parameter_shapes_are_the_template_models_own() -> None:
     torch = pytest.importorskip("torch")
     # The template's model.py under a name of its own, so that no other `model` module is shadowed.
     # It imports sharded_init and schema, its siblings in the template, which are loaded the same way for the while.
-    siblings = {"sharded_init": '{% if family != "hf" %}sharded_init.py{% endif %}', "schema": "schema.py",
-                "data": "data.py", "chunked_loss": "chunked_loss.py",
-                "document_attention": '{% if family != "hf" %}document_attention.py{% endif %}',
-                "model_args": '{% if family == "llama" %}model_args.py{% endif %}',
-                "moe": '{% if family == "llama" %}moe.py{% endif %}'}  # fmt: skip
-    for name, file in siblings.items():
-        sys.modules[name] = load_template_module(name, TEMPLATE / file)
+    siblings = ["sharded_init", "schema", "data", "chunked_loss", "document_attention", "model_args", "moe"]
+    for name in siblings:
+        sys.modules[name] = load_template_module(name, MOE_GOLDEN / f"{name}.py")
     try:
         template_model = load_template_module("fsdp2gen_template_model", LLAMA_MODEL)
     finally:

@@ -63,7 +63,7 @@ class DataConfig:
     # Documents packed into one window attend only to themselves, with positions restarting at 0 at each, as
     # they are at inference (and as torchtitan, TRL and Axolotl train): on by default so that a document never
     # learns from an unrelated one before it. Needs data that records where documents start (a folder written
-    # by scripts/prepare_data.py or prepare_chat.py); false = plain causal attention over the whole window.
+    # by scripts/prepare_data.py); false = plain causal attention over the whole window.
     document_mask: bool = True
     # tokenizer.json (path, folder or hub id) of scripts/prepare_data.py and scripts/generate.py; model.vocab_size
     # follows its vocabulary unless set.

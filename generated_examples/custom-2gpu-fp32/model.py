@@ -72,8 +72,7 @@ class Model(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
-        # Keyed by the layer index: a pipeline stage that deletes other stages' blocks keeps each block's
-        # parameter names (layers.7.*), where a ModuleList would renumber them.
+        # Keyed by the layer index: parameter names layers.7.*, as a ModuleList's.
         blocks = [Block(args) for _ in range(args.n_layers)]
         self.layers = nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
         self.norm = nn.LayerNorm(args.dim)
@@ -154,7 +153,7 @@ def initialize(model: Model, config: Config, device: torch.device) -> None:
 
 def balance_experts(model: Model, config: Config) -> dict[str, torch.Tensor]:
     """Called after each step's micro-batches, before the optimizer step: a mixture-of-experts model balances
-    its experts' load here and returns figures for metrics.jsonl (the llama family's moe.py); this one has none."""
+    its experts' load here and returns figures for metrics.jsonl; this one has none."""
     return {}
 
 

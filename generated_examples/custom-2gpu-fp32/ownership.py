@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 LOCK_FILE = "run.lock"
-LAUNCH_ID = "TRAIN_LAUNCH_ID"  # set by the launch scripts (and ray_train.py) for every rank of a launch
+LAUNCH_ID = "TRAIN_LAUNCH_ID"  # set by every launcher (scripts/, ray) for every rank of a launch
 LAUNCHER = "TRAIN_LAUNCHER"  # "host:pid:start time" of the launch script, set by scripts/restarts.sh
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

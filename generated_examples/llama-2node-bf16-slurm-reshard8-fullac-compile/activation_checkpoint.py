@@ -2,7 +2,7 @@
 
 parallel.activation_checkpointing picks the mode:
 - "selective" (op-level, as torchtitan does): every block runs under a policy that keeps the outputs of the
-  expensive ops (matmuls, but every second one; attention; reduce-scatters; max, which float8 scaling needs) and
+  expensive ops (matmuls, but every second one; attention; reduce-scatters; max) and
   recomputes the cheap element-wise ones (norms, activations, rotary, residual adds) in backward.
 - "layer": every activation_checkpoint_every-th block keeps only its input and recomputes all of its activations.
 - "full": every block does that (least memory, about one extra forward).
@@ -16,18 +16,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # The matmuls, of which "selective" keeps every other output: a linear layer without bias is aten.mm, one with a
-# bias (the custom family's, many Hugging Face models' q/k/v) aten.addmm, and a float8 one (torchao) aten._scaled_mm.
-# Mixture-of-experts blocks on recent GPUs: aten._grouped_mm, all experts' matmuls in one op (moe.py).
+# bias (the custom family's, many Hugging Face models' q/k/v) aten.addmm.
 MATMULS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
-    torch.ops.aten._scaled_mm.default,
-    torch.ops.aten._grouped_mm.default,
 }
 # Ops whose outputs "selective" keeps: costly to recompute, and (but for the matmuls' every second output) small
 # next to the element-wise activations around them. The attention variants cover the CUDA kernels and CPU's flash.
@@ -114,18 +111,13 @@ def check_op_level(model: nn.Module, block_names: list[str], seq_len: int) -> No
         finally:
             hook.remove()
         context_fn = lambda: create_selective_checkpoint_contexts(recording)  # noqa: E731
-        try:
-            checkpoint(block, *inputs.args, use_reentrant=False, context_fn=context_fn, **inputs.kwargs)
-        except (DynamicOutputShapeException, DataDependentOutputException):
-            # An op whose output depends on the values (a mixture-of-experts block's tokens per expert) ends the
-            # fake run there: the ops recorded before it (attention's linear layers) are what the check goes on.
-            pass
+        checkpoint(block, *inputs.args, use_reentrant=False, context_fn=context_fn, **inputs.kwargs)
     if not any(op in MATMULS for op in ops):
         products = sorted({str(op).removesuffix(".default") for op in ops if "mm" in str(op)})
         found = f"its matrix products run as {', '.join(products)}" if products else "it runs no matrix product"
         raise ActivationCheckpointError(
-            f"parallel.activation_checkpointing = 'selective' keeps the outputs of linear layers (aten.mm/addmm/"
-            f"_scaled_mm), but block {type(block).__name__} has none ({found}): it would recompute nearly all of "
+            f"parallel.activation_checkpointing = 'selective' keeps the outputs of linear layers (aten.mm/addmm"
+            f"), but block {type(block).__name__} has none ({found}): it would recompute nearly all of "
             "the block; use --parallel.activation_checkpointing layer or full, or make the block's linear layers "
             "nn.Linear"
         )

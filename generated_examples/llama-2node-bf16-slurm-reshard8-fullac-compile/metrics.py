@@ -71,16 +71,6 @@ class MetricsLog:
         # Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices together.
         self.peak_flops = peak_flops_per_device(device)
         self.flops_per_token = config.model.flops_per_token(training.seq_len)
-        model = config.model
-        if getattr(model, "n_experts", 0) and dist.get_rank() == 0:
-            # A mixture-of-experts model's size says little of its cost: a token goes through top_k experts
-            # (model_args.py counts them).
-            shared = f", {model.n_shared_experts} shared" if model.n_shared_experts else ""
-            print(
-                f"model: {model.active_parameters():,} parameters active per token ({model.top_k} of "
-                f"{model.n_experts} routed experts{shared}); MFU counts these",
-                flush=True,
-            )
         self.first_step, self.started = first_step, time.perf_counter()
         self.device = device
         # Steps not yet copied to the host: (step, numbers, (peak allocated, peak reserved), validation loss).
@@ -167,8 +157,6 @@ class MetricsLog:
                 f"step {step:>6}/{steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} "
                 f"| grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s "
                 f"({record['tokens_per_s_per_gpu']:,.0f}/GPU) | peak {record['peak_mem_mib']:,.0f} MiB "
-                # A mixture-of-experts model: the busiest expert's tokens over the mean (1.00 = even).
-                + (f"| experts max/mean {record['moe_load_max_mean']:.2f} " if "moe_load_max_mean" in record else "")
                 + f"| ETA {remaining}",
                 flush=True,
             )

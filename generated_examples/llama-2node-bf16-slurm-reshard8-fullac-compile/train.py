@@ -93,9 +93,9 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
 def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Build on the meta device, shard bottom-up, then allocate only local shards and fill them.
 
-    The order is what makes this correct: whatever changes the blocks' modules (tensor parallelism, float8,
-    wrappers) runs before fully_shard, which must see the final modules; materialize then allocates only the
-    shards that fully_shard left on this rank.
+    The order is what makes this correct: fully_shard must see the final modules, so whatever changes the blocks'
+    modules (wrappers) runs before it. materialize then allocates only the shards that
+    fully_shard left on this rank.
     """
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
@@ -104,8 +104,7 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """build_model_meta's sequence on a meta model (or a pipeline stage): tensor parallelism, wrappers,
-    fully_shard, then materialize."""
+    """build_model_meta's sequence on a meta model: wrappers, fully_shard, then materialize."""
     parallel = config.parallel
     # What fully_shard shards over (layout.py): the data-parallel dimensions.
     fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
@@ -203,6 +202,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    # The fused AdamW kernel runs on the GPU.
     on_gpu = device.type == "cuda"
     # Frozen parameters (requires_grad False) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -496,7 +496,8 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     model = build_model_meta(config, mesh, device)
     describe_model(model, device)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
+    global_batch = training.global_batch_size  # samples per step, all ranks together
+    state = TrainState(model, optimizer, scheduler, global_batch, device, run_id)
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
     checkpointer = Checkpointer(output_dir / "checkpoints", config)
     # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without

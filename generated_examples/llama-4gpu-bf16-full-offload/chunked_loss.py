@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from data import IGNORE
@@ -36,9 +35,7 @@ def chunked_cross_entropy(
     seq), targets equal to IGNORE not counted; reduction "mean" (over the counted targets) or "sum".
 
     chunks = 1 is the plain computation (the whole logits at once); chunks > 1 splits the sequence in that many
-    equal chunks (config.py's rule: they divide training.seq_len), each recomputed in backward. Under tensor
-    parallelism the logits of a chunk are split by vocabulary and loss_parallel (the caller's) computes the loss
-    from the pieces."""
+    equal chunks (config.py's rule: they divide training.seq_len), each recomputed in backward."""
     if chunks == 1:
         return cross_entropy(output_layer, hidden, targets, reduction)
     pieces = zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1), strict=True)
@@ -52,6 +49,4 @@ def cross_entropy(
 ) -> torch.Tensor:
     """The cross-entropy of one chunk (or the whole sequence), in fp32 whatever the compute dtype."""
     logits = output_layer(hidden).flatten(0, 1).float()
-    loss = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)
-    # loss_parallel gives the loss as a DTensor replicated over the tp ranks: each rank's copy is the whole loss.
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)

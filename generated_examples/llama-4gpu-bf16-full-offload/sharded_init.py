@@ -36,13 +36,3 @@ def fill_by_blocks(param: torch.Tensor, fill: Callable[[torch.Tensor], torch.Ten
         low, high = max(first, offset[0]), min(last, offset[0] + local_shape[0])
         if low < high:
             local[low - offset[0] : high - offset[0]].copy_(block[(slice(low - first, high - first), *columns)])
-
-
-def draw_by_blocks(shape: torch.Size, device: torch.device, fill: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Draw the blocks fill_by_blocks would draw for a tensor of `shape`, and keep none of them: a pipeline stage
-    (pipeline.py) passes over the parameters other stages hold, so its generator reaches its own parameters in the
-    state it has in the whole model."""
-    rows, row_shape = shape[0], tuple(shape[1:])
-    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
-    for first in range(0, rows, rows_per_block):
-        fill(torch.empty((min(rows, first + rows_per_block) - first, *row_shape), device=device))

@@ -72,7 +72,7 @@ class MetricsLog:
         self.peak_flops = peak_flops_per_device(device)
         self.flops_per_token = config.model.flops_per_token(training.seq_len)
         model = config.model
-        if getattr(model, "n_experts", 0) and dist.get_rank() == 0:
+        if model.n_experts and dist.get_rank() == 0:
             # A mixture-of-experts model's size says little of its cost: a token goes through top_k experts
             # (model_args.py counts them).
             shared = f", {model.n_shared_experts} shared" if model.n_shared_experts else ""

@@ -43,7 +43,7 @@ SIZES = {
 }  # fmt: skip
 
 
-# model.size's value for a key left at 0, or at its value here (keys for which 0 means something).
+# model.size's value for a key left at 0, or at its value in UNSET (keys for which 0 means something).
 PRESET = "the value of model.size"
 UNSET = {"n_shared_experts": -1, "n_dense_layers": -1, "score_func": "preset"}
 # The mixture-of-experts keys a size without experts leaves unset, when a config gives it experts.
@@ -121,7 +121,7 @@ class ModelArgs:
         return blocks + self.output_flops_per_token()
 
     def block_flops_per_token(self, layer: int, seq_len: int) -> int:
-        """flops_per_token's share of block `layer` (a pipeline stage's MFU sums its blocks')."""
+        """flops_per_token's share of block `layer`."""
         head_dim = self.dim // self.n_heads
         attention = self.dim * (self.n_heads + 2 * self.n_kv_heads) * head_dim + self.dim * self.dim
         if layer in self.moe_layers:

@@ -1,5 +1,4 @@
-"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), dense or with
-mixture-of-experts feed-forwards (model.n_experts > 0: moe.py).
+"""A Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU).
 
 The model is written so that FSDP2 can build it on the meta device and shard it
 block by block: every `TransformerBlock` becomes one `fully_shard` unit, and
@@ -17,10 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunked_loss import chunked_cross_entropy
-from data import IGNORE
 from document_attention import Mask, attention, document_mask
 from model_args import MODEL_RULES, RESUME_MAY_CHANGE, SIZES, ModelArgs
-from moe import MoE, balance_load, forget_routing, take_aux_loss
 from sharded_init import draw_by_blocks, fill_by_blocks
 
 if TYPE_CHECKING:  # config.py imports model_args.py, never this file: no import cycle, and no torch to read a config
@@ -78,7 +75,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         cos, sin = cos[:, :seq_len], sin[:, :seq_len]  # a no-op, except in a pipeline stage (Transformer.forward)
-        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
@@ -105,8 +101,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # With experts, the blocks from model.n_dense_layers on route each token to top_k of them (moe.py).
-        self.feed_forward = MoE(args) if index in args.moe_layers else FeedForward(args)
+        self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -152,29 +147,19 @@ class Transformer(nn.Module):
         # Built once per forward for all blocks: (seq, head_dim) each, a few KB (per row with positions).
         if positions is None:
             cos, sin = rotary_tables(self.rope_cos[:seq_len], self.rope_sin[:seq_len])
-        else:  # per-token positions: restarting per document, or a context-parallel rank's slice of the sequence
+        else:  # per-token positions: restarting per document
             cos, sin = rotary_tables(self.rope_cos[positions], self.rope_sin[positions])
         mask = document_mask(document_ids)  # None: plain causal attention
         # A pipeline stage (pipeline.py) after the first has no embedding: `tokens` are the previous stage's hidden
         # states; one before the last has no norm and output layer: it passes its hidden states on.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        forget_routing(self)  # mixture of experts: drop what a recompute in the last backward recorded
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        # Mixture of experts: counts this forward's tokens per expert once; the balance loss, None unless
-        # model.aux_loss_coef > 0 and training.
-        aux_loss = take_aux_loss(self)
         if self.output is None:
             return h
         if targets is None:
             return self.output(self.norm(h))
-        loss = chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
-        if aux_loss is None:
-            return loss
-        # The balance loss is a sum over tokens: weighed as the cross-entropy is (per target for "mean"; train.py
-        # divides a "sum" by the step's targets), so a sample adds the same to the loss on any number of ranks.
-        scale = self.args.aux_loss_coef / ((targets != IGNORE).sum() if reduction == "mean" else 1)
-        return loss + scale * aux_loss
+        return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks, reduction)
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
@@ -210,22 +195,17 @@ class Transformer(nn.Module):
         def normal(block: torch.Tensor) -> torch.Tensor:
             return block.normal_(0.0, self.args.init_std, generator=generator)
 
-        # named_parameters() lists a tied output weight once, as tok_embeddings.weight. An expert weight (n_experts,
-        # out, in) is filled expert by expert, each expert as a linear layer's weight.
+        # named_parameters() lists a tied output weight once, as tok_embeddings.weight.
         for name, shape in shapes.items():
             # Residual projections are scaled down so the residual stream does not grow with depth.
             fill = ones if name.endswith("norm.weight") else normal
-            if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
+            if name.endswith(("wo.weight", "w2.weight")):
                 fill = residual
             if name in present:
                 fill_by_blocks(present[name], fill)
             else:
                 draw_by_blocks(shape, device, fill)
         self._init_rope(buffer_device or device)
-        for module in self.modules():
-            if isinstance(module, MoE):  # routing starts unbiased, with no tokens counted
-                for buffer in module.buffers():
-                    buffer.zero_()
 
     def _init_rope(self, device: torch.device) -> None:
         head_dim = self.args.dim // self.args.n_heads
@@ -263,10 +243,9 @@ def initialize(model: Model, config: Config, device: torch.device) -> None:
 
 
 def balance_experts(model: Model, config: Config) -> dict[str, torch.Tensor]:
-    """After each step's micro-batches and optimizer step: balance the experts' load (moe.py: sums the
-    tokens each expert received over the ranks, moves the routing biases) and return its figures for
-    metrics.jsonl; {} for a dense model."""
-    return balance_load(model, config.model.expert_bias_rate, config.model.aux_loss_coef)
+    """After each step's micro-batches and optimizer step: a mixture-of-experts model balances its experts' load
+    here and returns figures for metrics.jsonl; this dense model has none (`fsdp2gen update --moe` adds them)."""
+    return {}
 
 
 def output_logits(output: torch.Tensor) -> torch.Tensor:

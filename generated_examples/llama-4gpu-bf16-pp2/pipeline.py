@@ -7,7 +7,7 @@ InterleavedZeroBubble, rank r holds stages r, r + pp, ...), or a V under ZBVZero
 stages r and 2 x pp - 1 - r: rank 0 the first and the last). Each stage is the meta
 model with the other stages' blocks deleted by name (layers.7 stays layers.7: a checkpoint saved with any pp loads
 with any other), the first stage keeping the embedding, the last the final norm and output layer; then it goes
-through train.py's own sequence (tensor parallelism, activation checkpointing, fully_shard, materialize) over this
+through train.py's own sequence (activation checkpointing, fully_shard, materialize) over this
 pp rank's ranks, as the whole model does without PP.
 
 torch.distributed.pipelining runs a step: the first stage takes the step's inputs, the schedule splits them into
@@ -20,7 +20,6 @@ under PP: resharding would all-gather every block again for each micro-batch).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -40,7 +39,6 @@ from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
 )
-from torch.distributed.tensor.parallel import loss_parallel
 
 from chunked_loss import cross_entropy
 from config import Config
@@ -140,9 +138,6 @@ class PipelineModel(nn.Module):
         self.holds_first = pipeline_stages[0].is_first
         self.holds_last = pipeline_stages[-1].is_last
         self.loss_pp_rank = layout.loss_pp_rank  # the pp rank of the last stage, whose loss run() broadcasts
-        # With tensor parallelism the last stage's logits are split by vocabulary over the tp ranks (a DTensor):
-        # loss_parallel computes each micro-batch's loss, and its backward inside the schedule, from the pieces.
-        self.split_logits = layout.tp > 1
         self.scale = 1.0  # what each micro-batch's summed loss is multiplied by (train_step's scale)
         schedule_class = SCHEDULES[config.parallel.pp_schedule]
         stage_or_stages = pipeline_stages if issubclass(schedule_class, PipelineScheduleMulti) else pipeline_stages[0]
@@ -169,21 +164,24 @@ class PipelineModel(nn.Module):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         target = targets if self.holds_last else None
-        with loss_parallel() if self.split_logits else contextlib.nullcontext():
-            if train:
-                self.schedule.step(*args, target=target, losses=losses)
-            elif self.eval_order is None:
-                self.schedule.eval(*args, target=target, losses=losses)
-            else:
-                training_order = self.schedule.pipeline_order_with_comms
-                self.schedule.pipeline_order_with_comms = self.eval_order
-                try:
-                    self.schedule.eval(*args, target=target, losses=losses)
-                finally:
-                    self.schedule.pipeline_order_with_comms = training_order
+        self.run_schedule(args, target, losses, train)
         total = torch.stack(losses).sum().detach() if self.holds_last else torch.zeros((), device=device)
         dist.broadcast(total, group=self.pp_group, group_src=self.loss_pp_rank)
         return total
+
+    def run_schedule(self, args: tuple, target: torch.Tensor | None, losses: list[torch.Tensor], train: bool) -> None:
+        """One step of the schedule (train) or its forward-only pass, the last stage's losses appended to `losses`."""
+        if train:
+            self.schedule.step(*args, target=target, losses=losses)
+        elif self.eval_order is None:
+            self.schedule.eval(*args, target=target, losses=losses)
+        else:
+            training_order = self.schedule.pipeline_order_with_comms
+            self.schedule.pipeline_order_with_comms = self.eval_order
+            try:
+                self.schedule.eval(*args, target=target, losses=losses)
+            finally:
+                self.schedule.pipeline_order_with_comms = training_order
 
     def forward_backward(self, batches: list[MicroBatch], scale: torch.Tensor) -> torch.Tensor:
         """train_step's forward and backward of every micro-batch, each loss summed over its targets and multiplied

@@ -3,17 +3,22 @@ it on the meta model, before fully_shard shards what each tp rank keeps over the
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
 from model import Transformer
+
+# What train.py uses: loss_parallel (torch's), the context its loss and the loss's backward run in.
+__all__ = ["apply_tensor_parallel", "local_loss", "loss_parallel"]
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -27,10 +32,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     vocabulary: the logits stay split by vocabulary, and loss_parallel computes the loss from the pieces,
     so no rank ever holds the full logits. preflight.py made sure that tp divides the heads, the MLP width
     and training.seq_len.
-
-    A pipeline stage (pipeline.py) lacks the embedding (all but the first) or the final norm and output layer
-    (all but the last): the plan skips them. Its blocks take and give plain tensors, each rank's 1/tp of the
-    sequence, as between two blocks: what the stages send each other, tp times smaller than the whole sequence.
     """
     plan = {
         # Each rank looks up the tokens of its vocabulary rows (the others give 0); the sum over ranks is
@@ -44,9 +45,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
         # first: DTensor gathers the sequence once for that split, and each chunk comes here whole.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
-    # A pipeline stage's missing modules are None: left out.
-    present = {name: style for name, style in plan.items() if getattr(model, name) is not None}
-    parallelize_module(model, tp_mesh, present)
+    parallelize_module(model, tp_mesh, plan)
     if model.args.tie_embeddings:
         # Both layers split the (vocab, dim) matrix by vocabulary rows, so one parameter still serves both; but
         # parallelize_module gave each module a new parameter of its own: tie them again.
@@ -74,3 +73,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             },
         )
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """This rank's copy of a loss computed under loss_parallel: it comes out replicated over the tp ranks (a
+    DTensor), each rank's local tensor the whole loss."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss

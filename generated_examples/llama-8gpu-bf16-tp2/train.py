@@ -27,8 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint import Checkpointer, TrainState
@@ -43,7 +41,7 @@ from model import loss as model_loss
 from ownership import die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
 from profiling import Profiler
-from tensor_parallel import apply_tensor_parallel
+from tensor_parallel import apply_tensor_parallel, local_loss, loss_parallel
 
 
 # fsdp2gen: block init_distributed
@@ -95,9 +93,9 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
 def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Build on the meta device, shard bottom-up, then allocate only local shards and fill them.
 
-    The order is what makes this correct: whatever changes the blocks' modules (tensor parallelism, float8,
-    wrappers) runs before fully_shard, which must see the final modules; materialize then allocates only the
-    shards that fully_shard left on this rank.
+    The order is what makes this correct: fully_shard must see the final modules, so whatever changes the blocks'
+    modules (tensor parallelism, wrappers) runs before it. materialize then allocates only the shards that
+    fully_shard left on this rank.
     """
     # No memory is allocated here: a model larger than one GPU can be described on every rank.
     with torch.device("meta"):
@@ -106,8 +104,7 @@ def build_model_meta(config: Config, mesh: DeviceMesh, device: torch.device) -> 
 
 
 def parallelize(model: nn.Module, config: Config, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """build_model_meta's sequence on a meta model (or a pipeline stage): tensor parallelism, wrappers,
-    fully_shard, then materialize."""
+    """build_model_meta's sequence on a meta model: tensor parallelism, wrappers, fully_shard, then materialize."""
     parallel = config.parallel
     # What fully_shard shards over (layout.py): the data-parallel dimensions.
     fsdp_mesh = ParallelLayout.of(parallel, dist.get_world_size()).fsdp_mesh(mesh)
@@ -187,6 +184,7 @@ def build_optimizer(
     Created after fully_shard: an optimizer built earlier would hold the replaced
     unsharded parameters and silently update nothing.
     """
+    # The fused AdamW kernel runs on the GPU.
     on_gpu = device.type == "cuda"
     # Frozen parameters (requires_grad False) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -271,7 +269,7 @@ def forward_backward(
             loss = model_loss(model, *batch, reduction="sum", chunks=chunks) * scale
             loss.backward()
         # The loss comes out replicated over the tp ranks (a DTensor): every rank keeps its own copy.
-        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        loss_sum += local_loss(loss.detach())
     return loss_sum
 
 
@@ -335,7 +333,7 @@ def evaluate(
                 # add the same losses and counts: that scales both totals alike.
                 with loss_parallel():
                     loss = model_loss(model, *micro, reduction="sum", chunks=chunks)
-                totals[0] += loss.to_local() if isinstance(loss, DTensor) else loss
+                totals[0] += local_loss(loss)
                 totals[1] += counted
     model.train()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -488,7 +486,8 @@ def train(config: Config, device: torch.device, mesh: DeviceMesh) -> None:
     model = build_model_meta(config, mesh, device)
     describe_model(model, device)
     optimizer, scheduler = build_optimizer(model, training, device)
-    state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, run_id)
+    global_batch = training.global_batch_size  # samples per step, all ranks together
+    state = TrainState(model, optimizer, scheduler, global_batch, device, run_id)
     # Made before the load, on every rank: a dcp-async checkpointer creates its save group, a collective.
     checkpointer = Checkpointer(output_dir / "checkpoints", config)
     # Any checkpoint here is this run's: a new run (checkpoint.resume = "never") started in a folder without

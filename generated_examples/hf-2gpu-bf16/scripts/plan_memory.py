@@ -15,7 +15,7 @@ peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --con
 estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
-fragmentation beyond block rounding over many steps, and torch.compile's (parallel.compile) fused kernels.
+fragmentation beyond block rounding over many steps.
 Mixture-of-experts layers are simulated with balanced routing (ValuesReadOnTheHost), without expert parallelism.
 """
 
@@ -128,7 +128,7 @@ class ValuesReadOnTheHost(TorchDispatchMode):
     targets) reads as 1: fake tensors hold no values, and no memory depends on it. (The step reads no other: it
     makes no host syncs.)
 
-    Mixture-of-experts layers (moe.py) count each expert's tokens (bincount: a shape that depends on the values)
+    Mixture-of-experts layers (model.py) count each expert's tokens (bincount: a shape that depends on the values)
     and split the routed tokens by those counts on the host: here the routing is assumed balanced, every expert
     receiving n x top_k / n_experts of the n tokens' choices (the first ones one more when it does not divide), a
     real tensor so that the split reads it. An unbalanced step holds the same tensors, only split differently.
@@ -224,11 +224,6 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
-    ep = getattr(config.parallel, "ep", 1)
-    if ep > 1:
-        # The fake process group moves no tokens, and the dispatch's split sizes are values fake tensors lack.
-        problem = f"parallel.ep = {ep} is not simulated (expert parallelism's all-to-all needs real token counts)"
-        parser.exit(2, f"{parser.prog}: error: {problem}; simulate with --parallel.ep 1 (`fsdp2gen plan` plans ep)\n")
     result = simulate(config, args.gpus)
     if args.json:
         print(json.dumps(result))

@@ -15,7 +15,7 @@ peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --con
 estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
-fragmentation beyond block rounding over many steps, and torch.compile's (parallel.compile) fused kernels.
+fragmentation beyond block rounding over many steps.
 Mixture-of-experts layers are simulated with balanced routing (ValuesReadOnTheHost), without expert parallelism.
 """
 
@@ -224,7 +224,7 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
-    ep = getattr(config.parallel, "ep", 1)
+    ep = config.parallel.ep
     if ep > 1:
         # The fake process group moves no tokens, and the dispatch's split sizes are values fake tensors lack.
         problem = f"parallel.ep = {ep} is not simulated (expert parallelism's all-to-all needs real token counts)"

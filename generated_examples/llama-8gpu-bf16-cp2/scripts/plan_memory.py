@@ -15,8 +15,7 @@ peak (the figure nvidia-smi and out-of-memory errors show). `fsdp2gen plan --con
 estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
-fragmentation beyond block rounding over many steps, and torch.compile's (parallel.compile) fused kernels.
-Mixture-of-experts layers are simulated with balanced routing (ValuesReadOnTheHost), without expert parallelism.
+fragmentation beyond block rounding over many steps.
 """
 
 from __future__ import annotations
@@ -127,22 +126,11 @@ class ValuesReadOnTheHost(TorchDispatchMode):
     """A value the step reads on the host (a tensor's .item() or int(): with task sft, the number of the step's
     targets) reads as 1: fake tensors hold no values, and no memory depends on it. (The step reads no other: it
     makes no host syncs.)
-
-    Mixture-of-experts layers (moe.py) count each expert's tokens (bincount: a shape that depends on the values)
-    and split the routed tokens by those counts on the host: here the routing is assumed balanced, every expert
-    receiving n x top_k / n_experts of the n tokens' choices (the first ones one more when it does not divide), a
-    real tensor so that the split reads it. An unbalanced step holds the same tensors, only split differently.
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype == torch.bool else 1
-        if func is torch.ops.aten.bincount.default:
-            choices, experts = args[0].numel(), (kwargs or {}).get("minlength", args[2] if len(args) > 2 else 0)
-            with unset_fake_temporarily():
-                counts = torch.full((experts,), choices // experts, dtype=torch.long)
-                counts[: choices % experts] += 1
-                return counts
         return func(*args, **(kwargs or {}))
 
 
@@ -224,11 +212,6 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
-    ep = getattr(config.parallel, "ep", 1)
-    if ep > 1:
-        # The fake process group moves no tokens, and the dispatch's split sizes are values fake tensors lack.
-        problem = f"parallel.ep = {ep} is not simulated (expert parallelism's all-to-all needs real token counts)"
-        parser.exit(2, f"{parser.prog}: error: {problem}; simulate with --parallel.ep 1 (`fsdp2gen plan` plans ep)\n")
     result = simulate(config, args.gpus)
     if args.json:
         print(json.dumps(result))
