@@ -116,8 +116,7 @@ def memory_plan(request: PlanRequest) -> Plan:
         "gradients": FP32 * trained,
         "optimizer_state": 2 * FP32 * trained + FP32 * len(trainable),
     }
-    # Under context parallelism every sequence-linear part (activations, the loss's tokens) is a rank's
-    # seq_len / cp tokens (local_seq_len); only the ring attention's gathered K/V spans the whole sequence.
+    # Under cp each sequence-linear part is a rank's seq_len / cp tokens; only ring attention's K/V spans it all.
     seq, tp = request.local_seq_len, request.tp
     activations = activations_by_mode(request, compute)
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
@@ -133,7 +132,7 @@ def memory_plan(request: PlanRequest) -> Plan:
     comm_buffers = per_gpu["all_gather_buffers"] + per_gpu["reduce_scatter_buffers"]
     rows = reserved_rows(request, per_gpu["total"], comm_buffers, comm_at_peak, _largest_request(request, compute))
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
-    plan = Plan(
+    return Plan(
         request=request,
         parameters=parameter_count(model),
         active_parameters=active_parameter_count(model),
@@ -149,7 +148,6 @@ def memory_plan(request: PlanRequest) -> Plan:
         fits=per_gpu["total"] <= usable,
         levers=[],
     )
-    return plan
 
 
 def _exchange_buffers(request: PlanRequest, compute: int) -> dict[str, int]:

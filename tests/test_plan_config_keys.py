@@ -92,7 +92,7 @@ CHANGED = {
     "model.tie_embeddings": True,
     "model.n_experts": 4,
     "model.top_k": 1,
-    "model.moe_ffn_dim": 128,
+    "model.moe_ffn_dim": 256,  # debug-moe, the --moe example's size, has 128
     "model.n_shared_experts": 2,
     "model.n_dense_layers": 2,
     "model.path": "elsewhere",
