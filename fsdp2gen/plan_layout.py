@@ -3,7 +3,6 @@ exactly as the generated project's layout.py (loaded from the template) lays the
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from dataclasses import dataclass
@@ -11,6 +10,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+
+import jinja2
 
 from fsdp2gen.plan_shapes import MIB, expert_shard_numel, in_block, is_expert, shard_numel
 from fsdp2gen.questions import template_dir
@@ -57,19 +58,28 @@ GPUS = {
     )
 }
 
-# The generated project's layout.py: the one place that lays ranks out on the mesh. Loaded by path (it imports no
-# torch at import time), so that plan splits the model and the batch exactly as the project's train.py does.
-LAYOUT_FILE = Path("project") / "layout.py"
+# The generated project's layout.py: the one place that lays ranks out on the mesh. A Jinja template (a project holds
+# only the dimensions its answers chose), rendered here with every dimension and run as a module (it imports no torch
+# at import time), so that plan splits the model and the batch exactly as the project's train.py does.
+LAYOUT_FILE = Path("project") / "layout.py.jinja"
+EVERY_DIMENSION = {"pp": 2, "tp": 2, "cp": 2, "moe": True}
+
+
+def render_layout(**answers: Any) -> str:
+    """The source of the layout.py a project with these answers (pp, tp, cp, moe) holds."""
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    environment.undefined = jinja2.StrictUndefined  # an answer the template reads but was not given fails here
+    return environment.from_string((template_dir() / LAYOUT_FILE).read_text(encoding="utf-8")).render(answers)
 
 
 @cache
 def layout_module() -> ModuleType:
-    """The template's layout.py as a module (ParallelLayout, LayoutError)."""
-    spec = importlib.util.spec_from_file_location("fsdp2gen_project_layout", template_dir() / LAYOUT_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while they build the class
-    spec.loader.exec_module(module)
+    """The template's layout.py, rendered with every dimension, as a module (ParallelLayout, LayoutError); made
+    once per process."""
+    module = ModuleType("fsdp2gen_project_layout")
+    sys.modules[module.__name__] = module  # dataclasses look the module up while they build the class
+    code = compile(render_layout(**EVERY_DIMENSION), str(template_dir() / LAYOUT_FILE), "exec")
+    exec(code, module.__dict__)  # the template's own file, shipped with fsdp2gen
     return module
 
 

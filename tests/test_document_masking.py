@@ -17,7 +17,9 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
+import jinja2
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -204,13 +206,18 @@ def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path)
 
 # ---- The loader against a plain loop, for drawn document lengths -------------------------------------------
 
-DATA_PY = Path(__file__).parents[1] / "templates" / "project" / "data.py"
+DATA_PY = Path(__file__).parents[1] / "templates" / "project" / "data.py.jinja"
 
 
-def load_data_module():
-    spec = importlib.util.spec_from_file_location("project_data_for_document_masking", DATA_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load_data_module(task: str = "sft"):
+    """The template's data.py as a project of `task` renders it. An sft project's reads chat data's loss masks too;
+    a pretrain project's refuses chat data, and reads plain text, documents included, as the sft one does."""
+    source = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True).from_string(
+        DATA_PY.read_text()
+    )
+    module = ModuleType(f"project_data_for_document_masking_{task}")
+    sys.modules[module.__name__] = module
+    exec(compile(source.render(task=task), str(DATA_PY), "exec"), module.__dict__)
     return module
 
 
@@ -352,6 +359,14 @@ def test_prepare_chat_makes_each_conversation_a_document(tmp_path: Path) -> None
     [plain] = DATA.micro_batches(DATA.TokenShards(data, "train", seq_len), 0, 16, 1, 0, 1)
     assert plain.positions is None and plain.document_ids is None
     assert plain.inputs.tolist() == batch.inputs.tolist() and plain.targets.tolist() == batch.targets.tolist()
+    # A pretrain project refuses chat data (it would train on the prompts too), in one line naming the fix.
+    pretrain = load_data_module("pretrain")
+    with pytest.raises(pretrain.DataError) as refused:
+        pretrain.check_prepared_folder(data, seq_len, vocab_size=1 << 20)
+    assert str(refused.value) == (
+        f"data.path {data} holds chat data with a loss mask, which only a project generated with --task sft trains "
+        "on; prepare plain text with scripts/prepare_data.py"
+    )
 
 
 @settings(max_examples=80, deadline=None)

@@ -10,16 +10,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan_layout import layout_module
+from fsdp2gen.plan_layout import EVERY_DIMENSION, layout_module, render_layout
 from tests.conftest import REPO, generate
 
-LAYOUT = REPO / "templates" / "project" / "layout.py"
 ParallelLayout = layout_module().ParallelLayout
 LayoutError = layout_module().LayoutError
 
@@ -127,11 +127,60 @@ def test_one_process_has_every_dimension_1() -> None:
         layout.check(training(8, 3), MODEL)
 
 
-def test_layout_imports_no_torch() -> None:
-    # fsdp2gen plan loads it, and the generator never imports torch.
-    probe = f"import sys; sys.path.insert(0, {str(LAYOUT.parent)!r}); import layout; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
+def test_layout_imports_no_torch(tmp_path: Path) -> None:
+    # fsdp2gen plan loads it, and the generator never imports torch: neither a dense project's nor the planner's.
+    for name, answers in (("dense", {"pp": 1, "tp": 1, "cp": 1, "moe": False}), ("every", EVERY_DIMENSION)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "layout.py").write_text(render_layout(**answers))
+        probe = (
+            f"import sys; sys.path.insert(0, {str(tmp_path / name)!r}); import layout; print('torch' in sys.modules)"
+        )
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == "False"
+
+
+def rendered_layout(pp: int, tp: int, cp: int, moe: bool) -> Any:
+    module = ModuleType(f"layout_{pp}_{tp}_{cp}_{moe}")
+    sys.modules[module.__name__] = module  # dataclasses look the module up
+    exec(compile(render_layout(pp=pp, tp=tp, cp=cp, moe=moe), module.__name__, "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize(("pp", "tp", "cp", "moe"), [(1, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False),
+                                                     (2, 1, 1, False), (1, 1, 1, True), (2, 2, 2, False)])  # fmt: skip
+def test_a_project_s_layout_with_only_its_dimensions_lays_out_as_the_planner_s(
+    pp: int, tp: int, cp: int, moe: bool
+) -> None:
+    # The planner reasons with every dimension rendered; a project holds only its own: the same mesh, the same
+    # samples per rank, the same refusals, for every layout the project's config can hold.
+    mine = rendered_layout(pp, tp, cp, moe)
+    assert set(mine.MESH_DIMS) == {"dp_replicate", "dp_shard"} | {
+        d for d, n in (("pp", pp), ("tp", tp), ("cp", cp)) if n > 1
+    }
+    model = SimpleNamespace(**vars(MODEL), n_experts=4 if moe else 0, tie_embeddings=False, n_layers=4)
+    batches = (
+        SimpleNamespace(**vars(training(8, 1)), loss_chunks=4),
+        SimpleNamespace(**vars(training(6, 2, 24)), loss_chunks=8),
+    )
+    for world in (1, 2, 4, 8):
+        for sizes in ({}, {"dp_replicate": 2}, {"tp": tp}, {"cp": cp}, {"pp": pp}, {"ep": 2}, {"tp": tp, "cp": cp}):
+            # config.parallel as the project's config holds it: only its own dimensions (ep with --moe).
+            config = parallel(**{name: size for name, size in sizes.items() if size > 1 and name != "ep"})
+            if moe:
+                config.ep = sizes.get("ep", 1)
+            ours, planners = mine.ParallelLayout.of(config, world), ParallelLayout.of(config, world)
+            assert ours.mesh_sizes == planners.mesh_sizes and ours.shard_ranks == planners.shard_ranks
+            if ours.data_ranks:  # 0: more ranks configured than there are (check() refuses it)
+                assert [ours.data_rank(r) for r in range(world)] == [planners.data_rank(r) for r in range(world)]
+            for batch in batches:
+                outcomes = []
+                for layout, error in ((ours, mine.LayoutError), (planners, LayoutError)):
+                    try:
+                        layout.check(batch, model, 4)
+                        outcomes.append(None)
+                    except error as refusal:
+                        outcomes.append(str(refusal))
+                assert outcomes[0] == outcomes[1], (world, sizes)
 
 
 # How the mesh used to be computed outside layout.py: the dp_shard = -1 rule, and the ranks divided by tp.

@@ -211,14 +211,12 @@ class DataError(Exception):
     """data.path cannot feed the run: the message is one line that names why and the fix."""
 
 
-def check_token_data(
-    path: Path, seq_len: int, vocab_size: int, val_samples: int, chat: bool, documents: bool = False
-) -> None:
+def check_token_data(path: Path, seq_len: int, vocab_size: int, val_samples: int, documents: bool = False) -> None:
     """data.path (a prepared folder or a flat token file) holds enough valid samples for the run, and
     `val_samples` validation samples (0: no validation); with `documents` (data.document_mask), where each
     document starts."""
     if path.is_dir():
-        check_prepared_folder(path, seq_len, vocab_size, chat, documents)
+        check_prepared_folder(path, seq_len, vocab_size, documents)
         found = len(TokenShards(path, "val", seq_len)) if val_samples else 0
         if found < val_samples:
             raise DataError(
@@ -241,10 +239,9 @@ def check_token_data(
         )
 
 
-def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool, documents: bool = False) -> None:
-    """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole. `chat`: the
-    project trains on chat data (--task sft), whose shards have a loss mask each; others refuse masked data.
-    `documents`: every shard has a .docs file of ascending offsets within it."""
+def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, documents: bool = False) -> None:
+    """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole (chat data's
+    loss masks too). `documents`: every shard has a .docs file of ascending offsets within it."""
     fix = f"prepare it again with scripts/prepare_data.py --output {path}-new and point --data.path there"
     if not (path / INDEX_FILE).is_file():
         raise DataError(
@@ -263,11 +260,6 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool,
             f"data.path {path} is not finished: scripts/prepare_data.py stopped before the end; run it again with "
             "the same arguments to finish it"
         )
-    if index.get("masks") and not chat:
-        raise DataError(
-            f"data.path {path} holds chat data with a loss mask (scripts/prepare_chat.py), which a --task sft "
-            "project trains on; prepare plain text with scripts/prepare_data.py"
-        )
     if documents and not index.get("documents"):
         raise DataError(
             f"data.path {path} was prepared without document starts (an older scripts/prepare_data.py), so "
@@ -278,7 +270,7 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool,
             f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "
             f"but model.vocab_size is {vocab_size}; prepare the data with the model's tokenizer"
         )
-    for shard in index["train"] + index["val"] if chat else []:
+    for shard in index["train"] + index["val"]:
         mask = path / shard.get("mask_file", "")
         if "mask_file" in shard and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
             raise DataError(f"data.path {path}: {mask.name} is missing or not one byte per token; {fix}")

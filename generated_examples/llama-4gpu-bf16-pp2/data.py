@@ -72,9 +72,8 @@ class TokenShards:
 
     Sample i is the i-th window of seq_len + 1 tokens counted across the shards in order (a window never
     spans two shards), so a sample index names the same tokens on any number of ranks, as with TokenFile.
-    A sample is its token ids, or, for chat data or with `documents`, rows (tokens, target mask, document
-    starts) as micro_batches reads them: the mask is 1 where the token is a target (all 1 for plain text), the
-    starts row (with `documents` only) 1 where a token begins a document.
+    A sample is its token ids, or, with `documents`, rows (tokens, target mask, document starts) as micro_batches
+    reads them: the mask is all 1 (every token is a target), the starts row 1 where a token begins a document.
     """
 
     def __init__(self, folder: str | Path, split: str, seq_len: int, documents: bool = False) -> None:
@@ -82,9 +81,6 @@ class TokenShards:
         self.seq_len = seq_len
         shards = [shard for shard in index[split] if shard["tokens"] > seq_len]
         self.shards = [np.memmap(Path(folder) / shard["file"], dtype=index["dtype"], mode="r") for shard in shards]
-        # Chat data (scripts/prepare_chat.py): a mask per token, 1 where the token is a target of the loss.
-        self.masks = [np.memmap(Path(folder) / shard["mask_file"], dtype=np.uint8, mode="r") for shard in shards
-                      if "mask_file" in shard]  # fmt: skip
         # data.document_mask: each shard's .docs file, the ascending offsets of the tokens that begin a document.
         self.docs = [read_docs(Path(folder) / shard["docs_file"]) for shard in shards] if documents else []
         windows = [(len(tokens) - 1) // seq_len for tokens in self.shards]
@@ -100,9 +96,9 @@ class TokenShards:
         start = (index - int(self.starts[shard])) * self.seq_len
         window = slice(start, start + self.seq_len + 1)
         tokens = self.shards[shard][window]
-        if not self.masks and not self.docs:
+        if not self.docs:
             return tokens
-        rows = [tokens, self.masks[shard][window] if self.masks else np.ones_like(tokens)]
+        rows = [tokens, np.ones_like(tokens)]
         if self.docs:
             docs = self.docs[shard]
             starts = np.zeros_like(tokens)
@@ -211,14 +207,12 @@ class DataError(Exception):
     """data.path cannot feed the run: the message is one line that names why and the fix."""
 
 
-def check_token_data(
-    path: Path, seq_len: int, vocab_size: int, val_samples: int, chat: bool, documents: bool = False
-) -> None:
+def check_token_data(path: Path, seq_len: int, vocab_size: int, val_samples: int, documents: bool = False) -> None:
     """data.path (a prepared folder or a flat token file) holds enough valid samples for the run, and
     `val_samples` validation samples (0: no validation); with `documents` (data.document_mask), where each
     document starts."""
     if path.is_dir():
-        check_prepared_folder(path, seq_len, vocab_size, chat, documents)
+        check_prepared_folder(path, seq_len, vocab_size, documents)
         found = len(TokenShards(path, "val", seq_len)) if val_samples else 0
         if found < val_samples:
             raise DataError(
@@ -241,10 +235,9 @@ def check_token_data(
         )
 
 
-def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool, documents: bool = False) -> None:
-    """A folder written by scripts/prepare_data.py: finished, for this vocabulary, every shard whole. `chat`: the
-    project trains on chat data (--task sft), whose shards have a loss mask each; others refuse masked data.
-    `documents`: every shard has a .docs file of ascending offsets within it."""
+def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, documents: bool = False) -> None:
+    """A folder written by scripts/prepare_data.py: finished, plain text (no loss masks), for this vocabulary, every
+    shard whole. `documents`: every shard has a .docs file of ascending offsets within it."""
     fix = f"prepare it again with scripts/prepare_data.py --output {path}-new and point --data.path there"
     if not (path / INDEX_FILE).is_file():
         raise DataError(
@@ -263,10 +256,10 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool,
             f"data.path {path} is not finished: scripts/prepare_data.py stopped before the end; run it again with "
             "the same arguments to finish it"
         )
-    if index.get("masks") and not chat:
+    if index.get("masks"):
         raise DataError(
-            f"data.path {path} holds chat data with a loss mask (scripts/prepare_chat.py), which a --task sft "
-            "project trains on; prepare plain text with scripts/prepare_data.py"
+            f"data.path {path} holds chat data with a loss mask, which only a project generated with --task sft "
+            "trains on; prepare plain text with scripts/prepare_data.py"
         )
     if documents and not index.get("documents"):
         raise DataError(
@@ -278,10 +271,6 @@ def check_prepared_folder(path: Path, seq_len: int, vocab_size: int, chat: bool,
             f"data.path {path} was tokenized with a vocabulary of {vocabulary} tokens ({index.get('tokenizer')}), "
             f"but model.vocab_size is {vocab_size}; prepare the data with the model's tokenizer"
         )
-    for shard in index["train"] + index["val"] if chat else []:
-        mask = path / shard.get("mask_file", "")
-        if "mask_file" in shard and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
-            raise DataError(f"data.path {path}: {mask.name} is missing or not one byte per token; {fix}")
     for shard in index["train"] + index["val"] if documents else []:
         check_docs(path, shard, fix)
     for file, tokens, largest in splits["train"] + splits["val"]:

@@ -164,9 +164,8 @@ def check_data(config: Config, vocab_size: int) -> None:
     if not config.data.path:
         return  # synthetic tokens: always valid, and validation has its own held-out synthetic samples
     val_samples = config.eval.batches * config.training.global_batch_size if config.eval.every else 0
-    chat = False  # --task sft trains on chat data, with a loss mask per token
     documents = config.data.document_mask  # the data must record where documents start
-    check_token_data(Path(config.data.path), config.training.seq_len, vocab_size, val_samples, chat, documents)
+    check_token_data(Path(config.data.path), config.training.seq_len, vocab_size, val_samples, documents)
 
 
 def main() -> None:

@@ -156,8 +156,8 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
         micro_batch = training.global_batch_size // (layout.data_ranks * training.grad_accum_steps)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = train.build_model_meta(config, mesh, device)
-            offload = bool(getattr(config.parallel, "cpu_offload", False))
             optimizer, scheduler = train.build_optimizer(model, training, device)
+            offload = bool(getattr(config.parallel, "cpu_offload", False))
             if not offload:
                 # On GPUs build_optimizer picks the fused AdamW (parameters on the GPU), which makes no temporaries
                 # the size of the shards as foreach AdamW (this CPU's choice) does.

@@ -3,7 +3,7 @@
     python scripts/plan_memory.py --gpus 8 [--json] [--config config.toml] [--section.key VALUE ...]
 
 Builds this project's own model from config.toml with train.py's own code (build_model_meta: meta device, tensor
-parallelism, activation checkpointing, fully_shard with the mixed-precision and offload policies, build_optimizer,
+parallelism, activation checkpointing, fully_shard with the mixed-precision policy, build_optimizer,
 train_step over training.grad_accum_steps micro-batches with training.grad_sync) under torch's FakeTensorMode (fake
 tensors on the CPU device: see simulate), in a "fake" process group of --gpus ranks (collectives do nothing). Every
 tensor has its shape, dtype and device, but no storage: an 8B or 70B model costs no memory here. Nothing fills the
@@ -54,8 +54,6 @@ CATEGORIES = {
     "activations": ("Activation", "Inputs"),
     "temporaries": ("Temp",),
 }
-# With parallel.cpu_offload these live in CPU memory, not on the GPU.
-OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
 # The CUDA caching allocator rounds every block: requests up to 1 MiB to 512 bytes (carved from 2 MiB segments),
 # larger ones to 2 MiB (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kRoundLarge).
 SMALL, SMALL_ROUND, LARGE_ROUND = 2**20, 512, 2**21
@@ -73,30 +71,24 @@ def name(reftype: Any) -> str:
 
 
 class Tracker(FSDPMemTracker):
-    """FSDPMemTracker keeping the peak of what sits on the GPU (everything, or, with CPU offload, everything but
-    the sharded parameters, gradients and optimizer state), its breakdown, and the blocks the caching allocator
-    would reserve for the tensors live at that peak."""
+    """FSDPMemTracker keeping the peak of what sits on the GPU (everything it tracks), its breakdown, and the blocks
+    the caching allocator would reserve for the tensors live at that peak."""
 
-    def __init__(self, *args: Any, offload: bool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.host = OFFLOADED if offload else ()
         self.gpu_peak, self.gpu_snapshot, self.reserved_at_peak, self.peak_at = 0, {}, 0, ""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Not FSDPMemTracker's own: on every op it walks every module tracked so far (time quadratic in the blocks:
         # most of a 70B step's) for per-module peaks that this script never reads.
         for snapshot in self._curr_mem_snap.values():
-            on_gpu = sum(size for key, size in snapshot.items() if key != "Total" and name(key) not in self.host)
+            on_gpu = sum(size for key, size in snapshot.items() if key != "Total")
             if on_gpu > self.gpu_peak:
                 self.gpu_peak, self.gpu_snapshot = on_gpu, {name(key): size for key, size in snapshot.items()}
                 inside = max(self._mod_tracker.parents, key=len)  # the innermost module running ("Global": none)
                 where = "the loss, the root or the optimizer" if inside == "Global" else inside
                 self.peak_at = f"{'backward' if self._mod_tracker.is_bw else 'forward'}, in {where}"
-                self.reserved_at_peak = sum(
-                    reserved_bytes(winfo.mem_consumed)
-                    for winfo, _ in self._WINFO.values()
-                    if name(winfo.reftype) not in self.host
-                )
+                self.reserved_at_peak = sum(reserved_bytes(winfo.mem_consumed) for winfo, _ in self._WINFO.values())
 
 
 def real_mesh_arithmetic() -> None:
@@ -156,13 +148,11 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
         micro_batch = training.global_batch_size // (layout.data_ranks * training.grad_accum_steps)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = train.build_model_meta(config, mesh, device)
-            offload = bool(getattr(config.parallel, "cpu_offload", False))
             optimizer, scheduler = train.build_optimizer(model, training, device)
-            if not offload:
-                # On GPUs build_optimizer picks the fused AdamW (parameters on the GPU), which makes no temporaries
-                # the size of the shards as foreach AdamW (this CPU's choice) does.
-                for group in optimizer.param_groups:
-                    group.update(fused=True, foreach=False)
+            # On GPUs build_optimizer picks the fused AdamW (parameters on the GPU), which makes no temporaries the
+            # size of the shards as foreach AdamW (this CPU's choice) does.
+            for group in optimizer.param_groups:
+                group.update(fused=True, foreach=False)
             state = TrainState(model, optimizer, scheduler, training.global_batch_size, device, "plan_memory")
             shape = (micro_batch, training.seq_len)
             # Plain causal attention (no document ids): on GPUs FlexAttention's document masks add no activations.
@@ -176,7 +166,7 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
                     param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            tracker = Tracker(model, optimizer, offload=offload)
+            tracker = Tracker(model, optimizer)
 
             # FSDPMemTracker refuses a second forward of the root (grad accumulation) unless its per-module
             # statistics are cleared first; the peak this script keeps is its own (Tracker.gpu_peak).
@@ -195,10 +185,7 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
         dist.barrier()
         dist.destroy_process_group()
     peak = tracker.gpu_snapshot
-    breakdown = {
-        category: sum(peak.get(key, 0) for key in keys if key not in tracker.host)
-        for category, keys in CATEGORIES.items()
-    }
+    breakdown = {category: sum(peak.get(key, 0) for key in keys) for category, keys in CATEGORIES.items()}
     return {"gpus": gpus, "micro_batch": micro_batch, **breakdown, "allocated": tracker.gpu_peak,
             "reserved": tracker.reserved_at_peak, "peak_at": tracker.peak_at}  # fmt: skip
 
