@@ -120,6 +120,11 @@ class ParallelLayout:
             return self._flattened(mesh, (*replicate, "dp_shard"))
         return mesh[(*replicate, "dp_shard")]
 
+    def expert_fsdp_mesh(self, mesh: Any) -> Any:
+        """The sub-mesh fully_shard shards the experts over when ep > 1: (dp_replicate,) dp_shard_mod_ep, the ranks
+        that hold the same experts (each rank of an ep group holds others)."""
+        return mesh[("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate > 1 else "dp_shard_mod_ep"]
+
     @staticmethod
     def _flattened(mesh: Any, names: tuple[str, ...]) -> Any:
         with warnings.catch_warnings():
