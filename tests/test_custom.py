@@ -94,7 +94,7 @@ EINSUM_LINEARS = (
      "self.mlp_norm(x))))"),
 )  # fmt: skip
 UNCLASSIFIED = (
-    "parallel.activation_checkpointing = 'selective' keeps the outputs of linear layers (aten.mm/addmm/_scaled_mm), "
+    "parallel.activation_checkpointing = 'selective' keeps the outputs of linear layers (aten.mm/addmm), "
     "but block Block has none (its matrix products run as aten.bmm): it would recompute nearly all of the block; use "
     "--parallel.activation_checkpointing layer or full, or make the block's linear layers nn.Linear"
 )
