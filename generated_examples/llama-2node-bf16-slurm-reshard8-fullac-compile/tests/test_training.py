@@ -115,13 +115,14 @@ def test_resharding_to_groups_changes_memory_not_numbers(tmp_path: Path) -> None
     configured = 8
     group = configured if configured < shard_ranks and shard_ranks % configured == 0 else 2
     assert group < shard_ranks and shard_ranks % group == 0, (group, shard_ranks)
-    # One shard group over all ranks (no HSDP replicas) in both runs.
-    layout = [*OPTION_STEPS, *OPTIONS_OFF, "--parallel.dp_replicate", "1"]
-    full = train(tmp_path / "full", *layout, nproc=RESHARD_RANKS)
+    # One shard group over all ranks (no HSDP replicas), 2 micro-batches a step (the groups are gathered again for
+    # each backward): the grouped ranks give the numbers of one process, which shards nothing.
+    layout = [*OPTION_STEPS, *OPTIONS_OFF, "--parallel.dp_replicate", "1", "--training.grad_accum_steps", "2"]
+    single = train(tmp_path / "one", *layout, nproc=1)
     grouped = train(tmp_path / "grouped", *layout, "--parallel.reshard_after_forward", str(group), nproc=RESHARD_RANKS)
-    for a, b in zip(full, grouped, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+    for a, b in zip(single, grouped, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= PARITY_TOLERANCE * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= PARITY_TOLERANCE * max(1.0, a["grad_norm"]), (a, b)
 
 
 def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
