@@ -79,12 +79,12 @@ CONFIG_KEYS: dict[str, str] = {
             "parallel.activation_checkpoint_every",
             "parallel.cpu_offload",
             "parallel.prefetch_blocks",
+            "parallel.reshard_after_forward",
         ),
         READ,
     ),  # fmt: skip
     **dict.fromkeys(
         (
-            "parallel.reshard_after_forward",
             "parallel.reduce_dtype",
             "parallel.output_dtype",
             "parallel.compile",
@@ -137,7 +137,6 @@ CONFIG_KEYS: dict[str, str] = {
 
 # The NOTED keys: their defaults (config.py's) and what plan leaves out when a project changes them.
 NOTED_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "reshard_after_forward": (True, "blocks kept gathered (or N-way sharded) between forward and backward not counted"),
     "reduce_dtype": ("float32", "gradients reduce-scattered in fp32 as planned; a 16-bit reduce_dtype holds less"),
     "output_dtype": ("float32", "the root's output cast not modelled"),
     "compile": (False, "planned eager: inductor's fusions save fewer activations, its workspace not counted"),
@@ -165,6 +164,11 @@ def parallel_settings(path: Path, parallel: dict[str, Any], answers: dict[str, A
         if type(value) is not int or value < low or value == 0 and key == "dp_shard":
             name = {"ac_every": "activation_checkpoint_every"}.get(key, key)
             raise PlanError(f"{path}: parallel.{name} must be an int of at least {low}, got {value!r}; {FIX}")
+    reshard = parallel.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool) and (type(reshard) is not int or reshard < 1):
+        raise PlanError(f"{path}: parallel.reshard_after_forward must be true, false or an int of at least 1, got "
+                        f"{reshard!r}; {FIX}")  # fmt: skip
+    settings["reshard_after_forward"] = reshard
     ac = parallel.get("activation_checkpointing", answers.get("activation_checkpointing", "none"))
     if ac not in AC_MODES:
         raise PlanError(f"{path}: parallel.activation_checkpointing must be one of {', '.join(AC_MODES)}, got {ac!r}; "

@@ -126,6 +126,9 @@ class PlanRequest:
     dp_shard: int = -1
     ac_every: int = 2  # parallel.activation_checkpoint_every: "layer" AC checkpoints the blocks whose index it divides
     prefetch_blocks: int = 1  # parallel.prefetch_blocks: blocks all-gathered ahead (0: FSDP2's implicit one)
+    # parallel.reshard_after_forward: true frees a block's gathered parameters after its forward; false keeps them
+    # until its backward; N keeps them sharded over groups of N ranks (N at least the shard group: as true).
+    reshard_after_forward: bool | int = True
     # The config's keys off their defaults that change memory in a way plan does not model (plan_config.py's
     # CONFIG_KEYS), as "key = value: why"; the report lists them under the plan.
     unmodelled: tuple[str, ...] = ()
@@ -184,15 +187,19 @@ def gathered_numel(request: PlanRequest, name: str, shape: tuple[int, ...]) -> i
     return math.prod(shape) // request.ep if is_expert(name) else math.prod(shape)
 
 
-def largest_block(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
-    """Elements of the largest block once gathered (a mixture-of-experts block's experts: this rank's n_experts /
-    ep; a dense model's blocks are all alike)."""
+def gathered_blocks(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+    """Elements of each block once gathered (a mixture-of-experts block's experts: this rank's n_experts / ep)."""
     blocks: dict[str, int] = {}
     for name, shape in shapes:
         if in_block(name):
             index = name.removeprefix("model.").split(".")[1]
             blocks[index] = blocks.get(index, 0) + gathered_numel(request, name, shape)
-    return max(blocks.values(), default=0)
+    return list(blocks.values())
+
+
+def largest_block(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Elements of the largest block once gathered (a dense model's blocks are all alike)."""
+    return max(gathered_blocks(request, shapes), default=0)
 
 
 def expert_layout(request: PlanRequest, ep: int) -> Any:

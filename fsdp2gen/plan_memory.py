@@ -51,7 +51,14 @@ from fsdp2gen.plan_families import (
     HfShape,
     is_trainable,
 )
-from fsdp2gen.plan_layout import GPUS, PlanRequest, gathered_numel, largest_block, request_shard_numel
+from fsdp2gen.plan_layout import (
+    GPUS,
+    PlanRequest,
+    gathered_blocks,
+    gathered_numel,
+    largest_block,
+    request_shard_numel,
+)
 from fsdp2gen.plan_reserved import largest_request, reserved_rows
 from fsdp2gen.plan_shapes import (
     COMPUTE_BYTES,
@@ -127,6 +134,7 @@ def memory_plan(request: PlanRequest) -> Plan:
     unsharded = FP32 * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu |= _exchange_buffers(request, compute)
+    per_gpu["kept_gathered"] = _kept_gathered(request, shapes, compute)
     per_gpu["loss_backward"] = loss_backward_bytes(model, request.batch, seq, compute, tp, request.loss_chunks)
     per_gpu["total"], comm_at_peak = _peak(request, per_gpu, shapes, compute)
     comm_buffers = per_gpu["all_gather_buffers"] + per_gpu["reduce_scatter_buffers"]
@@ -224,6 +232,7 @@ def _peak(
     root_unit = sum(math.prod(shape) for name, shape in shapes if not in_block(name))  # llama's or hf's names
     at_step = sum(per_gpu[key] for key in ("parameters", "gradients", "optimizer_state", "model_buffers"))
     in_loss = at_step + per_gpu["deferred_gradients"] + compute * root_unit + per_gpu["activations"]
+    in_loss += per_gpu["kept_gathered"]
     in_loss += per_gpu["loss_backward"]
     # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
     # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input.
@@ -239,6 +248,21 @@ def _peak(
         (at_root_reduce, FP32 * root_unit),  # the root's reduce-scatter input (and at least the optimizer step's)
     ]
     return max(moments, key=lambda moment: moment[0])
+
+
+def _kept_gathered(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int) -> int:
+    """parallel.reshard_after_forward false or N: what the blocks hold between their forward and their backward, at
+    the start of backward (every block's forward done, no block's backward): each block gathered (false), or its
+    1/N (N smaller than the shard group: FSDP2 reshards it over groups of N ranks), in the compute dtype. The last
+    blocks, whose backward comes first, are the all-gather buffers' already."""
+    reshard = request.reshard_after_forward
+    if reshard is True or (reshard is not False and reshard >= request.fsdp_ranks):
+        return 0  # freed after forward (groups as large as the shard group reshard fully: train.py)
+    in_flight = 1 + max(1, request.prefetch_blocks)
+    held = gathered_blocks(request, shapes)[:-in_flight]
+    if reshard is False:
+        return compute * sum(held)
+    return compute * sum(math.ceil(block / reshard) for block in held)
 
 
 def _largest_request(request: PlanRequest, compute: int) -> int:

@@ -41,6 +41,7 @@ ROWS = {
     "all_to_all_buffers": "all-to-all buffers (dispatch/combine, 1 layer)",
     "experts_backward": "grouped GEMM backward copies (1 layer)",
     "loss_backward": "loss backward (fp32 logit gradients)",
+    "kept_gathered": "blocks kept gathered forward -> backward",
 }
 
 # The rows that mean something else under pp > 1 (plan_pp.py: a rank's stages only, kept gathered).
@@ -134,7 +135,12 @@ def _memory_rows(plan: Plan) -> list[str]:
     """A row per ROWS entry that this setup has, marked where it lives on the CPU or peaks after backward."""
     request, rows = plan.request, []
     for key, label in ROWS.items():
-        value = plan.per_gpu[key]
+        value = plan.per_gpu.get(key, 0)
+        if key == "kept_gathered":
+            if not value:
+                continue  # parallel.reshard_after_forward true (or pp > 1: plan_pp.py counts the stages gathered)
+            if request.reshard_after_forward is not False:
+                label = f"blocks kept {request.reshard_after_forward}-way sharded fwd -> bwd"
         if request.offload and key in ("parameters", "gradients", "optimizer_state"):
             label += " [CPU]"
         if key == "deferred_gradients" and not request.defers_gradients and request.pp == 1:
@@ -281,6 +287,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_accum_steps": request.grad_accum_steps,
             "grad_sync": request.grad_sync,
             "loss_chunks": request.loss_chunks,
+            "reshard_after_forward": request.reshard_after_forward,
             **_pipeline_setup(request),
         },
         "pipeline": plan.pipeline,

@@ -453,13 +453,13 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "grad_accum_steps": 1,
         "grad_sync": "every_micro_batch",
         "loss_chunks": TEMPLATE_LOSS_CHUNKS,  # the file has none: the template's default
+        # Groups of 8 of the 8 ranks a parameter is sharded over: resharded fully (train.py), no row kept gathered.
+        "reshard_after_forward": 8,
     }
+    assert "kept_gathered" in plan["per_gpu_bytes"] and plan["per_gpu_bytes"]["kept_gathered"] == 0
     assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512
     # The keys that change memory in ways plan does not model are named, not silently planned as their defaults.
-    assert [note.split(":")[0] for note in plan["unmodelled"]] == [
-        "parallel.reshard_after_forward = 8",
-        "parallel.compile = true",
-    ]
+    assert [note.split(":")[0] for note in plan["unmodelled"]] == ["parallel.compile = true"]
     fp32 = plan_json("--config", str(REPO / "generated_examples" / "llama-1gpu-fp32" / "config.toml"))
     assert (fp32["setup"]["gpus"], fp32["setup"]["precision"], fp32["setup"]["micro_batch"]) == (1, "fp32", 32)
 

@@ -51,6 +51,10 @@ ROWS = [
     Row("1b-full", "1b", ac="full"),
     Row("1b-accum-every", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2),
     Row("1b-accum-last", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2, grad_sync="last_micro_batch"),
+    # Blocks kept gathered between forward and backward, or sharded over groups of 4 of the 8 ranks (plan counted
+    # neither before: 21% under the simulation with false).
+    Row("1b-keep-gathered", "1b", ac="none", extra={"parallel.reshard_after_forward": False}),
+    Row("1b-reshard-4", "1b", ac="none", extra={"parallel.reshard_after_forward": 4}),
     Row("8b-selective", "8b", ac="selective"),
     Row("8b-tp2-selective", "8b", tp=2, ac="selective", global_batch_size=4),
     Row("8b-tp8-full", "8b", tp=8, ac="full", global_batch_size=1, seq_len=8192),

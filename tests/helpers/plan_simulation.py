@@ -92,6 +92,8 @@ class Row:
         if self.grad_accum_steps > 1:
             parts.append(f"accum {self.grad_accum_steps} {self.grad_sync}")
         parts += ["CPU offload"] if self.offload else []
+        reshard = self.extra.get("parallel.reshard_after_forward", True)
+        parts += [] if reshard is True else [f"reshard_after_forward {str(reshard).lower()}"]
         return ", ".join(parts + (["whole logits (loss_chunks 1)"] if self.loss_chunks == 1 else []))
 
 
