@@ -80,12 +80,12 @@ CONFIG_KEYS: dict[str, str] = {
             "parallel.cpu_offload",
             "parallel.prefetch_blocks",
             "parallel.reshard_after_forward",
+            "parallel.reduce_dtype",
         ),
         READ,
     ),  # fmt: skip
     **dict.fromkeys(
         (
-            "parallel.reduce_dtype",
             "parallel.output_dtype",
             "parallel.compile",
             "parallel.float8",
@@ -137,7 +137,6 @@ CONFIG_KEYS: dict[str, str] = {
 
 # The NOTED keys: their defaults (config.py's) and what plan leaves out when a project changes them.
 NOTED_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "reduce_dtype": ("float32", "gradients reduce-scattered in fp32 as planned; a 16-bit reduce_dtype holds less"),
     "output_dtype": ("float32", "the root's output cast not modelled"),
     "compile": (False, "planned eager: inductor's fusions save fewer activations, its workspace not counted"),
     "float8": (False, "planned in the compute dtype: float8 casts and scales not counted"),
@@ -169,6 +168,11 @@ def parallel_settings(path: Path, parallel: dict[str, Any], answers: dict[str, A
         raise PlanError(f"{path}: parallel.reshard_after_forward must be true, false or an int of at least 1, got "
                         f"{reshard!r}; {FIX}")  # fmt: skip
     settings["reshard_after_forward"] = reshard
+    reduce_dtype = parallel.get("reduce_dtype", "float32")
+    if reduce_dtype not in ("float32", "bfloat16", "float16"):
+        raise PlanError(f"{path}: parallel.reduce_dtype must be one of float32, bfloat16, float16, got "
+                        f"{reduce_dtype!r}; {FIX}")  # fmt: skip
+    settings["reduce_dtype"] = reduce_dtype
     ac = parallel.get("activation_checkpointing", answers.get("activation_checkpointing", "none"))
     if ac not in AC_MODES:
         raise PlanError(f"{path}: parallel.activation_checkpointing must be one of {', '.join(AC_MODES)}, got {ac!r}; "

@@ -129,6 +129,9 @@ class PlanRequest:
     # parallel.reshard_after_forward: true frees a block's gathered parameters after its forward; false keeps them
     # until its backward; N keeps them sharded over groups of N ranks (N at least the shard group: as true).
     reshard_after_forward: bool | int = True
+    # parallel.reduce_dtype: the dtype gradients are reduce-scattered (and, under last_micro_batch, accumulated
+    # unsharded) in; the sharded gradients are fp32 either way.
+    reduce_dtype: str = "float32"
     # The config's keys off their defaults that change memory in a way plan does not model (plan_config.py's
     # CONFIG_KEYS), as "key = value: why"; the report lists them under the plan.
     unmodelled: tuple[str, ...] = ()
@@ -165,6 +168,10 @@ class PlanRequest:
         if self.global_batch_size is not None:
             return self.global_batch_size // (self.data_ranks * (self.grad_accum_steps or 1))
         return 1
+
+    @property
+    def reduce_bytes(self) -> int:
+        return 4 if self.reduce_dtype == "float32" else 2
 
     @property
     def defers_gradients(self) -> bool:

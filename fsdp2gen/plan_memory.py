@@ -5,7 +5,7 @@ The estimate follows what a generated project's train.py and model.py actually d
 - fully_shard keeps each rank's parameter shards in fp32 (the model is built in fp32); with bf16/fp16
   the MixedPrecisionPolicy casts them for compute only, so the shards *are* the master weights
   (no extra copy). Shards are dim-0 chunks padded to ceil(rows / ranks), like FSDP2 allocates them.
-- Gradients are reduce-scattered in fp32 (reduce_dtype=float32), so the gradient shards are fp32.
+- Gradients are reduce-scattered in parallel.reduce_dtype (fp32 by default); the gradient shards are fp32 either way.
 - With grad_accum_steps > 1 and training.grad_sync = "last_micro_batch" (set_requires_gradient_sync(False)
   on all but the last micro-batch), FSDP2 keeps each parameter's unsharded gradient, upcast to reduce_dtype
   (fp32), from the first micro-batch until the last one's backward: every rank holds the whole model's
@@ -128,10 +128,11 @@ def memory_plan(request: PlanRequest) -> Plan:
     activations = activations_by_mode(request, compute)
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
     per_gpu |= family_buffers(request, shapes, compute, trainable) | {"activations": activations[request.ac]}
-    # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32),
+    # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32 default),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
     # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
-    unsharded = FP32 * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
+    reduce = request.reduce_bytes
+    unsharded = reduce * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu |= _exchange_buffers(request, compute)
     per_gpu["kept_gathered"] = _kept_gathered(request, shapes, compute)
@@ -236,7 +237,7 @@ def _peak(
     in_loss += per_gpu["loss_backward"]
     # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
     # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input.
-    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + FP32) * root_unit
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + request.reduce_bytes) * root_unit
     grads = per_gpu["gradients"] if request.grad_accum_steps == 1 else 0
     # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's gradient
     # shards appear only as backward frees its activations, so they are not part of the forward/backward peak; they
@@ -245,7 +246,8 @@ def _peak(
     moments = [
         (in_blocks - grads, comm),
         (in_loss - grads, compute * root_unit),  # the gathered root
-        (at_root_reduce, FP32 * root_unit),  # the root's reduce-scatter input (and at least the optimizer step's)
+        # The root's reduce-scatter input (and at least the optimizer step's).
+        (at_root_reduce, request.reduce_bytes * root_unit),
     ]
     return max(moments, key=lambda moment: moment[0])
 
@@ -280,14 +282,15 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
     model = request.model
     block_unit = largest_block(request, shapes)
     root_unit = sum(math.prod(shape) for name, shape in shapes if not in_block(name))
-    # Under last_micro_batch in fp32 the unsharded gradients of the root and of the block being reduced are
-    # the accumulated ones (deferred_gradients), not more memory.
+    # Under last_micro_batch with reduce_dtype the compute dtype (fp32 compute, or a 16-bit reduce_dtype) the
+    # unsharded gradients of the root and of the block being reduced are the accumulated ones (deferred_gradients).
     # The root's unsharded gradients during the blocks' backward: the output layer's and the final norm's (computed
     # first, reduce-scattered with the root's at the end of backward); an untied embedding's come only then.
     # (llama's tok_embeddings, hf's model.embed_tokens; none in LoRA's trainable subset, which has no root weight.)
     embedding = sum(math.prod(shape) for name, shape in shapes if name in EMBEDDINGS) if not model.tie_embeddings else 0
     root_grads = root_unit - embedding
-    unsharded_grads = 0 if request.defers_gradients and compute == FP32 else compute * (root_grads + block_unit)
+    deferred_are_them = request.defers_gradients and compute == request.reduce_bytes
+    unsharded_grads = 0 if deferred_are_them else compute * (root_grads + block_unit)
     return {
         # rope_cos and rope_sin: fp32 buffers, not sharded; each MoE block's routing biases, token counts and
         # balance-loss sum (fp32, moe.py).
@@ -297,8 +300,8 @@ def _buffers(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], co
         # (parallel.prefetch_blocks; 0 leaves FSDP2's implicit prefetch of the next one).
         "all_gather_buffers": compute * (root_unit + (1 + max(1, request.prefetch_blocks)) * block_unit),
         # The output layer's unsharded gradients live until the end of backward; a block's unsharded gradients
-        # are copied into an fp32 reduce-scatter input.
-        "reduce_scatter_buffers": unsharded_grads + FP32 * block_unit,
+        # are copied into a reduce-scatter input in reduce_dtype.
+        "reduce_scatter_buffers": unsharded_grads + request.reduce_bytes * block_unit,
     }
 
 

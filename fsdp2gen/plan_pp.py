@@ -307,8 +307,8 @@ def one_rank(
     per_gpu |= {
         "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
         "all_gather_buffers": compute * gathered,
-        "reduce_scatter_buffers": FP32 * max(units),
-        "deferred_gradients": FP32 * gathered,
+        "reduce_scatter_buffers": request.reduce_bytes * max(units),
+        "deferred_gradients": request.reduce_bytes * gathered,
         "ring_attention": 0,
         "all_to_all_buffers": 0,
         "experts_backward": 0,

@@ -29,6 +29,7 @@ def _size(count: int) -> str:
     return f"{count} B"
 
 
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ROWS = {
     "parameters": "parameters (fp32 shards = master weights)",
     "gradients": "gradients (fp32 shards)",
@@ -66,7 +67,7 @@ def _sync_line(request: PlanRequest) -> str:
     if request.defers_gradients:
         return (
             f"gradient sync: last_micro_batch ({steps}): one reduce-scatter per step, but every GPU holds the "
-            "whole model's fp32 gradients until the last micro-batch"
+            f"whole model's {SHORT_DTYPES[request.reduce_dtype]} gradients until the last micro-batch"
         )
     return f"gradient sync: every_micro_batch ({steps}): gradients stay sharded, one reduce-scatter per micro-batch"
 
@@ -159,6 +160,8 @@ def _memory_rows(plan: Plan) -> list[str]:
             label = label.replace("2 blocks", f"{1 + max(1, request.prefetch_blocks)} blocks")
         if request.pp > 1 and key in PP_ROWS:
             label = PP_ROWS[key]
+        if key in ("deferred_gradients", "reduce_scatter_buffers") and request.reduce_dtype != "float32":
+            label = label.replace("fp32", SHORT_DTYPES[request.reduce_dtype])  # parallel.reduce_dtype
 
         rows.append(f"{label:<48}{_size(value):>12}")
     return rows
@@ -288,6 +291,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "grad_sync": request.grad_sync,
             "loss_chunks": request.loss_chunks,
             "reshard_after_forward": request.reshard_after_forward,
+            "reduce_dtype": request.reduce_dtype,
             **_pipeline_setup(request),
         },
         "pipeline": plan.pipeline,

@@ -455,6 +455,7 @@ def test_config_of_a_generated_project_reads_model_batch_and_answers() -> None:
         "loss_chunks": TEMPLATE_LOSS_CHUNKS,  # the file has none: the template's default
         # Groups of 8 of the 8 ranks a parameter is sharded over: resharded fully (train.py), no row kept gathered.
         "reshard_after_forward": 8,
+        "reduce_dtype": "float32",
     }
     assert "kept_gathered" in plan["per_gpu_bytes"] and plan["per_gpu_bytes"]["kept_gathered"] == 0
     assert plan["model"]["dim"] == 256 and plan["model"]["n_layers"] == 4 and plan["model"]["vocab_size"] == 512

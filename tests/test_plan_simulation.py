@@ -51,6 +51,16 @@ ROWS = [
     Row("1b-full", "1b", ac="full"),
     Row("1b-accum-every", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2),
     Row("1b-accum-last", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2, grad_sync="last_micro_batch"),
+    # The unsharded gradients accumulated in a 16-bit reduce_dtype (plan counted them in fp32: 31% over).
+    Row(
+        "1b-accum-last-reduce-bf16",
+        "1b",
+        ac="selective",
+        global_batch_size=16,
+        grad_accum_steps=2,
+        grad_sync="last_micro_batch",
+        extra={"parallel.reduce_dtype": "bfloat16"},
+    ),  # fmt: skip
     # Blocks kept gathered between forward and backward, or sharded over groups of 4 of the 8 ranks (plan counted
     # neither before: 21% under the simulation with false).
     Row("1b-keep-gathered", "1b", ac="none", extra={"parallel.reshard_after_forward": False}),

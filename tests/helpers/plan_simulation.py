@@ -94,6 +94,8 @@ class Row:
         parts += ["CPU offload"] if self.offload else []
         reshard = self.extra.get("parallel.reshard_after_forward", True)
         parts += [] if reshard is True else [f"reshard_after_forward {str(reshard).lower()}"]
+        reduce_dtype = self.extra.get("parallel.reduce_dtype", "float32")
+        parts += [] if reduce_dtype == "float32" else [f"reduce_dtype {reduce_dtype}"]
         return ", ".join(parts + (["whole logits (loss_chunks 1)"] if self.loss_chunks == 1 else []))
 
 
