@@ -47,6 +47,7 @@ MARKERS: dict[str, tuple[Callable[[Answers], bool], str]] = {
     "tensorboard": (lambda a: a["tensorboard"], r"tensorboard|SummaryWriter"),
     "wandb": (lambda a: a["wandb"], r"\bwandb\b"),
     "lora": (lambda a: a.get("lora", False), r"\bpeft\b|LoraConfig|\blora\."),
+    "qlora": (lambda a: a.get("qlora", False), r"\bnf4\b|NF4|QLoRA|qlora"),
     "task": (lambda a: a["task"] == "sft", r"prepare_chat|apply_chat_template"),
     "activation_checkpointing": (
         lambda a: a["activation_checkpointing"] != "none",
