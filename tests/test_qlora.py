@@ -5,7 +5,8 @@ template; an sft project (document masking on) trained on 2 gloo ranks, no netwo
 
 Four torchrun launches: the 4-step run, its resume from step 2, and tests/helpers/qlora_probe.py on 2 and 4 ranks
 (each: the NF4 shards against torchao, the next step's loss against one process, the NF4 after that step; on 2
-ranks also the memory of a larger model's load).
+ranks also the memory of a larger model's load). The generator's refusals of --qlora are rows of
+tests/test_bad_input_generator.py (docs/bad-inputs-generator.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, fsdp2gen, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun, torchrun_env
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -104,11 +105,12 @@ def test_on_2_ranks_nf4_shards_equal_torchao_a_step_equals_one_process_and_memor
     print(memory)
     # Rank 1 holds its NF4 shards: 4.13 bits per weight, about a quarter of its fp16 share, plus the fp32
     # embeddings and norms (~1 MiB) and a few MiB of Python objects; nothing else stays resident.
-    assert memory["nf4_share_mib"] / memory["fp16_share_mib"] == pytest.approx(4.127 / 16, abs=2e-3)
+    assert memory["nf4_share_mib"] / memory["nf4_fp16_mib"] == pytest.approx(4.127 / 16, abs=1e-3)
     assert 0.2 * memory["fp16_share_mib"] < memory["VmRSS"] < 0.4 * memory["fp16_share_mib"], memory
-    # Its peak: that plus at most 64 MiB of fp32 slices being quantized (nf4.READ_BUDGET) and torchao's working
-    # memory for one chunk of 2**20 values (~140 MiB), whatever the model's size.
-    assert memory["peak_mib"] < memory["VmRSS"] + 64 + 160, memory
+    # Its peak: that plus constants, whatever the model's size: up to 64 MiB of fp32 slices read at a time
+    # (nf4.READ_BUDGET) and their mapped file pages, and torchao's working memory for one chunk of 2**20 values
+    # (~150 MiB: each value's distance to the 16 levels, in fp32, twice) (measured here: 200-250 MiB).
+    assert memory["peak_mib"] < memory["VmRSS"] + 2 * 64 + 160, memory
 
 
 def test_on_4_ranks_nf4_shards_equal_torchao_and_a_step_equals_one_process(qlora: dict, tmp_path: Path) -> None:
@@ -168,26 +170,6 @@ def test_linears_that_nf4_cannot_hold_on_these_ranks_stop_before_anything_is_bui
         "must hold whole rows and a multiple of 16384 values (64-value blocks, their scales in groups of 256); use "
         "--parallel.dp_shard 1 --parallel.dp_replicate 2 (HSDP), or leave lm_head out of lora.target_modules"
     )
-
-
-HF = "QLoRA quantizes a pretrained Hugging Face model; use --family hf --hf-model MODEL (or leave out --qlora)"
-
-
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (["--qlora"], f"--qlora: {HF}"),
-        (["--family", "custom", "--qlora"], f"--qlora: {HF}"),
-        (["--family", "hf", "--hf-model", "org/model", "--qlora", "--from-scratch"],
-         "--qlora: QLoRA quantizes pretrained weights; drop --from-scratch (or leave out --qlora)"),
-        (["--family", "hf", "--hf-model", "org/model", "--qlora", "--no-lora"],
-         "--lora: --qlora is LoRA on an NF4 base; drop --no-lora (--qlora implies --lora)"),
-    ],
-)  # fmt: skip
-def test_qlora_refuses_what_it_cannot_quantize(flags: list[str], message: str, tmp_path: Path) -> None:
-    result = fsdp2gen("new", str(tmp_path / "run"), "--yes", *flags)
-    assert result.returncode == 2 and not (tmp_path / "run").exists()
-    assert result.stderr.strip().splitlines() == [f"fsdp2gen: error: {message}"]
 
 
 def test_qlora_with_tensor_or_pipeline_parallelism_is_refused_by_its_own_line() -> None:

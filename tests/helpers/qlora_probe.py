@@ -70,6 +70,7 @@ def measure_memory(config, folder: str) -> dict[str, float]:
     trim(0)
     memory |= {field: (memory_kib(field) - kib) / 1024 for field, kib in before.items()}
     memory["fp16_share_mib"] = sum(p.to_local().numel() * 2 for p in model.parameters()) / 2**20
+    memory["nf4_fp16_mib"] = sum(p.to_local().numel() * 2 for p in model.parameters() if is_nf4(p)) / 2**20
     memory["nf4_share_mib"] = sum(
         getattr(p.to_local(), part).numel() * getattr(p.to_local(), part).element_size()
         for p in model.parameters() if is_nf4(p) for part in PARTS[:3]
