@@ -82,8 +82,8 @@ class Row:
         model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
         name = f"llama {model}"
         if self.project != "llama":
-            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)",
-                     "hf-sft": ", task sft"}  # fmt: skip
+            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft",
+                     "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
             name = f"hf Llama-3.1-8B config.json{kind}"
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
