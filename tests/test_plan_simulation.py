@@ -1,7 +1,7 @@
 """`fsdp2gen plan` within 10% of the simulated step (a generated project's scripts/plan_memory.py: its own model and
 train.py under FakeTensorMode with the fake process group, measured by torch's FSDPMemTracker), for a matrix of
 real Llama 3 shapes, the llama family's and a Hugging Face model's (Llama 3.1 8B's config.json, no weights: plain,
-with LoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
+with LoRA, with QLoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
 
 To add a configuration, add a Row to ROWS (tests/helpers/plan_simulation.py says what a Row sets), then rerun this
 file with FSDP2GEN_UPDATE_DOCS=1 to put it in the README's table.
