@@ -297,6 +297,7 @@ def _collect_answers(
     if answers_file is not None:
         answers = _merge_answers_file(answers_file, answers)
         sources.update({name: f"{name} in {answers_file}" for name in answers if name not in sources})
+    answers = q.with_implied(answers)  # before the recorded answers: `new --force --qlora` over a --lora project
     if not dest.strip():
         fail("DEST is empty; give the folder to create, e.g. fsdp2gen new my-run")
     dest_path = Path(dest)
@@ -422,7 +423,7 @@ def update(
     if not path.strip():
         fail("PATH is empty; give the generated project's folder, e.g. fsdp2gen update .")
     project = Path(path)
-    given = _given_answers(flags)
+    given = q.with_implied(_given_answers(flags))
     try:
         result = update_project(project, given)
     except (UpdateError, DestinationError) as error:

@@ -281,7 +281,9 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
         raise PlanError(str(error)) from None
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
-    lora = f" + LoRA rank {model.lora.rank}" if model.lora else ""
+    if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
+        model = replace(model, lora=replace(model.lora, nf4=True))
+    lora = f" + {'QLoRA' if model.lora.nf4 else 'LoRA'} rank {model.lora.rank}" if model.lora else ""
     task = str(_default("task", answers))
     return PlanRequest(
         **_parallel_settings(config, answers),

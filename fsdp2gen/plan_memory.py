@@ -48,7 +48,10 @@ from fsdp2gen.plan_activations import (
     ring_attention_bytes,
 )
 from fsdp2gen.plan_families import (
+    NF4_BYTES,
+    NF4_DEQUANTIZE_BYTES,
     HfShape,
+    is_nf4,
     is_trainable,
 )
 from fsdp2gen.plan_layout import (
@@ -112,14 +115,13 @@ def memory_plan(request: PlanRequest) -> Plan:
     model = request.model
     compute = COMPUTE_BYTES[request.precision]
     shapes = parameter_shapes(model, request.tp)
-    sharded = sum(request_shard_numel(request, name, shape) for name, shape in shapes)
     # With LoRA only the adapters have gradients and AdamW state (the frozen weights are sharded all the same).
     trainable = [(name, shape) for name, shape in shapes if is_trainable(model, name)]
     trained = sum(request_shard_numel(request, name, shape) for name, shape in trainable)
     # Of the whole model (shapes are this tensor-parallel rank's).
     trained_total = sum(math.prod(shape) for name, shape in parameter_shapes(model) if is_trainable(model, name))
     state = {
-        "parameters": FP32 * sharded,
+        "parameters": shard_bytes(request, shapes),
         "gradients": FP32 * trained,
         "optimizer_state": 2 * FP32 * trained + FP32 * len(trainable),
     }
@@ -236,8 +238,11 @@ def _peak(
     in_loss += per_gpu["kept_gathered"]
     in_loss += per_gpu["loss_backward"]
     # The end of backward: every gradient shard but the root's, and the root's unsharded gradients
-    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input.
-    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + request.reduce_bytes) * root_unit
+    # (compute dtype) with their reduce_dtype copy, the reduce-scatter's input (LoRA: a frozen root has none).
+    root_trained = sum(
+        math.prod(shape) for name, shape in shapes if not in_block(name) and is_trainable(request.model, name)
+    )
+    at_root_reduce = at_step + per_gpu["deferred_gradients"] + (compute + request.reduce_bytes) * root_trained
     grads = per_gpu["gradients"] if request.grad_accum_steps == 1 else 0
     # One micro-batch: train_step starts with no gradients (zero_grad(set_to_none=True)), and a block's gradient
     # shards appear only as backward frees its activations, so they are not part of the forward/backward peak; they
@@ -316,4 +321,34 @@ def family_buffers(
         buffers["reduce_scatter_buffers"] = _buffers(request, trainable, compute)["reduce_scatter_buffers"]
     if isinstance(request.model, HfShape):
         buffers["model_buffers"] = 2 * FP32 * (request.model.head_dim // 2)
+    nf4 = [(name, shape) for name, shape in shapes if is_nf4(request.model, name)]
+    if nf4:
+        buffers |= nf4_buffers(request, shapes, compute, nf4)
     return buffers
+
+
+def shard_bytes(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """The bytes of a rank's parameter shards: fp32 (the master weights), NF4 for QLoRA's frozen weights."""
+    model = request.model
+    return round(
+        sum(
+            (NF4_BYTES if is_nf4(model, name) else FP32) * request_shard_numel(request, name, shape)
+            for name, shape in shapes
+        )  # fmt: skip
+    )
+
+
+def nf4_buffers(
+    request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]], compute: int, nf4: list[tuple[str, tuple]]
+) -> dict[str, int]:
+    """QLoRA: fully_shard gathers the NF4 weights as NF4 (the root and the gathered and prefetched blocks: the others
+    in the compute dtype), and each adapted layer dequantizes its whole weight for its matmul, one at a time
+    (forward, and again in backward): the largest one's working memory (NF4_DEQUANTIZE_BYTES per value)."""
+    model = request.model
+    root = sum(math.prod(shape) for name, shape in shapes if not in_block(name))
+    block = sum((NF4_BYTES if is_nf4(model, name) else compute) * gathered_numel(request, name, shape)
+                for name, shape in shapes if in_block(name, "0."))  # fmt: skip
+    return {
+        "all_gather_buffers": round(compute * root + (1 + max(1, request.prefetch_blocks)) * block),
+        "nf4_dequantize": NF4_DEQUANTIZE_BYTES * max(gathered_numel(request, name, shape) for name, shape in nf4),
+    }

@@ -43,6 +43,7 @@ ROWS = {
     "experts_backward": "grouped GEMM backward copies (1 layer)",
     "loss_backward": "loss backward (fp32 logit gradients)",
     "kept_gathered": "blocks kept gathered forward -> backward",
+    "nf4_dequantize": "NF4 dequantization (largest weight, transient)",
 }
 
 # The rows that mean something else under pp > 1 (plan_pp.py: a rank's stages only, kept gathered).
@@ -142,6 +143,10 @@ def _memory_rows(plan: Plan) -> list[str]:
                 continue  # parallel.reshard_after_forward true (or pp > 1: plan_pp.py counts the stages gathered)
             if request.reshard_after_forward is not False:
                 label = f"blocks kept {request.reshard_after_forward}-way sharded fwd -> bwd"
+        if key == "nf4_dequantize" and not value:
+            continue  # no QLoRA
+        if key == "parameters" and "nf4_dequantize" in plan.per_gpu:
+            label = "parameters (NF4 frozen, other fp32 shards)"
         if request.offload and key in ("parameters", "gradients", "optimizer_state"):
             label += " [CPU]"
         if key == "deferred_gradients" and not request.defers_gradients and request.pp == 1:
@@ -220,6 +225,11 @@ def family_lines(plan: Plan) -> list[str]:
             lines.append(
                 f"LoRA rank {model.lora.rank} on {', '.join(model.lora.targets)}: {plan.trainable:,} trainable "
                 "parameters; the frozen weights are sharded and gathered but have no gradients or AdamW state"
+            )
+        if model.lora is not None and model.lora.nf4:
+            lines.append(
+                "QLoRA: the adapted layers' frozen weights are NF4 (4.13 bits per value with their scales), sharded "
+                "and gathered as such; each is dequantized whole for its matmul (nf4_dequantize: the largest one's)"
             )
     if has_experts(model):
         lines += expert_lines(plan)

@@ -225,6 +225,21 @@ def first_problem(answers: dict[str, Any], sources: dict[str, str]) -> str | Non
     return None
 
 
+# Answers that another answer implies when it is given without them: --qlora is LoRA on an NF4 base.
+IMPLIED = {"qlora": {"lora": True}}
+
+
+def with_implied(answers: dict[str, Any]) -> dict[str, Any]:
+    """`answers` plus what those given imply (IMPLIED) where not answered: `new --qlora` and `update --qlora` answer
+    lora true too. An explicit contrary answer (--qlora --no-lora) is kept, and the validator refuses it."""
+    implied = dict(answers)
+    for name, implies in IMPLIED.items():
+        if implied.get(name):
+            for other, value in implies.items():
+                implied.setdefault(other, value)
+    return implied
+
+
 def with_recorded(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The answers of a re-render (`update`, `new --force`): every recorded answer the command does not change,
     under the `given` ones. The one place both commands merge them.

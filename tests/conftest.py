@@ -77,10 +77,16 @@ TINY = [
 
 
 def save_tiny_llama(
-    folder: Path, text: str, special_tokens: tuple[str, ...] = ("<|endoftext|>",), chat_template: str | None = None
+    folder: Path,
+    text: str,
+    special_tokens: tuple[str, ...] = ("<|endoftext|>",),
+    chat_template: str | None = None,
+    dtype: str | None = None,
+    **shape: int,
 ) -> Path:
-    """A pretrained-model folder as save_pretrained writes it: a 2-layer Llama (hidden 64, vocabulary 320) with
-    random weights (seed 0), and a byte-level BPE tokenizer of 300 tokens trained on `text`, eos <|endoftext|>."""
+    """A pretrained-model folder as save_pretrained writes it: a 2-layer Llama (hidden 64, vocabulary 320; `shape`:
+    other LlamaConfig sizes) with random weights (seed 0; saved in `dtype`, e.g. "float16", default fp32), and a
+    byte-level BPE tokenizer of 300 tokens trained on `text`, eos <|endoftext|>."""
     import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -91,9 +97,11 @@ def save_tiny_llama(
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+    config = LlamaConfig(**(sizes | shape))
+    model = AutoModelForCausalLM.from_config(config, **({"dtype": getattr(torch, dtype)} if dtype else {}))
+    model.save_pretrained(folder)
     return folder
 
 

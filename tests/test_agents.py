@@ -21,12 +21,12 @@ def test_json_report_matches_the_files_on_disk(tmp_path: Path) -> None:
         "launcher": "torchrun", "tp": 1, "moe": False, "ep": 1, "cp": 1, "pp": 1, "reshard_after_forward": "true",
         "activation_checkpointing": "none",
         "compile": False, "float8": False, "cpu_offload": False, "prefetch": False, "tensorboard": False,
-        "tokenizer": "", "task": "pretrain", "lora": False, "wandb": False,
+        "tokenizer": "", "task": "pretrain", "qlora": False, "lora": False, "wandb": False,
     }  # fmt: skip
     assert report["defaults_used"] == [
         "family", "nodes", "checkpoint", "launcher", "tp", "moe", "ep", "cp", "pp", "reshard_after_forward",
         "activation_checkpointing", "compile", "float8", "cpu_offload", "prefetch", "tensorboard", "tokenizer", "task",
-        "lora", "wandb",
+        "qlora", "lora", "wandb",
     ]  # fmt: skip
     assert report["dry_run"] is False and report["dest"] == str(tmp_path / "run")
     assert report["files"] == sorted(tree(tmp_path / "run"))

@@ -266,6 +266,22 @@ CASES = [
         "--moe: mixture-of-experts blocks are built in for --family llama only; drop --moe",
     ),
     Case(
+        "qlora-family-llama",
+        (*NEW, "--qlora"),
+        "--qlora: QLoRA quantizes a pretrained Hugging Face model; use --family hf --hf-model MODEL (or leave out "
+        "--qlora)",
+    ),
+    Case(
+        "qlora-from-scratch",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--qlora", "--from-scratch"),
+        "--qlora: QLoRA quantizes pretrained weights; drop --from-scratch (or leave out --qlora)",
+    ),
+    Case(
+        "qlora-without-lora",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--qlora", "--no-lora"),
+        "--lora: --qlora is LoRA on an NF4 base; drop --no-lora (--qlora implies --lora)",
+    ),
+    Case(
         "moe-with-tp",
         (*NEW, "--tp", "2", "--moe"),
         "--moe: --moe with --tp 2: experts are not split by tensor parallelism here; use --tp 1 (FSDP and --ep shard "

@@ -45,7 +45,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
         "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "moe": False, "ep": 1, "cp": 2, "pp": 1,
         "reshard_after_forward": "4",
         "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
-        "tensorboard": True, "tokenizer": "gpt2", "task": "pretrain", "lora": False, "wandb": True,
+        "tensorboard": True, "tokenizer": "gpt2", "task": "pretrain", "qlora": False, "lora": False, "wandb": True,
     }  # fmt: skip
     config = (tmp_path / "run" / "config.toml").read_text()
     for line in ("cp = 2", "reshard_after_forward = 4", "activation_checkpointing = \"full", "compile = true",
@@ -90,8 +90,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
         f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
         "launcher=torchrun, tp=1, moe=False, ep=1, cp=1, pp=1, reshard_after_forward=true, "
         "activation_checkpointing=none, compile=False, "
-        "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', task=pretrain, lora=False, "
-        "wandb=False) "
+        "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', task=pretrain, qlora=False, "
+        "lora=False, wandb=False) "
         f"with {len(files)} files:"
     )
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)

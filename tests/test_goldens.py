@@ -35,6 +35,7 @@ DEFAULT_OPTIONS = {
     "wandb": False,
     "task": "pretrain",
     "lora": False,
+    "qlora": False,
 }
 # name -> answers; every name must exist in generated_examples/ and vice versa. Every option is on in one at least.
 GOLDENS = {

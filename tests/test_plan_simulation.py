@@ -1,7 +1,7 @@
 """`fsdp2gen plan` within 10% of the simulated step (a generated project's scripts/plan_memory.py: its own model and
 train.py under FakeTensorMode with the fake process group, measured by torch's FSDPMemTracker), for a matrix of
 real Llama 3 shapes, the llama family's and a Hugging Face model's (Llama 3.1 8B's config.json, no weights: plain,
-with LoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
+with LoRA, with QLoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
 
 To add a configuration, add a Row to ROWS (tests/helpers/plan_simulation.py says what a Row sets), then rerun this
 file with FSDP2GEN_UPDATE_DOCS=1 to put it in the README's table.
@@ -39,7 +39,7 @@ OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "
 # The hf projects: generated on a tiny pretrained model (the generator checks its folder), then each row points
 # model.path at a folder holding Llama 3.1 8B's config.json only (scripts/plan_memory.py reads no weights).
 HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")
-HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-sft": ("--task", "sft")}
+HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft")}
 HF_8B = {"path": "the test's folder with Llama 3.1 8B's config.json"}
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
 # the sizes cost no memory or compute, the number of ops does).
@@ -82,6 +82,8 @@ ROWS = [
     # LoRA (rank 16 on the 7 linear layers, the project's defaults: only the adapters train) and with task sft.
     Row("hf-8b-selective", HF_8B, project="hf", ac="selective"),
     Row("hf-8b-lora-selective", HF_8B, project="hf-lora", ac="selective"),
+    # QLoRA: the same adapters on NF4 frozen weights (nf4.py; the simulation fills no NF4 values, only their shapes).
+    Row("hf-8b-qlora-selective", HF_8B, project="hf-qlora", ac="selective"),
     Row("hf-8b-sft-selective", HF_8B, project="hf-sft", ac="selective"),
 ]
 README = REPO / "README.md"

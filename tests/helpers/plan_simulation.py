@@ -32,8 +32,8 @@ LLAMA_31_8B_CONFIG = {
                                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
 }  # fmt: skip
-# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --task sft).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-sft")
+# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ class Row:
         model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
         name = f"llama {model}"
         if self.project != "llama":
-            kind = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft"}[self.project]
+            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft",
+                     "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
+            kind = kinds[self.project]
             name = f"hf Llama-3.1-8B config.json{kind}"
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
         replicas = self.extra.get("parallel.dp_replicate", 1)
