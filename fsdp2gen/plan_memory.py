@@ -132,9 +132,8 @@ def memory_plan(request: PlanRequest) -> Plan:
     per_gpu |= family_buffers(request, shapes, compute, trainable) | {"activations": activations[request.ac]}
     # last_micro_batch: the whole model's gradients (this rank's TP slice), unsharded in reduce_dtype (fp32 default),
     # on the GPU even with offload, from the first micro-batch's backward until the last one's. The shards
-    # appear as the unsharded gradients are reduce-scattered and freed, so the peak adds the difference.
-    reduce = request.reduce_bytes
-    unsharded = reduce * sum(gathered_numel(request, name, shape) for name, shape in trainable)  # experts: n / ep
+    # appear as the unsharded gradients are reduce-scattered and freed: the peak adds the difference (experts: n / ep).
+    unsharded = request.reduce_bytes * sum(gathered_numel(request, name, shape) for name, shape in trainable)
     per_gpu["deferred_gradients"] = unsharded - per_gpu["gradients"] if request.defers_gradients else 0
     per_gpu |= _exchange_buffers(request, compute)
     per_gpu["kept_gathered"] = _kept_gathered(request, shapes, compute)
