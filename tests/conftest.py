@@ -77,8 +77,9 @@ TINY = [
 
 
 def save_tiny_llama(
-    folder: Path, text: str, special_tokens: tuple[str, ...] = ("<|endoftext|>",), chat_template: str | None = None
-) -> Path:
+    folder: Path, text: str, special_tokens: tuple[str, ...] = ("<|endoftext|>",), chat_template: str | None = None,
+    max_positions: int = 64,
+) -> Path:  # fmt: skip
     """A pretrained-model folder as save_pretrained writes it: a 2-layer Llama (hidden 64, vocabulary 320) with
     random weights (seed 0), and a byte-level BPE tokenizer of 300 tokens trained on `text`, eos <|endoftext|>."""
     import torch
@@ -92,7 +93,7 @@ def save_tiny_llama(
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=320, max_position_embeddings=64)  # fmt: skip
+                         intermediate_size=128, vocab_size=320, max_position_embeddings=max_positions)  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
