@@ -105,7 +105,7 @@ def test_hf_preflight_names_the_models_position_limit(hf_project: dict) -> None:
                             text=True)  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "preflight.py: error: training.seq_len (128) exceeds the model's max_position_embeddings (config.json) (64); "
+        "preflight.py: error: training.seq_len (128) exceeds config.json's max_position_embeddings (64); "
         "use --training.seq_len 64 or less"
     )
 
