@@ -53,12 +53,15 @@ def test_each_evaluation_gets_a_new_folder(hf_project: dict, tmp_path: Path) -> 
         (["{model_parent}", "--tasks", "arc_easy"],
          "is neither a checkpoint (no checkpoint.json) nor a Hugging Face model folder (no config.json); give a "
          "step-N folder or a folder written by scripts/export.py"),
+        (["--tasks", "{root}/nameless.yaml"],
+         "nameless.yaml declares no `task: NAME`; add one (lm-eval calls a task by it)"),
         (["--tasks", "missing.yaml"],
          "--tasks missing.yaml: no such file; give a task's YAML file or an lm-eval task name"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(hf_project: dict, arguments: list[str], message: str) -> None:
-    arguments = [a.format(model_parent=hf_project["model"].parent) for a in arguments]
+    (hf_project["root"] / "nameless.yaml").write_text("dataset_path: json\noutput_type: multiple_choice\n")
+    arguments = [a.format(model_parent=hf_project["model"].parent, root=hf_project["root"]) for a in arguments]
     result = subprocess.run([sys.executable, "scripts/evaluate.py", *arguments], cwd=hf_project["project"],
                             env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
