@@ -137,6 +137,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for task in args.tasks.split(","):
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
             raise EvaluateError(f"--tasks {task}: no such file; give a task's YAML file or an lm-eval task name")
+        if task.endswith((".yaml", ".yml")) and task_name(Path(task)) is None:
+            raise EvaluateError(f"--tasks {task} declares no `task: NAME`; add one (lm-eval calls a task by it)")
     if importlib_missing("lm_eval"):
         raise EvaluateError("evaluation needs the lm-eval package: pip install -e '.[eval]'")
 
@@ -231,16 +233,13 @@ def evaluate(args: argparse.Namespace, model: str, evaluation: Path, source: dic
     write_results(results, evaluation, source)
 
 
-def task_name(path: Path) -> str:
-    import yaml
-
-    try:
-        name = yaml.safe_load(path.read_text()).get("task")
-    except (yaml.YAMLError, AttributeError):
-        name = None
-    if not isinstance(name, str):
-        raise SystemExit(f"evaluate.py: error: {path} declares no `task: NAME`; add one (lm-eval calls it by it)")
-    return name
+def task_name(path: Path) -> str | None:
+    """The name a task's YAML file declares (`task: NAME`), or None. lm-eval's YAML files may hold its own tags
+    (`!function`), which safe_load does not know: only the `task:` line is read here."""
+    for line in path.read_text().splitlines():
+        if line.startswith("task:") and line[5:].strip():
+            return line[5:].strip().strip("'\"")
+    return None
 
 
 def write_results(results: dict, evaluation: Path, source: dict) -> None:
