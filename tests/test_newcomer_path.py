@@ -13,6 +13,11 @@ What is not run as printed, and why:
   the default model in bf16 is ~10x slower on CPUs without bf16 instructions. The batch size, sequence length
   and steps stay those printed: they are what decides whether a printed command fits the run before it.
 train.py's output prints no command to run next (it names scripts/prepare_data.py, whose input is the user's).
+
+The README's second command is the Hugging Face path: a project for a hub checkpoint, then the generated README's
+Run section (a CPU run, export, lm-eval). Two things differ from the printed commands, and why: the hub id becomes a
+tiny Llama saved here (no network), and the lm-eval task name (whose dataset is downloaded) a local multiple-choice
+task of five items, made here as a JSONL file and a YAML task definition.
 """
 
 from __future__ import annotations
