@@ -68,6 +68,11 @@ def update_report(project: Path, given: dict[str, Any], result: Rerendered, *, a
 
 
 CPU_RUN = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
+# A short warm-up for the short CPU run: config.toml's (100 steps) would keep the learning rate near 0 in 20 steps.
+CPU_WARMUP = " --training.warmup_steps 2"
+# config.toml's dp_replicate = nodes makes one replica per node (HSDP); on one machine that would leave each replica
+# a fraction of its GPUs (on 2 CPU processes: 2 replicas of 1, nothing sharded). One machine shards over all its ranks.
+ONE_MACHINE = " --parallel.dp_replicate 1"
 # Context parallelism needs CUDA: a --cp project's CPU run trains without it.
 CPU_NO_CP = " --parallel.cp 1"
 CPU_PP = " --parallel.pp 2"  # the 2 CPU processes hold 2 pipeline stages
@@ -75,6 +80,9 @@ CPU_PP = " --parallel.pp 2"  # the 2 CPU processes hold 2 pipeline stages
 
 def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
     """(command, why) pairs to run after generation, in order."""
+    nodes = answers["nodes"]
+    one_machine = ONE_MACHINE if nodes > 1 else ""
+    sharded = f"; --parallel.dp_replicate 1 shards over all of them (dp_replicate = {nodes}: one replica per node)"
     commands = [
         # Absolute: the README's main command has already cd'ed into a relative DEST when this is read.
         (f"cd {shlex.quote(str(dest.absolute()))}", ""),
@@ -83,18 +91,21 @@ def next_commands(dest: Path, answers: dict[str, Any]) -> list[tuple[str, str]]:
         # keep the batch size and the sequence length.
         (
             f"{CPU_RUN}{CPU_NO_CP if answers.get('cp', 1) > 1 else ''}{CPU_PP if answers.get('pp', 1) > 2 else ''}"
-            " --training.steps 20",
-            "2 CPU processes, gloo",
+            f"{CPU_WARMUP}{one_machine} --training.steps 20",
+            "2 CPU processes, gloo" + (sharded if one_machine else ""),
         ),
         # A folder of its own: outputs/ may hold the CPU run, whose sizes a default run does not share.
-        ("scripts/launch_local.sh --job.output_dir outputs-gpu", f"{answers['gpus']} GPU(s) with nccl"),
+        (
+            f"scripts/launch_local.sh --job.output_dir outputs-gpu{one_machine}",
+            f"{answers['gpus']} GPU(s) with nccl" + (sharded if one_machine else ""),
+        ),
     ]
     if answers["launcher"] == "slurm":
         commands.append(("sbatch scripts/slurm.sbatch", f"{answers['nodes']} node(s) on SLURM"))
     if answers["launcher"] == "ray":
         workers = answers["gpus"] * answers["nodes"]
         commands.append((f"python ray_train.py --workers {workers}", "on the Ray cluster in RAY_ADDRESS"))
-    if answers["nodes"] > 1:
+    if nodes > 1:
         commands.append(
             ("MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=<i> scripts/launch_multinode.sh", "on each node")
         )

@@ -97,7 +97,15 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     assert {line.strip() for line in lines[1 : 1 + len(files)]} == set(files)
     assert f"  cd {dest}" in lines
     cpu = "NPROC=2 DEVICE=cpu scripts/launch_local.sh --training.global_batch_size 8 --training.seq_len 128"
-    assert f"  {cpu} --training.steps 20   # 2 CPU processes, gloo" in lines
+    # A short warm-up (config.toml's 100 steps would keep 20 steps' learning rate near 0), and one machine's ranks
+    # shard one copy: config.toml's dp_replicate = 2 (a replica per node) would leave 2 CPU ranks nothing to shard.
+    why = "; --parallel.dp_replicate 1 shards over all of them (dp_replicate = 2: one replica per node)"
+    one_machine = "--training.warmup_steps 2 --parallel.dp_replicate 1"
+    assert f"  {cpu} {one_machine} --training.steps 20   # 2 CPU processes, gloo{why}" in lines
+    assert (
+        f"  scripts/launch_local.sh --job.output_dir outputs-gpu --parallel.dp_replicate 1   # 8 GPU(s) with nccl{why}"
+        in lines
+    )
     assert any("scripts/launch_multinode.sh" in line for line in lines[1 + len(files) :])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,20 @@ def test_lora_refuses_what_it_cannot_adapt(flags: list[str], message: str, tmp_p
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and not (tmp_path / "run").exists()
     assert message in result.stderr
+
+
+def test_the_run_sections_generate_command_works_on_a_lora_run(lora: dict, tmp_path: Path) -> None:
+    """The generated README's Run section samples from a LoRA run through the merged export (generate.py alone would
+    refuse a checkpoint of adapters): its export and generate lines, as printed, on the run in outputs/."""
+    from tests.test_newcomer_path import bash_blocks
+
+    project = tmp_path / "project"
+    shutil.copytree(lora["project"], project)
+    shutil.copytree(lora["out"], project / "outputs")
+    run_block = bash_blocks((project / "README.md").read_text().split("\n## Run\n", 1)[1])[0]
+    lines = [line for line in run_block if "scripts/generate.py" in line or "scripts/export.py" in line]
+    assert [line.split()[1] for line in lines] == ["scripts/export.py", "scripts/generate.py"], run_block
+    for line in lines:
+        result = subprocess.run(shlex.split(line), cwd=project, capture_output=True, text=True)
+        assert result.returncode == 0, f"{line}: {result.stderr[-2000:]}"
+    assert result.stdout.strip(), "generate.py printed no continuation"

@@ -13,11 +13,17 @@ What is not run as printed, and why:
   the default model in bf16 is ~10x slower on CPUs without bf16 instructions. The batch size, sequence length
   and steps stay those printed: they are what decides whether a printed command fits the run before it.
 train.py's output prints no command to run next (it names scripts/prepare_data.py, whose input is the user's).
+
+The README's second command is the Hugging Face path: a project for a hub checkpoint, then the generated README's
+Run section (a CPU run, export, lm-eval). Two things differ from the printed commands, and why: the hub id becomes a
+tiny Llama saved here (no network), and the lm-eval task name (whose dataset is downloaded) a local multiple-choice
+task of five items, made here as a JSONL file and a YAML task definition.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -27,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.conftest import REPO, TINY, generate, metrics, save_tiny_llama, torchrun_env
 
 TINY_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
               "--model.vocab_size", "128", "--model.ffn_dim", "172"]  # fmt: skip
@@ -55,6 +61,7 @@ class Shell:
         self.env = {**torchrun_env(), "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
         self.ran: list[str] = []
+        self.tiny = TINY_MODEL  # appended to the launches (a Hugging Face model is tiny already: none)
 
     def run(self, command: str) -> str:
         words = shlex.split(command)
@@ -73,7 +80,7 @@ class Shell:
         elif any(word.endswith("launch_local.sh") for word in words):
             if "DEVICE=cpu" not in words:
                 return "skipped: needs GPUs"
-            words = [*words, *TINY_MODEL]
+            words = [*words, *self.tiny]
         env_words = [word for word in words if re.fullmatch(r"[A-Z_]+=\S*", word)]
         words = words[len(env_words) :]
         env = {**self.env, **dict(word.split("=", 1) for word in env_words)}
@@ -110,6 +117,99 @@ def test_every_printed_command_runs_in_order_after_the_readme_main_command(tmp_p
     generate_line = next(c for c in run_block if "scripts/generate.py" in c)
     assert "--prompt-ids" in generate_line
     assert re.fullmatch(r"\d+(,\d+){9,}", printed[generate_line].strip().splitlines()[-1]), printed[generate_line]
+
+
+# The Hugging Face path (the README's second block): a tiny Llama saved here stands in for the hub id (no network),
+# and a multiple-choice task of a few items in a local JSONL (YAML task made here) for the lm-eval task by name.
+HUB_TEXT = "the quick brown fox jumps over the lazy dog. " * 40 + "red green blue yellow, cat dog bird fish. " * 20
+ITEMS = [
+    {"question": "The quick brown fox", "choices": ["jumps", "cat", "blue"], "answer": 0},
+    {"question": "over the lazy", "choices": ["dog", "fish", "red"], "answer": 1},
+    {"question": "red green", "choices": ["blue", "dog", "the quick"], "answer": 0},
+    {"question": "cat dog", "choices": ["bird", "quick", "lazy fox"], "answer": 2},
+    {"question": "yellow", "choices": [", cat", "brown", "over"], "answer": 0},
+]
+TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def log_likelihoods_by_hand(folder: Path) -> list[list[float]]:
+    """Each item's log-likelihood of each choice (" " + choice after the question), with transformers, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    scores = []
+    for item in ITEMS:
+        context = tokenizer(item["question"], add_special_tokens=False).input_ids
+        row = []
+        for choice in item["choices"]:
+            whole = tokenizer(item["question"] + " " + choice, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), dim=-1)
+            row.append(sum(float(logprobs[i - 1, whole[i]]) for i in range(len(context), len(whole))))
+        scores.append(row)
+    return scores
+
+
+def test_the_hub_path_trains_exports_and_evaluates_in_order(tmp_path: Path) -> None:
+    """The README's Hugging Face command, then the generated README's Run section: a CPU run, export, lm-eval on the
+    newest checkpoint (one evaluate.py process: importing lm_eval costs ~5 CPU-seconds), whose per-item
+    log-likelihoods are transformers' by hand on the exported folder (1e-5) and whose accuracy is in its results."""
+    hub = save_tiny_llama(tmp_path / "hub-model", HUB_TEXT, max_position_embeddings=128)  # the printed seq_len
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    (tasks / "tiny_mc.yaml").write_text(TASK.format(items=tasks / "items.jsonl"))
+    command = bash_blocks((REPO / "README.md").read_text())[1][0]
+    assert "--family hf --hf-model " in command
+    shell = Shell(tmp_path)
+    shell.env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    shell.tiny = []
+    for step in command.split(" && "):
+        shell.run(re.sub(r"--hf-model \S+", f"--hf-model {hub}", step))
+    project = shell.cwd
+    run_block = bash_blocks((project / "README.md").read_text().split("\n## Run\n", 1)[1])[0]
+    printed = {}
+    for line in run_block:
+        printed[line] = shell.run(re.sub(r"--tasks \S+", f"--tasks {tasks / 'tiny_mc.yaml'}", line))
+    records = metrics(project / "outputs")
+    # The printed warm-up (2 steps, not config.toml's 100) lets 20 CPU steps train: the learning rate peaks at step
+    # 3, and the loss falls by 0.1 (measured; 100 warm-up steps would keep the rate below a fifth of its peak).
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[2]["lr"] == max(r["lr"] for r in records) and records[-1]["loss"] < records[0]["loss"] - 0.05
+    evaluate = next(line for line in run_block if "scripts/evaluate.py" in line)
+    (folder,) = (project / "outputs" / "evaluations").iterdir()
+    samples = sorted((json.loads(x) for x in (folder / "samples_tiny_mc.jsonl").read_text().splitlines()),
+                     key=lambda sample: sample["doc_id"])  # fmt: skip
+    lm_eval = [[choice[0] for choice in sample["filtered_resps"]] for sample in samples]
+    reference = log_likelihoods_by_hand(project / "exported")
+    assert len(lm_eval) == len(ITEMS)
+    for ours, theirs in zip(lm_eval, reference, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5, rel=0)
+    # The trained model, not the hub's: training moved the log-likelihoods.
+    untrained = [value for row in log_likelihoods_by_hand(hub) for value in row]
+    assert max(abs(a - b) for a, b in zip(untrained, sum(reference, []), strict=True)) > 1e-3
+    accuracy = sum(row.index(max(row)) == item["answer"] for row, item in zip(reference, ITEMS, strict=True)) / 5
+    results = json.loads((folder / "results.json").read_text())
+    assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(accuracy)
+    # Logged with the run: evaluations.jsonl names the run and the checkpoint's step; lm-eval's progress bar ran.
+    (row,) = [json.loads(x) for x in (project / "outputs" / "evaluations.jsonl").read_text().splitlines()]
+    assert (row["run_id"], row["step"], row["metrics"]["acc"]) == (records[0]["run_id"], 20, pytest.approx(accuracy))
+    assert f"results in {folder}" in printed[evaluate]
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json", "samples_tiny_mc.jsonl"]
 
 
 @pytest.fixture(scope="module")

@@ -183,3 +183,35 @@ def test_sft_needs_the_hf_family(tmp_path: Path) -> None:
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and not (tmp_path / "run").exists()
     assert "--task sft renders conversations with a tokenizer's chat template, which the hf family has" in result.stderr
+
+
+# Rank 0's data line, as train.py prints it, for each data.path: one process in a 1-rank gloo group (what torchrun
+# would start), so that open_datasets runs as in train().
+DATA_LINES = """
+import sys
+import torch.distributed as dist
+from config import parse_args
+from train import open_datasets
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+for path in sys.argv[1:]:
+    open_datasets(parse_args(["--data.path", path, "--training.seq_len", "32", "--eval.every", "0"]))
+"""
+
+
+def test_the_data_line_says_plain_text_and_names_prepare_chat(chat: dict, tmp_path: Path) -> None:
+    """Plain-text shards (scripts/prepare_data.py) train every token: allowed in an sft project, never silently. And
+    the hint of a run on synthetic tokens names the chat preparation, not scripts/prepare_data.py."""
+    (tmp_path / "text.txt").write_text(" ".join(WORDS) * 50)
+    command = [sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
+               str(tmp_path / "plain"), "--val-fraction", "0"]  # fmt: skip
+    subprocess.run(command, cwd=chat["project"], check=True, capture_output=True)
+    result = subprocess.run([sys.executable, "-c", DATA_LINES, str(tmp_path / "plain"), str(chat["data"]), ""],
+                            cwd=chat["project"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(
+        f"data: {tmp_path / 'plain'} is PLAIN TEXT (no loss mask: scripts/prepare_data.py or a token file), so every "
+        "token is a target, as in pretraining; chats to fine-tune on are prepared by scripts/prepare_chat.py: "
+    ), lines
+    assert lines[1].startswith(f"data: {chat['data']}: "), lines
+    assert lines[3] == "data: to train on chats, prepare them with scripts/prepare_chat.py and pass --data.path", lines

@@ -115,7 +115,7 @@ def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
     training = config.training
     if training.seq_len > max_seq_len:
         raise PreflightError(
-            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({max_seq_len}); "
+            f"training.seq_len ({training.seq_len}) exceeds config.json's max_position_embeddings ({max_seq_len}); "
             f"use --training.seq_len {max_seq_len} or less"
         )
     # The mesh, the model and batch split over it, tp groups inside a node: layout.py's arithmetic, as train.py's.

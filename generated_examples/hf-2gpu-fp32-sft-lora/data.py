@@ -128,6 +128,17 @@ def open_tokens(
     return TokenFile(path, seq_len, vocab_size)
 
 
+def describe_data(path: str, samples: TokenFile | TokenShards) -> str:
+    """data.path as train.py's data line names it, saying when it is plain text: no loss mask, unlike chats."""
+    if not (isinstance(samples, TokenShards) and samples.masks):
+        # Allowed (continued pretraining in a fine-tuning project), but never silently: the loss is on every token.
+        return (
+            f"{path} is PLAIN TEXT (no loss mask: scripts/prepare_data.py or a token file), so every token is a "
+            "target, as in pretraining; chats to fine-tune on are prepared by scripts/prepare_chat.py"
+        )
+    return path
+
+
 class ShuffledEpochs:
     """Visit the samples of `dataset` in a new seeded order every epoch, forever."""
 
