@@ -501,14 +501,17 @@ def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> Non
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
          "tests/kill_rank.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(tmp_path),
          "--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.resume", "never"],
-        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "3"},
+        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "4"},
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 1: SIGKILL after step" in result.stdout
-    assert f"resumed from {tmp_path}/checkpoints/step-" in result.stdout
+    assert "rank 1: SIGKILL after step 4" in result.stdout
+    assert f"resumed from {tmp_path}/checkpoints/step-2 at step 2" in result.stdout
     records = metrics(tmp_path)
-    assert records[-1]["step"] == 6
+    # Step 3 was logged before the kill (in step 4) and again after the resume from step 2: metrics.jsonl has one
+    # row per step, the first launch's row of step 3 is kept aside in metrics.rewound.jsonl (issue 40).
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in metrics(tmp_path, "metrics.rewound.jsonl")] == [3]
     assert {r["run_id"] for r in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
 
 

@@ -210,9 +210,11 @@ def test_a_killed_launcher_leaves_no_rank_and_a_relaunch_resumes(project: Path, 
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     resumed = int(re.search(r"resumed from \S+/step-(\d+) at step", relaunch.stdout).group(1))
     assert 20 <= resumed <= logged
-    # The first launch's steps, then the relaunch's from its checkpoint on, one after the other: never two runs
-    # logging at once.
-    assert [r["step"] for r in metrics(out)] == list(range(1, logged + 1)) + list(range(resumed + 1, int(steps) + 1))
+    # The first launch's steps up to the checkpoint, then the relaunch's, one row per step: never two runs logging
+    # at once. The first launch's rows past the checkpoint are kept aside, in order (issue 40).
+    assert [r["step"] for r in metrics(out)] == list(range(1, int(steps) + 1))
+    aside = metrics(out, "metrics.rewound.jsonl") if (out / "metrics.rewound.jsonl").exists() else []
+    assert [r["step"] for r in aside] == list(range(resumed + 1, logged + 1))
 
 
 def rank_process(out: Path, rank: int) -> int | None:
