@@ -4,7 +4,8 @@ The project is rendered completely into a staging folder on DEST's file system f
 rendering (a full disk, a bad answer) leaves nothing behind. Then:
 - a DEST that does not exist is created by one rename of the staging folder: two runs racing for it, one
   wins and the other's rename fails (a folder is only renamed over an empty one);
-- an existing empty DEST receives the staged files, under an exclusive lock on DEST;
+- an existing empty DEST receives the staged files, under an exclusive lock on DEST (a run killed while moving
+  them is undone by the next run, which then places the whole project);
 - with --force, an existing project that fsdp2gen made (it has .copier-answers.yml) is re-rendered file by file,
   under the same lock, like `fsdp2gen update` (update.py); any other non-empty DEST is refused.
 """
@@ -34,6 +35,8 @@ TEMPLATE_REPOSITORY = "https://github.com/fsdp2gen/fsdp2gen.git"
 ANSWERS_FILE = ".copier-answers.yml"
 # Staging folders; one left by a killed run is removed by the next run that holds DEST's lock.
 STAGING_PREFIX = ".fsdp2gen-"
+# In a staging folder inside DEST: the staged project's name, then the entries being moved into DEST.
+PLACING = "placing"
 
 
 class DestinationError(ValueError):
@@ -98,8 +101,34 @@ def is_project(dest: Path) -> bool:
 
 
 def _entries(folder: Path) -> list[Path]:
-    """The folder's entries, but staging folders (this run's, or a killed run's)."""
-    return [child for child in folder.iterdir() if not child.name.startswith(STAGING_PREFIX)]
+    """The folder's entries, but staging folders (this run's, or a killed run's) and what a run killed while
+    placing a project into it had placed (the next run puts it back: _undo_placing)."""
+    placed = {path for _, moved in _killed_placings(folder) for path in moved}
+    return [child for child in folder.iterdir() if not child.name.startswith(STAGING_PREFIX) and child not in placed]
+
+
+def _killed_placings(dest: Path) -> list[tuple[Path, list[Path]]]:
+    """(staged project, the entries of it already in `dest`) of each run killed while _move_into_place moved a
+    project into `dest` (its staging folder holds the list of what it was moving, PLACING)."""
+    found = []
+    for staging in dest.glob(STAGING_PREFIX + "*"):
+        try:
+            names = (staging / PLACING).read_text().splitlines()
+        except OSError:
+            continue  # killed before it moved anything (or not a staging folder of ours)
+        project = staging / names[0]
+        found.append((project, [dest / name for name in names[1:] if not os.path.lexists(project / name)]))
+    return found
+
+
+def _undo_placing(dest: Path) -> None:
+    """Put what a killed run had placed in `dest` back into its staging folder, and remove that (under the lock):
+    `dest` is as empty as before that run, never left holding part of a project."""
+    for project, moved in _killed_placings(dest):
+        for path in moved:
+            path.rename(project / path.name)
+    for leftover in dest.glob(STAGING_PREFIX + "*"):  # of a killed run: a live one would hold the lock
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def render_project(dest: Path, answers: dict[str, Any], *, dry_run: bool = False) -> tuple[list[str], dict[str, Any]]:
@@ -117,8 +146,7 @@ def render_project(dest: Path, answers: dict[str, Any], *, dry_run: bool = False
         if not dest.is_dir():
             return _create(dest, answers)
         with locked(dest):
-            for leftover in dest.glob(STAGING_PREFIX + "*"):  # of a killed run: a live one would hold the lock
-                shutil.rmtree(leftover, ignore_errors=True)
+            _undo_placing(dest)
             if _entries(dest):  # filled by another run before this one held the lock
                 raise DestinationError(
                     f"{dest} was filled by another run while this one rendered (nothing written); choose another DEST"
@@ -219,8 +247,12 @@ def _move_into_place(staging: Path, dest: Path) -> None:
     removed and recreated: the caller's shell may be in it (`fsdp2gen new .`), and its mode and owner are the
     user's."""
     moved: list[Path] = []
+    # The answers file last: a folder that has it holds a whole project (is_project). What is moved is listed
+    # first, in the staging folder: a run killed in between is undone by the next one (_undo_placing).
+    children = sorted(staging.iterdir(), key=lambda child: (child.name == ANSWERS_FILE, child.name))
+    (staging.parent / PLACING).write_text("\n".join([staging.name, *(child.name for child in children)]) + "\n")
     try:
-        for child in sorted(staging.iterdir()):
+        for child in children:
             child.rename(dest / child.name)
             moved.append(dest / child.name)
     except OSError:

@@ -23,6 +23,7 @@ marker style. `copier update` itself keeps working wherever `_src_path` can be f
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -229,11 +230,28 @@ def _apply(dest: Path, changes: dict[str, str], new: Path, merged_dir: Path) -> 
         # ... then each is placed with one rename: a file of DEST is the old one or the new one, never half.
         for index, path in enumerate(writes):
             (dest / path).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(Path(tmp) / str(index), dest / path)
+            _place(Path(tmp) / str(index), dest / path)
     for path, change in changes.items():
         if change == REMOVED:
             (dest / path).unlink()
             _remove_empty_parents(dest, dest / path)
+
+
+def _place(staged: Path, target: Path) -> None:
+    """Rename `staged` onto `target`. A folder of DEST on another file system (a mount, or a symlink to one) cannot
+    take a rename from DEST's staging folder: the file is then copied beside `target` first, on its file system,
+    and renamed from there, so it is still the old file or the new one, never half."""
+    try:
+        os.replace(staged, target)
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+        beside = target.with_name(f"{STAGING_PREFIX}{target.name}")
+        try:
+            shutil.copy2(staged, beside)
+            os.replace(beside, target)
+        finally:
+            beside.unlink(missing_ok=True)
 
 
 def _read(path: Path) -> bytes | None:

@@ -105,9 +105,9 @@ def save_tiny_llama(
     return folder
 
 
-def metrics(output_dir: Path) -> list[dict]:
-    """The records of `output_dir/metrics.jsonl`, one per step."""
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(output_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of `output_dir/metrics.jsonl` (one per step), or of another file of rows: `name`."""
+    return [json.loads(line) for line in (output_dir / name).read_text().splitlines()]
 
 
 def torchrun_env() -> dict[str, str]:

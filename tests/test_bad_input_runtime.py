@@ -148,7 +148,17 @@ CASES: dict[str, tuple[list[str], str]] = {
         "parallel.reshard_after_forward = 3 must divide the 8 ranks each parameter is sharded over; use true, false "
         "or a divisor (e.g. the GPUs per node)",
     ),
-    "world-size-0": (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    "world-size-0": (
+        ["--world-size", "0"],
+        "the first arguments must be --world-size N (the run's ranks, at least 1), got --world-size 0",
+    ),
+    # preflight.py's own option comes first; among the run's arguments it is train.py's to refuse, and refused here
+    # as train.py would (one parser), not taken as the world size of a run whose ranks then refuse it.
+    "world-size-among-run-arguments": (
+        ["--training.steps", "5", "--world-size", "4"],
+        "--world-size is torchrun's option, not train.py's; the launch scripts take the ranks per node from NPROC "
+        "(and NNODES), e.g. NPROC=4 scripts/launch_local.sh",
+    ),
     # data.path.
     "data-missing": (
         ["--data.path", "{tmp}/missing.bin"],
@@ -387,7 +397,8 @@ def results(inputs: dict) -> dict[str, list]:
         if case.startswith(("resume-", "checkpoint-", "run-json", "new-run")):
             shutil.copytree(inputs["model_only" if case == "resume-model-only-final" else "finished"], out)
             corrupt(case, out)
-        world = ["--world-size", "2"] if "--world-size" not in args else []
+        # preflight.py's own --world-size (2 unless the case starts with its own) first, then train.py's arguments.
+        world, args = (args[:2], args[2:]) if args[:1] == ["--world-size"] else (["--world-size", "2"], args)
         extra = ["--training.steps", "4"] if case == "resume-model-only-final" else []
         argv = [*world, *TINY, "--job.device", "cpu", "--job.output_dir", str(out), *extra, *args]
         argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
@@ -411,7 +422,13 @@ def test_each_mistake_is_one_line_and_exit_code_2(case: str, inputs: dict, resul
     assert results[case] == [2, "", f"preflight.py: error: {expected}\n"]
 
 
-LAUNCHER_CASES = ["unknown-key", "steps-0", "data-id-above-vocab-after-1M-tokens", "new-run-in-a-folder-with-a-run"]
+LAUNCHER_CASES = [
+    "unknown-key",
+    "steps-0",
+    "data-id-above-vocab-after-1M-tokens",
+    "new-run-in-a-folder-with-a-run",
+    "world-size-among-run-arguments",
+]
 
 
 @pytest.mark.parametrize("case", LAUNCHER_CASES)
@@ -444,6 +461,20 @@ def test_multinode_launcher_checks_the_world_of_all_nodes(tmp_path: Path) -> Non
         "preflight.py: error: training.global_batch_size (6) must be divisible by data-parallel ranks x "
         "grad_accum_steps (4 x 1); e.g. --training.global_batch_size 4\n"
     ))  # fmt: skip
+    # Its variables: a node rank beyond the nodes, a port out of range, nodes not a number (issue 40): one line from
+    # the script itself, before preflight.py or torchrun start.
+    for variable, value, rule, example in [
+        ("NODE_RANK", "2", "a whole number from 0 to 1", "0"),
+        ("MASTER_PORT", "65536", "a whole number from 1 to 65535", "29500"),
+        ("NNODES", "two", "a whole number from 1 to 100000", "2"),
+    ]:
+        result = subprocess.run(
+            ["scripts/launch_multinode.sh", "--job.output_dir", str(tmp_path / "out-vars")],
+            cwd=project, env={**env, variable: value}, capture_output=True, text=True,
+        )  # fmt: skip
+        expected = f"launch_multinode.sh: error: {variable} must be {rule}, got '{value}'; e.g. {variable}={example}\n"
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)
+    assert not (tmp_path / "out-vars").exists()
 
 
 @pytest.mark.parametrize("case", ["unknown-key", "data-missing"])
@@ -470,14 +501,17 @@ def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> Non
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
          "tests/kill_rank.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(tmp_path),
          "--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.resume", "never"],
-        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "3"},
+        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "4"},
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 1: SIGKILL after step" in result.stdout
-    assert f"resumed from {tmp_path}/checkpoints/step-" in result.stdout
+    assert "rank 1: SIGKILL after step 4" in result.stdout
+    assert f"resumed from {tmp_path}/checkpoints/step-2 at step 2" in result.stdout
     records = metrics(tmp_path)
-    assert records[-1]["step"] == 6
+    # Step 3 was logged before the kill (in step 4) and again after the resume from step 2: metrics.jsonl has one
+    # row per step, the first launch's row of step 3 is kept aside in metrics.rewound.jsonl (issue 40).
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in metrics(tmp_path, "metrics.rewound.jsonl")] == [3]
     assert {r["run_id"] for r in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
 
 
@@ -545,6 +579,12 @@ SCHEMA_CASES: dict[str, tuple[list[str], str]] = {
         "job.output_dir {out} has metrics.jsonl, which is not a file: the run writes its metrics to it; move it away "
         "or choose another --job.output_dir",
     ),
+    # Found before torchrun starts (issue 40): before, only rank 0 found it, with torchrun's traceback after the line.
+    "run-json-is-a-folder": (
+        [],
+        "job.output_dir {out} has run.json, which is not a file: the run writes its id to it; move it away or "
+        "choose another --job.output_dir",
+    ),
     "config-is-a-fifo": (
         ["--config", "{tmp}/fifo.toml"],
         "config file {tmp}/fifo.toml is a FIFO; pass --config PATH of a TOML file",
@@ -573,6 +613,8 @@ def test_launch_script_refuses_what_the_schema_and_the_paths_rule_out(
         (out / "checkpoints").write_text("not a folder")
     elif case == "metrics-jsonl-is-a-folder":
         (out / "metrics.jsonl").mkdir(parents=True)
+    elif case == "run-json-is-a-folder":
+        (out / "run.json").mkdir(parents=True)
     before = sorted(out.rglob("*")) if out.exists() else []
     args = [arg.format(out=out, tmp=tmp) for arg in SCHEMA_CASES[case][0]]
     result = subprocess.run(

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,43 @@ def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_pat
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3, 4, 5]
     job_id = second.stdout.split()[-1]
     assert "resumed from outputs/checkpoints/step-3 at step 3" in (project / "logs" / f"run-{job_id}.out").read_text()
+
+
+def test_a_requeued_new_run_continues_itself(slurm: dict[str, str], tmp_path: Path) -> None:
+    # checkpoint.resume = "never": a new run. SLURM requeues the job mid-run (as after a preemption): the requeued
+    # job keeps its id, which is the launch id run.json records, so it continues its own run from the newest
+    # checkpoint instead of being refused as a new run in a folder that holds one (issue 40). Its rows past that
+    # checkpoint are kept aside: metrics.jsonl has one row per step.
+    project = generate(tmp_path / "run", "--launcher", "slurm", "--gpus", "2", "--fp32")
+    options = ["--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
+               "--export=ALL,DEVICE=cpu,NPROC=2,OMP_NUM_THREADS=1"]  # fmt: skip
+    run = ["--training.steps", "80", "--checkpoint.interval", "10", "--checkpoint.resume", "never"]
+    submitted = subprocess.run(["sbatch", *options, "scripts/slurm.sbatch", *TINY, *run], cwd=project, env=slurm,
+                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    job_id = submitted.stdout.strip().split(";")[0]
+    out = project / "outputs" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (out.exists() and len(out.read_text().splitlines()) >= 25):
+        assert time.monotonic() < deadline, "25 steps: not within 300 s"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True, capture_output=True, timeout=60)
+    # SLURM holds a requeued job back for a while (its begin time): let it start again as soon as it can.
+    while "BeginTime" not in subprocess.run(["squeue", "-h", "-o", "%r", "-j", job_id], env=slurm,
+                                            capture_output=True, text=True).stdout:  # fmt: skip
+        assert time.monotonic() < deadline + 60, "the job was not requeued within 60 s"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True, timeout=60)
+    while subprocess.run(["squeue", "-h", "-j", job_id], env=slurm, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline + 300, "the requeued job did not end within 300 s"
+        time.sleep(1)
+    log = (project / "logs" / f"run-{job_id}.out").read_text()
+    errors = (project / "logs" / f"run-{job_id}.err").read_text()
+    assert re.search(r"resumed from outputs/checkpoints/step-\d+ at step", log), (log[-2000:], errors[-2000:])
+    records = metrics(project / "outputs")
+    assert [r["step"] for r in records] == list(range(1, 81)), errors[-2000:]
+    assert {r["run_id"] for r in records} == {json.loads((project / "outputs" / "run.json").read_text())["run_id"]}
+    # SLURM's own lines about the requeue only: no refusal, no restart of a usage error.
+    assert not re.search(r"^\S+\.(py|sh|sbatch): error:", errors, flags=re.M), errors[-2000:]
 
 
 @pytest.mark.parametrize("required", [False, True])

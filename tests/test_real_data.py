@@ -146,8 +146,9 @@ def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: 
     assert len(shards["jsonl"]) == 2  # a train and a val shard
 
 
-def wandb_history(output_dir: Path) -> list[tuple[str, list[dict]]]:
-    """(run id, logged rows) of each offline W&B run under output_dir/wandb, oldest first.
+def wandb_history(output_dir: Path) -> list[tuple[str, list[dict], tuple[str, float] | None]]:
+    """(run id, logged rows, the (run, step) it rewinds, if any) of each offline W&B run under output_dir/wandb,
+    oldest first.
 
     A .wandb file is W&B's record log (LevelDB's log format: 32 KiB blocks of records with a 7-byte header)
     of protobuf Records; wandb itself no longer ships a Python reader.
@@ -156,7 +157,7 @@ def wandb_history(output_dir: Path) -> list[tuple[str, list[dict]]]:
 
     runs = []
     for path in sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        data, position, pending, rows, run_id = path.read_bytes(), 7, b"", [], None
+        data, position, pending, rows, run_id, rewinds = path.read_bytes(), 7, b"", [], None, None
         assert data[:4] == b":W&B"
         while position + 7 <= len(data):
             left = 32768 - position % 32768
@@ -172,10 +173,12 @@ def wandb_history(output_dir: Path) -> list[tuple[str, list[dict]]]:
                 pending = b""
                 if record.WhichOneof("record_type") == "run":
                     run_id = record.run.run_id
+                    if record.run.HasField("branch_point"):
+                        rewinds = (record.run.branch_point.run, record.run.branch_point.value)
                 elif record.WhichOneof("record_type") == "history":
                     items = record.history.item
                     rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
-        runs.append((run_id, rows))
+        runs.append((run_id, rows, rewinds))
     return runs
 
 
@@ -203,7 +206,8 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
 
     # W&B (offline): the run id is the run's, and it logged exactly what metrics.jsonl holds.
     run_id = json.loads((out / "run.json").read_text())["run_id"]
-    [(wandb_run_id, rows)] = wandb_history(out)
+    [(wandb_run_id, rows, rewinds)] = wandb_history(out)
+    assert rewinds is None
     assert wandb_run_id == run_id
     assert [(row["_step"], row["loss"], row.get("val_loss")) for row in rows] == [
         (r["step"], r["loss"], r.get("val_loss")) for r in records
@@ -224,8 +228,11 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
         (r["step"], r["loss"], r.get("val_loss")) for r in records
     ]
     runs = wandb_history(resumed)
-    assert [run for run, _ in runs] == [run_id, run_id]
+    assert [run for run, _, _ in runs] == [run_id, run_id]
     assert [row["_step"] for row in runs[1][1]] == [5, 6, 7, 8]
+    # The resumed launch rewinds the W&B run to its checkpoint's step (resume_from): W&B drops the first launch's
+    # steps 5-8 (when `wandb sync` uploads these offline runs), so each step shows once.
+    assert runs[1][2] == (run_id, 4.0)
 
     # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses.
     resharded = tmp_path / "resharded"

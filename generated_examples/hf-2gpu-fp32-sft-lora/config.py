@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from errors import stop
+
 # model_args.py, not model.py: reading a config imports no torch.
 from model_args import MODEL_RULES, ModelArgs
 from schema import MAX_COUNT, Rule, SchemaError, setting, total_memory, validate
@@ -250,8 +252,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         message = f"config file {args.config} not found; pass --config PATH"
     except OSError as error:
         message = f"config file {args.config} cannot be read ({error.strerror or error}); pass --config PATH"
-    # Under torchrun every rank parses the same arguments: one of them says what is wrong.
-    parser.exit(2, f"{parser.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+    # Under torchrun every rank parses the same arguments: one of them says what is wrong (errors.stop, which
+    # also keeps a launch script from retrying it).
+    stop(message)
+
+
+# Given to train.py (through a launch script's extra arguments), these would be torchrun's, not the run's.
+TORCHRUN_OPTIONS = ("--world-size", "--world_size", "--nproc-per-node", "--nproc_per_node", "--nnodes")
 
 
 def parse_overrides(rest: list[str]) -> dict[str, str]:
@@ -259,6 +266,11 @@ def parse_overrides(rest: list[str]) -> dict[str, str]:
     overrides: dict[str, str] = {}
     while rest:
         flag = rest.pop(0)
+        if flag.split("=")[0] in TORCHRUN_OPTIONS:
+            raise ConfigError(
+                f"{flag} is torchrun's option, not train.py's; the launch scripts take the ranks per node from "
+                "NPROC (and NNODES), e.g. NPROC=4 scripts/launch_local.sh"
+            )
         if not flag.startswith("--") or "." not in flag:
             raise ConfigError(f"unexpected argument {flag!r}; overrides look like --training.steps 20")
         name, eq, value = flag[2:].partition("=")

@@ -66,6 +66,38 @@ def largest_over_ranks(peaks: list[float], device: torch.device) -> torch.Tensor
     return largest
 
 
+# Where a resumed run keeps the rows of the steps it repeats (set_aside_rows_after): never deleted.
+SET_ASIDE = "metrics.rewound.jsonl"
+
+
+def set_aside_rows_after(metrics_file: Path, step: int) -> None:
+    """Before a run goes on from its checkpoint at `step` (0: from the start), move the rows of later steps, which
+    an earlier launch wrote before it stopped (a crash after the checkpoint), from `metrics_file` to SET_ASIDE
+    next to it: metrics.jsonl then holds one row per step, the run's own history, as the steps are repeated.
+    Appended there first (a torn last row too), then metrics.jsonl replaced whole: a crash in between leaves a
+    row in both files, never in neither."""
+    try:
+        lines = metrics_file.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return
+    kept, aside = [], []
+    for line in lines:
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            row_step = None  # the torn row of a write cut short
+        (kept if isinstance(row_step, int) and row_step <= step else aside).append(line)
+    if not aside:
+        return
+    with open(metrics_file.with_name(SET_ASIDE), "a") as side:
+        side.writelines(line if line.endswith("\n") else line + "\n" for line in aside)
+        side.flush()
+        os.fsync(side.fileno())
+    staging = metrics_file.with_name(metrics_file.name + ".tmp")
+    staging.write_text("".join(kept))
+    staging.replace(metrics_file)
+
+
 class MetricsLog:
     """Rank 0's report of each step; the other ranks only take part in its all-reduce of the peak memory.
 
@@ -89,10 +121,11 @@ class MetricsLog:
         self.device_wait = 0.0  # seconds the host waited for the device to finish the pending steps
         self.file = None
         if dist.get_rank() == 0:
-            # Appended to: a resumed run goes on in the same file (its rows carry the run id).
+            # Appended to: a resumed run goes on in the same file (its rows carry the run id), from its checkpoint.
+            set_aside_rows_after(output_dir / "metrics.jsonl", first_step)
             self.file = open(output_dir / "metrics.jsonl", "a")
-        self.tensorboard = open_tensorboard(output_dir) if config.job.tensorboard else None
-        self.wandb_run = open_wandb(config, output_dir, run_id) if config.job.wandb else None
+        self.tensorboard = open_tensorboard(output_dir, first_step) if config.job.tensorboard else None
+        self.wandb_run = open_wandb(config, output_dir, run_id, first_step) if config.job.wandb else None
 
     def log(self, step: int, numbers: dict[str, float | torch.Tensor], validation: float | None) -> None:
         """Record `step`: train_step's numbers (loss, lr, grad_norm, ..., device tensors or floats) and
@@ -197,9 +230,10 @@ class MetricsLog:
             self.wandb_run.finish()
 
 
-def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
+def open_tensorboard(output_dir: Path, first_step: int) -> SummaryWriter | None:
     """Rank 0's TensorBoard writer (None on the other ranks). Every rank checks that tensorboard, an
-    optional dependency, is installed, so that all stop together if it is not."""
+    optional dependency, is installed, so that all stop together if it is not. A resumed run (from its checkpoint
+    at `first_step`) purges what an earlier launch logged after it: TensorBoard shows each step once."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -207,11 +241,16 @@ def open_tensorboard(output_dir: Path) -> SummaryWriter | None:
             "job.tensorboard = true needs the tensorboard package: pip install -e '.[tensorboard]', "
             "or run with --job.tensorboard false"
         )
-    return SummaryWriter(output_dir / "tensorboard") if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    # purge_step: TensorBoard drops this folder's events of step first_step + 1 and later written before now.
+    return SummaryWriter(output_dir / "tensorboard", purge_step=first_step + 1)
 
 
-def open_wandb(config: Config, output_dir: Path, run_id: str) -> WandbRun | None:
-    """Rank 0's W&B run (None elsewhere). Its id is the run id, so a resumed or restarted run logs into it."""
+def open_wandb(config: Config, output_dir: Path, run_id: str, first_step: int) -> WandbRun | None:
+    """Rank 0's W&B run (None elsewhere). Its id is the run id, so a resumed or restarted run logs into it,
+    rewound to its checkpoint's step (`first_step`): W&B drops what an earlier launch logged after it (in offline
+    mode when `wandb sync` uploads it), so each step shows once."""
     if dist.get_rank() != 0:
         return None
     import wandb  # an optional dependency: preflight.py made sure it is installed
@@ -223,9 +262,9 @@ def open_wandb(config: Config, output_dir: Path, run_id: str) -> WandbRun | None
         tags=settings.tags,
         mode=wandb_mode(settings),
         dir=output_dir,
-        id=run_id,
-        resume="allow",
         config=asdict(config),
+        # A new run: this id. A resumed one: the same run, rewound (W&B's "resume_from"; "?_step=" is its form).
+        **({"resume_from": f"{run_id}?_step={first_step}"} if first_step else {"id": run_id, "resume": "allow"}),
     )
 
 

@@ -199,13 +199,15 @@ def check_output_dir(output_dir: Path) -> None:
             f"job.output_dir {output_dir} is a file, not a folder; choose a folder with --job.output_dir"
         )
     # What the run writes there must be able to take its place: found now, not at the first save or log line.
-    for name, folder in (("checkpoints", True), ("metrics.jsonl", False)):
+    writes = {"checkpoints": "its checkpoints there", "metrics.jsonl": "its metrics to it", "run.json": "its id to it"}
+    for name, what in writes.items():
         found = output_dir / name
+        folder = name == "checkpoints"
         if found.exists() and found.is_dir() != folder:
             should = "a folder" if folder else "a file"
             raise RunFolderError(
-                f"job.output_dir {output_dir} has {name}, which is not {should}: the run writes its "
-                f"{'checkpoints there' if folder else 'metrics to it'}; move it away or choose another --job.output_dir"
+                f"job.output_dir {output_dir} has {name}, which is not {should}: the run writes {what}; move it "
+                "away or choose another --job.output_dir"
             )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)

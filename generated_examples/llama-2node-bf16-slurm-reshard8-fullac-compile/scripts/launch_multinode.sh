@@ -17,6 +17,13 @@ CONFIG="${CONFIG:-config.toml}"
 # MAX_RESTARTS times, and they resume from the newest complete checkpoint. Mistakes in the input are never
 # retried (exit code 2).
 MAX_RESTARTS="${MAX_RESTARTS:-1}"
+# A mistake in these is one line and exit code 2 here, before anything starts.
+require_count NNODES 1 100000 2
+require_count NODE_RANK 0 "$((NNODES - 1))" 0
+require_count NPROC 1 4096 8
+require_count MASTER_PORT 1 65535 29500
+require_count MAX_RESTARTS 0 1000 1
+require_choice DEVICE auto cpu cuda
 
 # A launch id per node (run.json records those of all nodes: a restart continues this launch's run whichever
 # node its rank 0 lands on); the ranks of this node die with this script.
@@ -25,7 +32,8 @@ trap 'rm -rf "$TRAIN_USAGE_ERRORS"' EXIT
 watch_this_script
 
 # Mistakes in the config, the data or the output folder stop here, once per node, with one line and exit
-# code 2, before torchrun starts any rank (so they are neither printed per rank nor retried).
+# code 2, before torchrun starts any rank (so they are neither printed per rank nor retried). preflight.py's own
+# option first, then exactly train.py's arguments, which it parses with train.py's parser.
 LOCAL_WORLD_SIZE="$NPROC" python preflight.py --world-size "$((NNODES * NPROC))" --config "$CONFIG" --job.device "$DEVICE" "$@"
 
 # One torchrun per attempt. c10d rendezvous: node 0 hosts the store; every node must reach

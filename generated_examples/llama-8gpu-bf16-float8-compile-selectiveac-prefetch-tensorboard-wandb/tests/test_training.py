@@ -142,11 +142,16 @@ def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None
 def test_tensorboard_logs_the_metrics(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics = train(tmp_path, "--training.steps", "3", "--job.tensorboard", "true")
+    steps = ["--training.steps", "3", "--checkpoint.interval", "2", "--job.tensorboard", "true"]
+    metrics = train(tmp_path, *steps)
+    # As after a crash once step 3 was logged, before its checkpoint: the resume from step 2 logs step 3 again,
+    # and TensorBoard (purge_step) and metrics.jsonl show it once, the resumed value.
+    shutil.rmtree(tmp_path / "checkpoints" / "step-3")
+    metrics = train(tmp_path, *steps, nproc=1)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
-    assert [step for step, _ in losses] == [m["step"] for m in metrics]
+    assert [step for step, _ in losses] == [m["step"] for m in metrics] == [1, 2, 3]
     for (_, logged), record in zip(losses, metrics, strict=True):
         assert abs(logged - record["loss"]) <= 1e-6 * abs(record["loss"]), (logged, record)
 

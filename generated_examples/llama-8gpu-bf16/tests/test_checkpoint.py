@@ -93,8 +93,11 @@ def test_a_killed_rank_restarts_the_job_from_the_newest_checkpoint(straight: Pat
     assert "rank 1: SIGKILL after step" in result.stdout, result.stdout
     assert f"resumed from {tmp_path / 'checkpoints'}/step-" in result.stdout, result.stdout
     records = metrics(tmp_path)
-    assert records[-1]["step"] == 10
     assert records[-1]["loss"] == metrics(straight)[-1]["loss"]
+    # One row per step: the row of step 6, logged before the kill and repeated after the resume from step 5, was
+    # set aside (metrics.rewound.jsonl), not written twice and not deleted.
+    assert [record["step"] for record in records] == list(range(1, 11))
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()] == [6]
     # Same final parameters and optimizer state (the RNG states are those of other processes).
     expected, actual = straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10"
     assert_identical(load_checkpoint(expected), load_checkpoint(actual), ignore=r"rng\.")
