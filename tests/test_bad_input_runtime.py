@@ -334,12 +334,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     # checkpoint.json read through the config's schema: a field of the wrong shape is a damaged checkpoint.
     "checkpoint-json-config-not-a-table": (
         [],
-        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json's \"config\" is not a table "
-        f"of [sections] but 5), {CORRUPT}",
+        'checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json\'s "config" is not a '
+        f"table of [sections] but 5), {CORRUPT}",
     ),
     "checkpoint-json-section-missing": (
         [],
-        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json's \"config\" lacks the "
+        'checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json\'s "config" lacks the '
         f"section(s) training), {CORRUPT}",
     ),
     "checkpoint-json-key-of-another-type": (

@@ -40,7 +40,10 @@ class Bound:
     finite: bool = True  # floats: NaN and inf refused
     nonempty: str = ""  # strings and lists: the fix to print when empty
     words: str = ""  # the allowed values in words, where the above do not say it well
-    resume: bool = False  # a resume may change the key (else it defines the run: a resume keeps its value)
+    # A resume may change the key: True (the run continues exactly as it would have, or with the new value from the
+    # step it resumes at), or ROUNDING (how a step is computed: the same numbers up to float rounding); False: the
+    # key defines the run, which a resume keeps.
+    resume: bool | str = False
 
 
 def setting(default: Any, **bound: Any) -> Any:
@@ -62,11 +65,17 @@ class SchemaError(ValueError):
     """A value that the schema refuses; the message is one line naming the key, the problem and the fix."""
 
 
+# Bound.resume of the keys that decide how a step is computed, not what: the batch split into micro-batches, the
+# loss into chunks, the model over ranks, the device. A resume may change them; the numbers then differ from the
+# uninterrupted run's by float rounding only (another order of the same sums).
+ROUNDING = "rounding"
+
+
 def may_change_on_resume(spec: dataclasses.Field) -> bool:
     """Whether a resume may change the key of the dataclass field `spec` (its Bound's `resume`); a key declared
     without setting() defines the run."""
     bound = spec.metadata.get("bound")
-    return bound is not None and bound.resume
+    return bound is not None and bool(bound.resume)
 
 
 def resume_changes(saved: Any, now: Any, may_change: bool) -> list[tuple[str, Any, Any]]:
@@ -79,6 +88,27 @@ def resume_changes(saved: Any, now: Any, may_change: bool) -> list[tuple[str, An
             if may_change_on_resume(spec) == may_change and getattr(before, spec.name) != getattr(after, spec.name):
                 changes.append((f"{section.name}.{spec.name}", getattr(before, spec.name), getattr(after, spec.name)))
     return changes
+
+
+def resume_table(config_cls: type, model_may_change: tuple[str, ...]) -> str:
+    """What a resume may change, as the README's Markdown: every key of `config_cls` (a Config dataclass) by its
+    declaration (`model_may_change`: model.py's RESUME_MAY_CHANGE). fsdp2gen writes it into README.md."""
+    groups: dict[str, list[str]] = {"yes": [], ROUNDING: [], "no": []}
+    for section in dataclasses.fields(config_cls):
+        for spec in dataclasses.fields(section.default_factory()):
+            bound = spec.metadata.get("bound")
+            kind = bound.resume if bound is not None and bound.resume else "no"
+            if section.name == "model" and spec.name in model_may_change:
+                kind = "yes"
+            groups["yes" if kind is True else kind].append(f"`{section.name}.{spec.name}`")
+    return (
+        "| a resume | keys |\n|---|---|\n"
+        f"| may change them; the run continues exactly as it would have, or with the new value from the step it "
+        f"resumes at, and says which it changed | {', '.join(groups['yes'])} |\n"
+        f"| may change them; the numbers then differ from the uninterrupted run's by float rounding only | "
+        f"{', '.join(groups[ROUNDING])} |\n"
+        f"| refuses another value in one line (they define the run) | {', '.join(groups['no'])} |\n"
+    )
 
 
 def as_option(value: Any) -> str:
