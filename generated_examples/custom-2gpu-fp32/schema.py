@@ -112,7 +112,7 @@ def resume_table(config_cls: type, model_may_change: tuple[str, ...]) -> str:
 
 
 def as_option(value: Any) -> str:
-    """A value as the command line writes it: --training.lr 0.001, --lora.target_modules q_proj,v_proj."""
+    """A value as the command line writes it: --training.lr 0.001, --parallel.shard_modules Block,Attention."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
