@@ -17,6 +17,8 @@ import fcntl
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -179,8 +181,31 @@ def render(
     project = staging / name
     source = str(template or template_dir())
     copier.run_copy(source, project, data=answers, defaults=True, unsafe=False, quiet=True, overwrite=True)
+    fill_resume_table(project)
     recorded = _stamp_answers_file(project / ANSWERS_FILE)
     return files(project), recorded
+
+
+# README.md's line that fill_resume_table replaces with the project's table of what a resume may change.
+RESUME_TABLE_MARK = "<!-- fsdp2gen: the resume table of schema.py -->\n"
+RESUME_TABLE_CODE = (
+    "import config, model_args, schema\n"
+    "print(schema.resume_table(config.Config, model_args.RESUME_MAY_CHANGE), end='')\n"
+)
+
+
+def fill_resume_table(project: Path) -> None:
+    """Write into the rendered project's README what a resume may change, made from its own schema (config.py's
+    dataclasses, each key's declaration): one source, never typed twice. The project's config modules import no
+    torch; they run in a subprocess, so the generator imports none of the project's code. (Templates of older
+    versions have no mark: nothing to do.)"""
+    readme = project / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    if RESUME_TABLE_MARK not in text:
+        return
+    table = subprocess.run([sys.executable, "-c", RESUME_TABLE_CODE], cwd=project, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(project)}, check=True).stdout  # fmt: skip
+    readme.write_text(text.replace(RESUME_TABLE_MARK, table))
 
 
 def files(root: Path) -> list[str]:

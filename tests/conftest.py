@@ -23,6 +23,7 @@ SLOW_FILES_FIRST = (
     "test_plan_simulation.py", "test_real_data.py", "test_expert_parallel.py", "test_hf_moe.py", "test_moe.py",
     "test_option_numerics.py", "test_document_masking.py", "test_launchers.py", "test_float8.py",
     "test_context_parallel.py", "test_custom.py", "test_run_ownership.py", "test_plan.py", "test_plan_families.py",
+    "test_resume_contract.py",
 )  # fmt: skip
 
 

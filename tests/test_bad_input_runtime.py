@@ -44,7 +44,26 @@ CASES: dict[str, tuple[list[str], str]] = {
     "config-missing": (["--config", "{tmp}/nope.toml"], "config file {tmp}/nope.toml not found; pass --config PATH"),
     "config-not-toml": (
         ["--config", "{tmp}/broken.toml"],
-        "Expected ']' at the end of a table declaration (at line 1, column 10)",
+        "config file {tmp}/broken.toml is not valid TOML (Expected ']' at the end of a table declaration (at line 1, "
+        "column 10)); fix it, or pass --config PATH",
+    ),
+    # The shape of the file: a table of [sections], each a table of keys, in UTF-8 text, one level deep.
+    "config-section-not-a-table": (
+        ["--config", "{tmp}/section.toml"],
+        "[training] in config file {tmp}/section.toml is not a table but 5; write it as a [training] line and key = "
+        "value lines",
+    ),
+    "config-binary": (
+        ["--config", "{tmp}/binary.toml"],
+        "config file {tmp}/binary.toml is not text (byte 2 is not UTF-8); pass --config PATH of a TOML file",
+    ),
+    "config-nested-100000-deep": (
+        ["--config", "{tmp}/deep.toml"],
+        "config file {tmp}/deep.toml nests arrays or tables too deeply to read; a config has one level of [sections]",
+    ),
+    "config-value-a-table": (
+        ["--config", "{tmp}/value-table.toml"],
+        "training.steps must be int, got {{'a': 1}}",
     ),
     "config-is-a-folder": (
         ["--config", "{tmp}"],
@@ -266,19 +285,41 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "resume-other-global-batch": (
         ["--training.global_batch_size", "16"],
-        "{out}/checkpoints/step-2 was saved with training.global_batch_size 8, but this run has 16; resume with "
-        f"--training.global_batch_size 8, or start a new run in {FRESH}",
+        "{out}/checkpoints/step-2 was saved with training.global_batch_size 8, but this run has 16 (a resume may not "
+        f"change what defines the run); resume with --training.global_batch_size 8, or start a new run in {FRESH}",
     ),
     "resume-other-seq-len": (
         ["--training.seq_len", "16"],
-        "{out}/checkpoints/step-2 was saved with training.seq_len 32, but this run has 16; resume with "
-        f"--training.seq_len 32, or start a new run in {FRESH}",
+        "{out}/checkpoints/step-2 was saved with training.seq_len 32, but this run has 16 (a resume may not change "
+        f"what defines the run); resume with --training.seq_len 32, or start a new run in {FRESH}",
+    ),
+    # Every key the schema does not declare resume=True defines the run: the data's order, the precision...
+    "resume-other-seed": (
+        ["--training.seed", "1"],
+        "{out}/checkpoints/step-2 was saved with training.seed 0, but this run has 1 (a resume may not change what "
+        f"defines the run); resume with --training.seed 0, or start a new run in {FRESH}",
+    ),
+    "resume-other-synthetic-data": (
+        ["--data.synthetic_samples", "100"],
+        "{out}/checkpoints/step-2 was saved with data.synthetic_samples 4096, but this run has 100 (a resume may not "
+        f"change what defines the run); resume with --data.synthetic_samples 4096, or start a new run in {FRESH}",
+    ),
+    "resume-without-document-mask": (
+        ["--data.document_mask", "false"],
+        "{out}/checkpoints/step-2 was saved with data.document_mask true, but this run has false (a resume may not "
+        f"change what defines the run); resume with --data.document_mask true, or start a new run in {FRESH}",
+    ),
+    "resume-run-without-checkpoint-other-seed": (
+        ["--training.seed", "1"],
+        "{out} holds run {run_id} (run.json), which has no checkpoint yet and was saved with training.seed 0, but "
+        "this run has 1 (a resume may not change what defines the run); resume with --training.seed 0, or start a "
+        f"new run in {FRESH}",
     ),
     "resume-model-only-final": (
         [],
         "{out}/checkpoints/step-2 is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended "
-        "at step 2: it cannot continue training to step 4. Delete it (rm -r {out}/checkpoints/step-2) to resume "
-        f"from the previous checkpoint, or start a new run in {FRESH}",
+        "at step 2: it cannot continue training to step 4; export it with scripts/export.py, or start a new run in "
+        f"{FRESH} (to continue from an earlier checkpoint, move step-2 out of {{out}}/checkpoints)",
     ),
     "checkpoint-metadata-missing": (
         [],
@@ -299,6 +340,27 @@ CASES: dict[str, tuple[list[str], str]] = {
         [],
         "checkpoint {out}/checkpoints/step-2 cannot be loaded (JSONDecodeError: Expecting value: line 1 column 1 "
         f"(char 0)), {CORRUPT}",
+    ),
+    # checkpoint.json read through the config's schema: a field of the wrong shape is a damaged checkpoint.
+    "checkpoint-json-config-not-a-table": (
+        [],
+        'checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json\'s "config" is not a '
+        f"table of [sections] but 5), {CORRUPT}",
+    ),
+    "checkpoint-json-section-missing": (
+        [],
+        'checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: checkpoint.json\'s "config" lacks the '
+        f"section(s) training), {CORRUPT}",
+    ),
+    "checkpoint-json-key-of-another-type": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ConfigError: training.seq_len must be int, got [32]), "
+        f"{CORRUPT}",
+    ),
+    "checkpoint-json-step-not-a-number": (
+        [],
+        "checkpoint {out}/checkpoints/step-2 cannot be loaded (ValueError: checkpoint.json: step is not int of at "
+        f"least 0 but 'two'), {CORRUPT}",
     ),
     "checkpoint-of-another-run": (
         [],
@@ -328,6 +390,19 @@ def corrupt(case: str, out: Path) -> None:
         shard.write_bytes(shard.read_bytes()[:100])
     elif case == "checkpoint-json-garbage":
         (newest / "checkpoint.json").write_text("")
+    elif case.startswith("checkpoint-json-") and case != "checkpoint-json-garbage":
+        info = json.loads((newest / "checkpoint.json").read_text())
+        if case == "checkpoint-json-config-not-a-table":
+            info["config"] = 5
+        elif case == "checkpoint-json-section-missing":
+            del info["config"]["training"]
+        elif case == "checkpoint-json-key-of-another-type":
+            info["config"]["training"]["seq_len"] = [32]
+        else:
+            info["step"] = "two"
+        (newest / "checkpoint.json").write_text(json.dumps(info))
+    elif case == "resume-run-without-checkpoint-other-seed":
+        shutil.rmtree(out / "checkpoints")
     elif case == "checkpoint-of-another-run":
         info = json.loads((newest / "checkpoint.json").read_text())
         (newest / "checkpoint.json").write_text(json.dumps({**info, "run_id": "someone-else"}))
@@ -365,6 +440,10 @@ def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     """The fp32 project, the broken files the cases point at, and two finished 2-step runs to resume."""
     tmp = tmp_path_factory.mktemp("bad-inputs")
     (tmp / "broken.toml").write_text("[training\nsteps = 1\n")
+    (tmp / "section.toml").write_text("training = 5\n")
+    (tmp / "binary.toml").write_bytes(b"[j\xff\xfe\x00\x01")
+    (tmp / "deep.toml").write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp / "value-table.toml").write_text("[training]\nsteps = {a = 1}\n")
     (tmp / "empty.bin").write_bytes(b"")
     (tmp / "odd.bin").write_bytes(b"abc")
     np.arange(10, dtype=np.uint16).tofile(tmp / "small.bin")

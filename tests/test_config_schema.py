@@ -4,6 +4,9 @@ the run trains its first step with a finite loss. The keys are enumerated from e
 (tests/helpers/config_property.py runs inside the project; every accepted draw is trained there, in one process).
 
 HYPOTHESIS_PROFILE=nightly draws more (about 20 per key and 300 pairs of keys, instead of 2 and 30).
+
+The file itself is drawn too (tests/helpers/config_file_property.py): bytes, TOML of any shape and nesting depth,
+the project's config.toml edited; each is a Config or one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -114,3 +117,14 @@ def test_loss_chunks_must_divide_seq_len_for_drawn_values(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     refused, accepted = map(int, result.stdout.split())
     assert refused >= 50 and accepted >= 50, (refused, accepted)
+
+
+def test_config_files_of_any_shape_are_read_or_refused_in_one_line(tmp_path: Path) -> None:
+    project = generate(tmp_path / "run", "--fp32", "--lora", "--family", "hf", "--hf-model", "org/model")
+    result = subprocess.run(
+        [sys.executable, str(HELPERS / "config_file_property.py"), str(tmp_path), str(tmp_path / "report.json")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["refused"] >= 50 and report["accepted"] >= 5, report

@@ -325,8 +325,8 @@ def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Pat
     run_id = json.loads((out / "run.json").read_text())["run_id"]
     other = run(project, out, "--training.steps", "2", "--model.dim", "128", "--training.seq_len", "16")
     expected = (
-        f"preflight.py: error: {out} holds run {run_id} (run.json), which has no checkpoint yet and other settings "
-        f"(model.dim 64 -> 128, training.seq_len 32 -> 16); continue it with its settings, or {FRESH}\n"
+        f"preflight.py: error: {out} holds run {run_id} (run.json), which has no checkpoint yet and holds a different "
+        f"model (model.dim 64 -> 128); resume with the model settings in {out / 'run.json'}, or {FRESH}\n"
     )
     assert (other.returncode, other.stdout, other.stderr) == (2, "", expected)
     assert tree(out) == before

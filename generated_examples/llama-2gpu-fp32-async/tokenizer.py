@@ -17,6 +17,12 @@ from tokenizers import Tokenizer as RustTokenizer
 # Mistral, Gemma, BERT-style tokenizers. A tokenizer with none of them is refused (a document boundary is needed).
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 
+# What any text data needs of a tokenizer, checked before anything is tokenized or written (check_usable): more
+# tokens than this, and this text back from its ids (compared without case and spaces, which some tokenizers
+# normalise: BERT-style ones lowercase, SentencePiece ones move spaces).
+MIN_VOCAB = 32
+SAMPLE = "The quick brown fox jumps over the lazy dog: 0123456789 times, (twice)!"
+
 
 class TokenizerError(ValueError):
     """data.tokenizer cannot be loaded or used; the message names it and the fix."""
@@ -37,6 +43,7 @@ class Tokenizer:
         self.eos_id: int = vocab[eos]
         # The largest id + 1: added tokens can sit above the base vocabulary.
         self.vocab_size: int = max(vocab.values()) + 1
+        self.check_usable()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch runs on all CPU cores (Rust threads; TOKENIZERS_PARALLELISM=false turns that off).
@@ -47,6 +54,18 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
+
+    def check_usable(self) -> None:
+        """A vocabulary, and text that comes back from its ids: a tokenizer without them (e.g. the empty one of a
+        model folder whose tokenizer files are missing) would turn any text into nothing but end-of-text ids."""
+        ids = self.encode(SAMPLE)
+        back = self.decode(ids)
+        if self.vocab_size < MIN_VOCAB or "".join(back.split()).casefold() != "".join(SAMPLE.split()).casefold():
+            raise TokenizerError(
+                f"the tokenizer {self.source} is not usable: it has {self.vocab_size} token(s), and {SAMPLE[:19]!r}... "
+                f"becomes {len(ids)} id(s) that decode to {back[:19]!r}; its tokenizer files are missing or empty: "
+                "give data.tokenizer (or --tokenizer) a complete tokenizer"
+            )
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

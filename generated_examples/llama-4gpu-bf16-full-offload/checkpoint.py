@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
-from checkpoint_files import file_record, unreadable
-from errors import stop_if_rank0_failed
+from checkpoint_files import file_record
+from errors import reason, stop_if_rank0_failed
 
 
 class Checkpointer(CheckpointerBase):
@@ -69,8 +69,9 @@ class Checkpointer(CheckpointerBase):
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
-    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
-        """Load the checkpoint `path` into `state`, on any number of ranks.
+    def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
+        """Load the checkpoint `path` into `state`, on any number of ranks; None, or why its tensors cannot be
+        loaded (e.g. weights of another shape than this model's).
 
         Only rank 0 reads the files; the tensors then go out from it one by one, and every rank keeps
         only its own shards of each (broadcast_from_rank0).
@@ -80,9 +81,13 @@ class Checkpointer(CheckpointerBase):
             try:
                 model_state = load_file(path / "model.safetensors")
                 train_state = torch.load(path / "train_state.pt", weights_only=True)
+                error = mismatch(state.model, model_state)
             except Exception as exc:
-                error = unreadable(path, exc)
-        stop_if_rank0_failed(error)
+                error = reason(exc)
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None:
+            return shared[0]
         # The small part (scheduler, step, RNG states) goes to every rank as one object.
         shared = [{key: value for key, value in train_state.items() if key != "optimizer"}]
         dist.broadcast_object_list(shared, src=0)
@@ -94,6 +99,26 @@ class Checkpointer(CheckpointerBase):
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
         if info["world_size"] == dist.get_world_size() and info["device"] == state.device.type:
             state.restore_rng_state(saved["rng"][dist.get_rank()])
+        return None
+
+
+def mismatch(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> str | None:
+    """Why the weights `saved` do not fit `model` (other names or shapes), before any is loaded; None if they do."""
+    # Named as the save names them (without the prefixes of activation checkpointing's and compile's wrappers);
+    # sharded (DTensor) parameters by their whole shape. No collective: the model's own sharded state.
+    expected = {name: tuple(value.shape) for name, value in get_model_state_dict(model).items()}
+    found = {name: tuple(value.shape) for name, value in saved.items()}
+    if found.keys() == expected.keys() and all(found[name] == expected[name] for name in found):
+        return None
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    reshaped = [f"{name} {found[name]} (model: {expected[name]})" for name in sorted(found.keys() & expected.keys())
+                if found[name] != expected[name]]  # fmt: skip
+    parts = (
+        [f"missing {', '.join(missing[:3])}"] * bool(missing)
+        + [f"unexpected {', '.join(unexpected[:3])}"] * bool(unexpected)
+        + [f"other shapes: {', '.join(reshaped[:3])}"] * bool(reshaped)
+    )
+    return "its weights do not fit the model in its checkpoint.json: " + "; ".join(parts)
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

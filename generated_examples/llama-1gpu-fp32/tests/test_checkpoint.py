@@ -205,8 +205,9 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
         changed = str(saved[key] // 2)
         result = launch("train.py", tmp_path / "batch", *TEN_STEPS, f"--training.{key}", changed, nproc=1, check=False)
         assert (result.returncode, result.stderr) == (2, (
-            f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed}; "
-            f"resume with --training.{key} {saved[key]}, or start a new run in another --job.output_dir\n"
+            f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed} (a "
+            f"resume may not change what defines the run); resume with --training.{key} {saved[key]}, or start a new "
+            "run in another --job.output_dir\n"
         ))  # fmt: skip
     # A model-only final checkpoint has no optimizer state: it ends a run and cannot extend it.
     run = tmp_path / "model-only"
