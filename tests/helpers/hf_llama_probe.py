@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hf_checkpoint import from_hf, to_hf_key
 from model import Model, output_logits
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from train import build_model_meta, run_on_every_rank, train
 from transformers import AutoModelForCausalLM
 
@@ -34,19 +35,20 @@ def main() -> None:
         tokens = torch.randint(config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = reference(tokens).logits
-        pipelined = hasattr(model, "stages")  # pipeline.py's PipelineModel: this rank's stages
-        stages = model.stages if pipelined else [model]
-        # Each stage's whole tensors (all-gathered over its FSDP and tensor-parallel ranks), then every rank's.
-        mine = {}
-        for stage in stages:
-            full = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
-            mine |= {name: tensor.cpu() for name, tensor in full.items()}
+        # pipeline.py's PipelineModel: this rank's stages, under the whole model's names; it runs only a schedule.
+        pipelined = hasattr(model, "schedule")
+        # This rank's whole tensors (all-gathered over the FSDP and tensor-parallel ranks), then every rank's.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        mine = {name: tensor.cpu() for name, tensor in full.items()}
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if not pipelined:
             model.eval()
             with torch.no_grad():
-                sharded = output_logits(model(tokens.to(device))).float().cpu()
+                sharded = output_logits(model(tokens.to(device)))
+            if isinstance(sharded, DTensor):  # tensor parallelism's output layer: the vocabulary split
+                sharded = sharded.full_tensor()
+            sharded = sharded.float().cpu()
             if dist.get_rank() == 0:
                 print(f"sharded logits max |diff| {(sharded - logits).abs().max().item():.3g}", flush=True)
         if dist.get_rank() == 0:
