@@ -175,7 +175,12 @@ def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
     variants = {
         "qwen2": {**config, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
         "llama3-rope": {**config, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0}},
-        "old-rope-scaling": {**config, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        # As transformers 4 wrote it.
+        "old-rope-scaling": {
+            **{key: value for key, value in config.items() if key != "rope_parameters"},
+            "rope_theta": 10000.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
         "biases": {**config, "attention_bias": True},
     }
     for name, content in variants.items():
