@@ -107,8 +107,9 @@ def rope_theta(config: dict[str, Any]) -> float:
     rotary scaling (Llama 3.1's "llama3", "linear", "yarn", ...) is refused: this model's tables have none."""
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
+    kinds = [rope.get("rope_type"), scaling.get("rope_type") or scaling.get("type")]
+    kind = next((kind for kind in kinds if kind not in (None, "default")), None)
+    if kind is not None:
         raise HFCheckpointError(
             f'its rotary embeddings use "{kind}" scaling, which the built-in llama does not have; '
             "train it with --family hf"
