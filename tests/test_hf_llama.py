@@ -76,7 +76,8 @@ def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).state_dict()
+    hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    reference = hf_model.state_dict()
     with project_modules(project):
         adapter = importlib.import_module("hf_checkpoint")
         model_module = importlib.import_module("model")
@@ -85,7 +86,12 @@ def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
         assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
         ours = adapter.from_hf(reference, tie_embeddings=False)
         model = model_module.Model(config.model)
+        model.init_weights(seed=0)  # the rotary tables; then the weights
         model.load_state_dict(ours, strict=True)  # every weight of ours, no other
+        # The same function: each weight lands where transformers' forward uses it (w1 and w3 have one shape).
+        tokens = torch.randint(320, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert (model.eval()(tokens) - hf_model(tokens).logits).abs().max().item() <= 1e-5
         back = adapter.to_hf({name: tensor.clone() for name, tensor in model.state_dict().items()}, False)
         assert back.keys() == reference.keys()
         assert all(torch.equal(back[key], reference[key]) for key in reference)
