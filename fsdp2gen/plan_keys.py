@@ -38,7 +38,13 @@ CONFIG_KEYS: dict[str, str] = {
     "profile.steps": "the profiler's records live in CPU memory",
     "profile.memory_snapshot_step": "the allocator's history lives in CPU memory",
     **dict.fromkeys(
-        ("checkpoint.interval", "checkpoint.keep_last", "checkpoint.model_only_final", "checkpoint.resume"),
+        (
+            "checkpoint.interval",
+            "checkpoint.keep_last",
+            "checkpoint.model_only_final",
+            "checkpoint.resume",
+            "checkpoint.save_format",
+        ),
         "checkpoints are written between steps (plan reports rank 0's CPU memory for a full one)",
     ),  # fmt: skip
     "data.path": "where the tokens come from, not how many",
@@ -128,6 +134,7 @@ CONFIG_KEYS: dict[str, str] = {
     # moe.py's balance loss keeps one fp32 per token and MoE layer (the scores' sums): below the plan's rounding.
     "model.aux_loss_coef": "one fp32 per token and MoE layer when > 0, not counted",
     "model.pretrained": "the weights are loaded before the first step, into the same shards",
+    "model.hf_checkpoint": READ,  # the built-in llama's shape is its config.json's (plan_config.py reads it)
     # [lora] (hf): read by plan_families.py's read_lora.
     "lora.rank": READ,
     "lora.target_modules": READ,

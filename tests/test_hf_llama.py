@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, generate, metrics, save_tiny_llama, torchrun
+from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_llama, torchrun
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
@@ -84,6 +84,11 @@ def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
         config = importlib.import_module("config").load_config(project / "config.toml")
         # The shape is the checkpoint's (config.json), whatever model.size says.
         assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
+        # `fsdp2gen plan --config` plans that shape too: 2 x 64 x 320 embeddings + 2 blocks + the final norm.
+        planned = fsdp2gen("plan", "--config", str(project / "config.toml"), "--gpus", "2")
+        assert planned.returncode == 0, planned.stderr
+        blocks = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64)
+        assert f"{(2 * 64 * 320 + blocks + 64) / 1e6:.2f}M parameters, 2 blocks, dim 64" in planned.stdout
         ours = adapter.from_hf(reference, tie_embeddings=False)
         model = model_module.Model(config.model)
         model.init_weights(seed=0)  # the rotary tables; then the weights
