@@ -23,7 +23,7 @@ READ = "read"
 NOTED = "noted"
 
 # The model's shape: every ModelArgs key is read (plan_config.py's _model_keys refuses one it does not know); these
-# set no shape.
+# set no shape. (model.hf_checkpoint, which no example has, is read there too: the shape of its config.json.)
 NOT_A_SHAPE = "an initialisation or a scale of the same tensors"
 CONFIG_KEYS: dict[str, str] = {
     # [job], [eval], [profile], [checkpoint], [data] (but the mask), [wandb]: around the step, not in it.
@@ -134,7 +134,6 @@ CONFIG_KEYS: dict[str, str] = {
     # moe.py's balance loss keeps one fp32 per token and MoE layer (the scores' sums): below the plan's rounding.
     "model.aux_loss_coef": "one fp32 per token and MoE layer when > 0, not counted",
     "model.pretrained": "the weights are loaded before the first step, into the same shards",
-    "model.hf_checkpoint": READ,  # the built-in llama's shape is its config.json's (plan_config.py reads it)
     # [lora] (hf): read by plan_families.py's read_lora.
     "lora.rank": READ,
     "lora.target_modules": READ,
