@@ -224,7 +224,8 @@ def _complete_answers(answers: dict[str, Any], *, prompting: bool) -> list[str]:
             answers[name] = _ask(question, answers)
         else:
             answers[name] = question.default
-            unasked.append(name)
+            if question.default != "":  # an optional path left empty (llama's hf_model) chooses nothing to announce
+                unasked.append(name)
     return unasked
 
 

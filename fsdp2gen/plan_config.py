@@ -3,6 +3,7 @@ config.json, or a `--size`."""
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from dataclasses import replace
@@ -107,9 +108,32 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise PlanError(f"{path}: nested too deeply to read; pass a generated project's config.toml") from None
 
 
+# A LlamaForCausalLM config.json's shape keys -> ModelArgs' (the project's hf_checkpoint.py maps the same).
+HF_LLAMA_SHAPE = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                  "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size", "intermediate_size": "ffn_dim",
+                  "tie_word_embeddings": "tie_embeddings"}  # fmt: skip
+
+
+def _hf_checkpoint_shape(path: Path, folder: str) -> dict[str, Any]:
+    """The shape keys of model.hf_checkpoint's config.json (the built-in llama started from a Hugging Face
+    checkpoint takes its shape from there, as model_args.py does)."""
+    config = Path(folder).expanduser() / "config.json"
+    try:
+        hf = json.loads(read_text(config, "model.hf_checkpoint's config", FIX_CONFIG))
+        shape = {ours: hf[key] for key, ours in HF_LLAMA_SHAPE.items() if key in hf}
+    except (FileInputError, ValueError, TypeError) as error:
+        raise PlanError(f"{path}: model.hf_checkpoint: {config} cannot be read ({error}); {FIX_CONFIG}") from None
+    shape.setdefault("n_kv_heads", shape.get("n_heads"))
+    return shape
+
+
 def _model_keys(path: Path, table: dict[str, Any]) -> dict[str, Any]:
     """config.toml's [model] over ModelArgs' defaults, its zeros taken from model.size, as model.py does."""
     model = dict(TEMPLATE_MODEL)
+    table = dict(table)
+    hf_checkpoint = table.pop("hf_checkpoint", "")
+    if hf_checkpoint:
+        table |= _hf_checkpoint_shape(path, str(hf_checkpoint))
     for key, value in table.items():
         expected = type(TEMPLATE_MODEL[key]) if key in TEMPLATE_MODEL else None
         if expected is None:

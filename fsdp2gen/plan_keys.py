@@ -23,7 +23,7 @@ READ = "read"
 NOTED = "noted"
 
 # The model's shape: every ModelArgs key is read (plan_config.py's _model_keys refuses one it does not know); these
-# set no shape.
+# set no shape. (model.hf_checkpoint, which no example has, is read there too: the shape of its config.json.)
 NOT_A_SHAPE = "an initialisation or a scale of the same tensors"
 CONFIG_KEYS: dict[str, str] = {
     # [job], [eval], [profile], [checkpoint], [data] (but the mask), [wandb]: around the step, not in it.
@@ -38,7 +38,13 @@ CONFIG_KEYS: dict[str, str] = {
     "profile.steps": "the profiler's records live in CPU memory",
     "profile.memory_snapshot_step": "the allocator's history lives in CPU memory",
     **dict.fromkeys(
-        ("checkpoint.interval", "checkpoint.keep_last", "checkpoint.model_only_final", "checkpoint.resume"),
+        (
+            "checkpoint.interval",
+            "checkpoint.keep_last",
+            "checkpoint.model_only_final",
+            "checkpoint.resume",
+            "checkpoint.save_format",
+        ),
         "checkpoints are written between steps (plan reports rank 0's CPU memory for a full one)",
     ),  # fmt: skip
     "data.path": "where the tokens come from, not how many",

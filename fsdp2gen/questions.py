@@ -153,7 +153,19 @@ def _hf_model_problem(value: str, answers: dict[str, Any]) -> str | None:
         return f"{config} holds a JSON {type(loaded).__name__}, not an object; {fix}"
     if not isinstance(loaded.get("model_type"), str) or not loaded["model_type"]:
         return f"{config} has no model_type, so transformers cannot tell the architecture; {fix}"
+    architectures = loaded.get("architectures") or [loaded["model_type"]]
+    if answers.get("family") == "llama" and LLAMA_ARCHITECTURE not in architectures:
+        # The project's hf_checkpoint.py checks the rest (biases, rotary scaling) when training starts.
+        named = ", ".join(map(str, architectures))
+        return (
+            f"{value} is a {named}, not a {LLAMA_ARCHITECTURE}: the built-in llama loads Llama checkpoints only; "
+            "use --family hf"
+        )
     return None
+
+
+# The transformers class whose weights the built-in llama loads (the project's hf_checkpoint.py: HF_ARCHITECTURES).
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);

@@ -17,8 +17,9 @@ def test_json_report_matches_the_files_on_disk(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stderr == ""
     report = json.loads(result.stdout)
     assert report["answers"] == {
-        "project_name": "run", "family": "llama", "gpus": 2, "nodes": 1, "precision": "fp32", "checkpoint": "dcp",
-        "launcher": "torchrun", "tp": 1, "moe": False, "ep": 1, "cp": 1, "pp": 1, "reshard_after_forward": "true",
+        "project_name": "run", "family": "llama", "hf_model": "", "gpus": 2, "nodes": 1, "precision": "fp32",
+        "checkpoint": "dcp", "launcher": "torchrun", "tp": 1, "moe": False, "ep": 1, "cp": 1, "pp": 1,
+        "reshard_after_forward": "true",
         "activation_checkpointing": "none",
         "compile": False, "float8": False, "cpu_offload": False, "prefetch": False, "tensorboard": False,
         "tokenizer": "", "task": "pretrain", "qlora": False, "lora": False, "wandb": False,
@@ -122,7 +123,7 @@ def test_questions_json_is_copier_yml(tmp_path: Path) -> None:
     assert "--precision STR (fp32, bf16, fp16) [default: bf16]" in text
     # Questions for one family say when they apply.
     assert [(q["name"], q["when"]) for q in described if q["when"]] == [
-        ("hf_model", "{{ family == 'hf' }}"), ("pretrained", "{{ family == 'hf' }}")
+        ("hf_model", "{{ family in ['hf', 'llama'] }}"), ("pretrained", "{{ family == 'hf' }}")
     ]  # fmt: skip
 
 

@@ -174,6 +174,9 @@ AF = "pass a YAML file of answers like 'gpus: 8'"
 ALIAS_BOMB = (
     "".join(f"_a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else '1'] * 9)}]\n" for i in range(10)) + "gpus: *a9\n"
 )
+LLAMA_FIX = (
+    "--family llama starts from a local Hugging Face folder (hf download ID --local-dir DIR fetches a hub model)"
+)
 HF_FIX = "give a folder written by save_pretrained (config.json + *.safetensors) or a hub id"
 RESTORE = "restore it from an earlier commit (git log -- .copier-answers.yml) or fix it by hand"
 NOT_INT = "Input should be a valid integer, unable to parse string as an integer"
@@ -724,9 +727,41 @@ CASES = [
         (hf_folder(weights=False),),
     ),
     Case(
-        "hf-model-without-family",
+        "hf-model-custom-family",
+        (*NEW, "--family", "custom", "--hf-model", "gpt2"),
+        "--hf-model: only applies to --family hf or --family llama; drop it or add --family hf",
+    ),
+    # The built-in llama (the default family) starts from a local Llama folder only: shape, weights, tokenizer.
+    Case(
+        "llama-hf-model-hub-id",
         (*NEW, "--hf-model", "gpt2"),
-        "--hf-model: only applies to --family hf; drop it or add --family hf",
+        f"--hf-model: gpt2 is not a folder with config.json; {LLAMA_FIX}",
+    ),
+    Case(
+        "llama-hf-model-without-config",
+        (*NEW, "--hf-model", "m"),
+        f"--hf-model: m is not a folder with config.json; {LLAMA_FIX}",
+        (hf_folder(config=None),),
+    ),
+    Case(
+        "llama-hf-model-without-tokenizer",
+        (*NEW, "--hf-model", "m"),
+        "--hf-model: m has no tokenizer.json; save the model's tokenizer there with its save_pretrained",
+        (hf_folder(),),
+    ),
+    Case(
+        "llama-hf-model-other-architecture",
+        (*NEW, "--family", "llama", "--hf-model", "m"),
+        "--hf-model: m is a Qwen2ForCausalLM, not a LlamaForCausalLM: the built-in llama loads Llama checkpoints "
+        "only; use --family hf",
+        (hf_folder('{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}'), write("m/tokenizer.json", "{}")),
+    ),
+    Case(
+        "llama-hf-model-with-moe",
+        (*NEW, "--hf-model", "m", "--moe"),
+        "--moe: --moe with --hf-model: a Llama checkpoint has no experts to load; drop --moe (or --hf-model to train "
+        "experts from scratch)",
+        (hf_folder('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'), write("m/tokenizer.json", "{}")),
     ),
     Case(
         "pretrained-without-family",

@@ -41,7 +41,7 @@ def test_every_option_reaches_the_answers_file(tmp_path: Path) -> None:
     assert result.stderr == ""  # nothing was missing, so no defaults were announced
     answers = answers_of(tmp_path / "run")
     assert {k: v for k, v in answers.items() if not k.startswith("_")} == {
-        "project_name": "trial-7", "family": "llama", "gpus": 4, "nodes": 3, "precision": "fp16",
+        "project_name": "trial-7", "family": "llama", "hf_model": "", "gpus": 4, "nodes": 3, "precision": "fp16",
         "checkpoint": "dcp", "launcher": "slurm", "tp": 2, "moe": False, "ep": 1, "cp": 2, "pp": 1,
         "reshard_after_forward": "4",
         "activation_checkpointing": "full", "compile": True, "float8": False, "cpu_offload": True, "prefetch": False,
@@ -87,8 +87,8 @@ def test_output_lists_files_and_next_commands(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     files = tree(dest)
     assert lines[0] == (
-        f"Created {dest} (project_name=run, family=llama, gpus=8, nodes=2, precision=bf16, checkpoint=dcp, "
-        "launcher=torchrun, tp=1, moe=False, ep=1, cp=1, pp=1, reshard_after_forward=true, "
+        f"Created {dest} (project_name=run, family=llama, hf_model='', gpus=8, nodes=2, precision=bf16, "
+        "checkpoint=dcp, launcher=torchrun, tp=1, moe=False, ep=1, cp=1, pp=1, reshard_after_forward=true, "
         "activation_checkpointing=none, compile=False, "
         "float8=False, cpu_offload=False, prefetch=False, tensorboard=False, tokenizer='', task=pretrain, qlora=False, "
         "lora=False, wandb=False) "
@@ -188,7 +188,11 @@ BAD_INPUT = [
         "fsdp2gen: error: --hf-model: not an id! is neither a folder "
         "with config.json nor a hub id like meta-llama/Llama-3.2-1B",
     ),
-    (["--hf-model", "gpt2"], "fsdp2gen: error: --hf-model: only applies to --family hf; drop it or add --family hf"),
+    (
+        ["--hf-model", "gpt2"],
+        "fsdp2gen: error: --hf-model: gpt2 is not a folder with config.json; --family llama starts from a local "
+        "Hugging Face folder (hf download ID --local-dir DIR fetches a hub model)",
+    ),
     (
         ["--family", "llama", "--pretrained"],
         "fsdp2gen: error: --pretrained: only applies to --family hf; drop it or add --family hf",
@@ -305,7 +309,8 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
     assert '"transformers>=' in (tmp_path / "local" / "pyproject.toml").read_text()
     assert fsdp2gen("new", str(tmp_path / "llama"), "-y").returncode == 0
     assert "transformers" not in (tmp_path / "llama" / "pyproject.toml").read_text()
-    assert "hf_model" not in answers_of(tmp_path / "llama") and "pretrained" not in answers_of(tmp_path / "llama")
+    # The built-in llama may start from a Hugging Face checkpoint (none here); pretrained is the hf family's.
+    assert answers_of(tmp_path / "llama")["hf_model"] == "" and "pretrained" not in answers_of(tmp_path / "llama")
 
 
 @pytest.mark.usefixtures("terminal")
@@ -325,4 +330,7 @@ def test_prompts_ask_for_the_hf_model_of_family_hf(tmp_path: Path) -> None:
     assert (answers["hf_model"], answers["pretrained"]) == (str(tmp_path / "tiny"), True)
 
 
-QUESTION_HF_MODEL = "Hugging Face model: a local folder with config.json and *.safetensors, or a hub id (family hf)"
+QUESTION_HF_MODEL = (
+    "Hugging Face model: a local folder with config.json and *.safetensors, or a hub id (family hf); for family "
+    "llama, a local Llama folder to start from (its shape, weights and tokenizer)"
+)

@@ -6,6 +6,7 @@ No network: every model is a local folder written by the test.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -118,6 +119,20 @@ def test_five_steps_then_export_loads_with_from_pretrained(
     assert any(not torch.equal(value, pretrained[key]) for key, value in model.state_dict().items())
     if name == "qwen2-tied":
         assert (exported / "tokenizer.json").is_file()
+    if name == "llama-untied":
+        # This model's folder has no tokenizer. A run that named one (data.tokenizer) exports it with the model:
+        # the same checkpoint, as a run with --data.tokenizer would have written its checkpoint.json.
+        info = json.loads((tmp_path / "checkpoints" / "step-5" / "checkpoint.json").read_text())
+        assert not any(path.name.startswith("tokenizer") for path in exported.iterdir())
+        info["config"]["data"]["tokenizer"] = str(models["qwen2-tied"])
+        (tmp_path / "checkpoints" / "step-5" / "checkpoint.json").write_text(json.dumps(info))
+        again = tmp_path / "exported-with-tokenizer"
+        export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
+                                 "--output", str(again)], cwd=project, capture_output=True, text=True)  # fmt: skip
+        assert export.returncode == 0, export.stderr
+        tokenizer, expected = AutoTokenizer.from_pretrained(again), AutoTokenizer.from_pretrained(models["qwen2-tied"])
+        assert tokenizer(TEXT)["input_ids"] == expected(TEXT)["input_ids"]
+        assert tokenizer.eos_token == expected.eos_token == "<|endoftext|>"
 
 
 def test_generated_hf_projects_own_tests_pass(project: Path) -> None:

@@ -57,12 +57,14 @@ MARKERS: dict[str, tuple[Callable[[Answers], bool], str]] = {
     "precision": (lambda a: a["precision"] == "fp16", r"GradScaler|loss_scale"),
     "launcher": (lambda a: a["launcher"] == "ray", r"ray_train|\bimport ray\b|\bray\.train\b"),
     "nodes": (lambda a: a["nodes"] > 1, r"launch_multinode"),
+    # The built-in llama started from a Hugging Face checkpoint (the hf family's model.path is its own code).
+    "hf_model": (lambda a: bool(a.get("hf_model")), r"take_hf_shape|load_hf_weights|model\.hf_checkpoint"),
 }
 # Questions whose answers select no code of their own: a value (a name, a count, a path) the same code reads, or a
 # family, whose code is chosen by file name (model.py) and whose own names are each family's to keep.
 NO_CODE_OF_THEIR_OWN = {
-    "project_name", "family", "hf_model", "pretrained", "gpus", "reshard_after_forward", "tokenizer",
-    "transformers_model", "model_presets", "block_class",
+    "project_name", "family", "pretrained", "gpus", "reshard_after_forward", "tokenizer",
+    "transformers_model", "model_presets", "block_class", "hf_adapter",
 }  # fmt: skip
 
 # (option, golden file) -> why it still holds that option's names. Goal: empty (and it is: a leak found later is

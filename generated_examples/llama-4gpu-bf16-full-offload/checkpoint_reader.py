@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +81,27 @@ def checkpoint_tensors(checkpoint: Path) -> tuple[dict[str, tuple], Callable[[st
         tensor_slice = weights.get_slice(name)
         found[name] = (dtypes[tensor_slice.get_dtype()], tuple(tensor_slice.get_shape()))
     return found, weights.get_tensor
+
+
+def write_safetensors(path: Path, entries: dict[str, tuple], read: Callable[[str], torch.Tensor]) -> None:
+    """Write the tensors of `entries` ({name: (dtype, shape)}) to `path`, reading and writing one at a time.
+
+    The safetensors format: an 8-byte little-endian header length, a JSON header giving each tensor's
+    dtype, shape and byte range, then the raw little-endian bytes in that order.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape) in entries.items():
+        size = torch.Size(shape).numel() * dtype.itemsize
+        span = [offset, offset + size]
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": span}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name in entries:
+            f.write(read(name).contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def export_parser(description: str) -> argparse.ArgumentParser:

@@ -26,7 +26,13 @@ from checkpoint_reader import export_checkpoint, export_parser, open_for_export,
 
 def main() -> None:
     parser = export_parser("Export a checkpoint as model.safetensors + config.json.")
+    parser.add_argument("--format", choices=["native", "hf"], default="native",
+                        help="native: this project's names and config.json (default); hf: a Hugging Face "
+                        "transformers folder (the built-in llama only)")  # fmt: skip
     args = parser.parse_args()
+    if args.format == "hf":
+        parser.exit(2, f"{parser.prog}: error: --format hf: your own model (model.py) has no Hugging Face "
+                    "transformers class to load it; export --format native and load it with Model\n")  # fmt: skip
     checkpoint = export_checkpoint(parser, args)
     config, weights, read = open_for_export(parser, checkpoint)
 

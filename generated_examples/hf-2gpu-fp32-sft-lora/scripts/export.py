@@ -11,7 +11,8 @@ It holds model.safetensors (the trained fp32 weights, written one tensor at a ti
 in memory; tied weights once, as transformers saves them), under the names of the files the model came from
 (a mixture-of-experts model's fused experts as per-expert weights again, by transformers' reverse conversion:
 model.hub_layout), and the other files of the original model folder: config.json, generation_config.json, the
-tokenizer.
+tokenizer. The tokenizer is the run's: data.tokenizer's when the run named one (its files replace the model
+folder's), else the model's own.
 
 open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
 scripts/generate.py.
@@ -32,6 +33,7 @@ PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import CheckpointError, checkpoint_tensors, export_checkpoint, export_parser  # noqa: E402
 from model_args import ModelArgs  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -81,8 +83,16 @@ def export_lora(checkpoint: Path, output: Path, adapter_only: bool) -> None:
         # The tokenizer (and, merged, the generation config) as the model came.
         if source.is_file() and source.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat")):
             shutil.copyfile(source, output / source.name)
+    save_run_tokenizer(config["data"]["tokenizer"], output)
     kind = "adapter (PEFT format)" if adapter_only else "merged model"
     print(f"exported {checkpoint} -> {output}: {kind}, {len(adapters)} adapter tensors on {model_args.path}")
+
+
+def save_run_tokenizer(spec: str, output: Path) -> None:
+    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
+    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
+    if spec:
+        load_tokenizer(spec).backend.save_pretrained(output)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,18 @@ from checkpoint_reader import export_checkpoint, export_parser, open_for_export,
 
 def main() -> None:
     parser = export_parser("Export a checkpoint as model.safetensors + config.json.")
+    parser.add_argument("--format", choices=["native", "hf"], default="native",
+                        help="native: this project's names and config.json (default); hf: a Hugging Face "
+                        "transformers folder (the built-in llama only)")  # fmt: skip
     args = parser.parse_args()
+    if args.format == "hf":
+        # Mixtral routes as this model does only with softmax scores, no shared experts, no dense first blocks,
+        # route_scale 1 and routing biases left at 0 (expert_bias_rate 0); Qwen3-MoE adds q/k norms to attention and
+        # DeepSeek-V3 (sigmoid scores, biases, shared experts) uses latent attention.
+        parser.exit(2, f"{parser.prog}: error: --format hf: no transformers class has this model's experts and "
+                    "routing (load-balancing biases that choose experts, shared experts, sigmoid scores); Mixtral "
+                    "matches only softmax routing without them, and that conversion is not built; export "
+                    "--format native\n")  # fmt: skip
     checkpoint = export_checkpoint(parser, args)
     config, weights, read = open_for_export(parser, checkpoint)
 

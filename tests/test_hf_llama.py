@@ -1,0 +1,240 @@
+"""The built-in llama and Hugging Face checkpoints (hf_checkpoint.py): a tiny LlamaForCausalLM made here with
+save_pretrained, loaded by `fsdp2gen new --family llama --hf-model` projects under every layout (1, 2 and 4 ranks,
+tensor and pipeline parallel) equal to transformers' weights and logits; trained, then exported with
+`scripts/export.py --format hf` and saved with `checkpoint.save_format = "hf"`, loaded by from_pretrained with
+the trained model's logits; HF -> ours -> HF bit for bit. Four launches in all."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_llama, torchrun
+
+PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
+TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
+TRAIN = ["--job.device", "cpu", "--training.seq_len", "32", "--training.global_batch_size", "8",
+         "--training.warmup_steps", "1", "--training.lr", "1e-2", "--checkpoint.interval", "2",
+         "--eval.every", "0", "--job.log_every", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer LlamaForCausalLM (hidden 64, GQA, vocabulary 320, untied) and its tokenizer, as the hub has them."""
+    return save_tiny_llama(tmp_path_factory.mktemp("hf-llama") / "tiny-llama", TEXT)
+
+
+@pytest.fixture(scope="module")
+def project(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("hf-llama") / "run", "--family", "llama", "--hf-model", str(llama),
+                    "--gpus", "2", "--fp32")  # fmt: skip
+
+
+@contextmanager
+def project_modules(project: Path) -> Iterator[None]:
+    """Import a generated project's modules in this process, and forget them afterwards (other tests import other
+    projects' modules under the same names)."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(project))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(project))
+        for name in set(sys.modules) - before:
+            if getattr(sys.modules[name], "__file__", "") and str(project) in sys.modules[name].__file__:
+                del sys.modules[name]
+
+
+def probe_lines(output: str) -> dict[str, str]:
+    """The probe's "weights: ..." and "... logits max |diff| D" lines, by their first words."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith(("weights", "sharded logits", "plain logits")):
+            key, _, value = line.partition(": ") if line.startswith("weights") else line.rpartition(" ")
+            found[key] = value
+    return found
+
+
+def assert_equal_to_transformers(output: str, n_weights: int, sharded: bool) -> None:
+    found = probe_lines(output)
+    assert found.get("weights") == f"{n_weights} equal", output[-3000:]
+    assert float(found["plain logits max |diff|"]) <= 1e-5
+    if sharded:
+        assert float(found["sharded logits max |diff|"]) <= 1e-5
+    else:
+        assert "sharded logits max |diff|" not in found
+
+
+def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    reference = hf_model.state_dict()
+    with project_modules(project):
+        adapter = importlib.import_module("hf_checkpoint")
+        model_module = importlib.import_module("model")
+        config = importlib.import_module("config").load_config(project / "config.toml")
+        # The shape is the checkpoint's (config.json), whatever model.size says.
+        assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
+        # `fsdp2gen plan --config` plans that shape too: 2 x 64 x 320 embeddings + 2 blocks + the final norm.
+        planned = fsdp2gen("plan", "--config", str(project / "config.toml"), "--gpus", "2")
+        assert planned.returncode == 0, planned.stderr
+        blocks = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64)
+        assert f"{(2 * 64 * 320 + blocks + 64) / 1e6:.2f}M parameters, 2 blocks, dim 64" in planned.stdout
+        ours = adapter.from_hf(reference, tie_embeddings=False)
+        model = model_module.Model(config.model)
+        model.init_weights(seed=0)  # the rotary tables; then the weights
+        model.load_state_dict(ours, strict=True)  # every weight of ours, no other
+        # The same function: each weight lands where transformers' forward uses it (w1 and w3 have one shape).
+        tokens = torch.randint(320, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert (model.eval()(tokens) - hf_model(tokens).logits).abs().max().item() <= 1e-5
+        back = adapter.to_hf({name: tensor.clone() for name, tensor in model.state_dict().items()}, False)
+        assert back.keys() == reference.keys()
+        assert all(torch.equal(back[key], reference[key]) for key in reference)
+        # Tied: lm_head.weight is left out, as transformers' own files leave it out, and comes back as the embedding.
+        tied = {key: value for key, value in reference.items() if key != "lm_head.weight"}
+        assert adapter.to_hf(adapter.from_hf(tied, tie_embeddings=True), True).keys() == tied.keys()
+
+
+def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Path, tmp_path: Path) -> None:
+    """2 ranks: the loaded model equals transformers', trains 4 steps saving HF folders too; 1 rank: the same load,
+    then the run resumes from its step-4 checkpoint on 1 rank to step 6. Then export --format hf."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    common = [*TRAIN, "--job.output_dir", str(out), "--checkpoint.save_format", "hf", "--checkpoint.keep_last", "2"]
+    first = torchrun(project, PROBE, "--train", *common, "--training.steps", "4")
+    assert_equal_to_transformers(first.stdout, 21, sharded=True)
+    losses = [record["loss"] for record in metrics(out)]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert sorted(p.name for p in (out / "hf").iterdir()) == ["step-2", "step-4"]
+    # The resume source is untouched: the DCP checkpoint holds only its own files.
+    assert not any("safetensors" in p.name for p in (out / "checkpoints" / "step-4").iterdir())
+
+    second = torchrun(project, PROBE, "--train", *common, "--training.steps", "6", nproc=1)
+    assert_equal_to_transformers(second.stdout, 21, sharded=True)
+    assert "resumed from" in second.stdout and "at step 4" in second.stdout, second.stdout[-2000:]
+    assert len(metrics(out)) == 6
+    assert sorted(p.name for p in (out / "hf").iterdir()) == ["step-4", "step-6"]  # keep_last 2
+
+    exported, native = tmp_path / "exported", tmp_path / "native"
+    for folder, form in ((exported, "hf"), (native, "native")):
+        command = [sys.executable, "scripts/export.py", str(out / "checkpoints" / "step-6"), "--output", str(folder),
+                   "--format", form]  # fmt: skip
+        result = subprocess.run(command, cwd=project, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in exported.iterdir()}  # fmt: skip
+    model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}, info
+    saved = AutoModelForCausalLM.from_pretrained(out / "hf" / "step-6", dtype=torch.float32).state_dict()
+    assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
+    pretrained = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).state_dict()
+    assert not torch.equal(model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           pretrained["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    # The tokenizer came with the checkpoint and leaves with the export.
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert (
+        tokenizer("the quick brown fox")["input_ids"]
+        == AutoTokenizer.from_pretrained(llama)("the quick brown fox")["input_ids"]
+    )
+
+    # The trained model's logits: the native export in this project's own Model.
+    import safetensors.torch
+
+    with project_modules(project):
+        model_module = importlib.import_module("model")
+        ours = model_module.Model(model_module.ModelArgs(**json.loads((native / "config.json").read_text())))
+        ours.init_weights(seed=0)
+        ours.load_state_dict(safetensors.torch.load_file(native / "model.safetensors"))
+    tokens = torch.randint(320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        difference = (model.eval()(tokens).logits - ours.eval()(tokens)).abs().max().item()
+    assert difference <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("options", "nproc"),
+    [pytest.param(("--gpus", "4", "--tp", "2"), 4, id="4-ranks-tp2"), pytest.param(("--gpus", "2", "--pp", "2"), 2,
+                                                                                   id="pp2")],
+)  # fmt: skip
+def test_every_layout_loads_transformers_weights(
+    llama: Path, tmp_path: Path, options: tuple[str, ...], nproc: int
+) -> None:
+    project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(llama), "--fp32", *options)
+    result = torchrun(project, PROBE, "--job.device", "cpu", nproc=nproc)
+    # Pipeline stages run only inside the schedule: their gathered weights run in a plain Model.
+    assert_equal_to_transformers(result.stdout, 21, sharded="--pp" not in options)
+
+
+def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
+    project: Path, llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Run time (the folder changed after `fsdp2gen new`, or --model.hf_checkpoint): train.py's config parsing
+    refuses it with one line and exit code 2, before anything is built."""
+    config = json.loads((llama / "config.json").read_text())
+    variants = {
+        "qwen2": {**config, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+        "llama3-rope": {**config, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0}},
+        # As transformers 4 wrote it.
+        "old-rope-scaling": {
+            **{key: value for key, value in config.items() if key != "rope_parameters"},
+            "rope_theta": 10000.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
+        "biases": {**config, "attention_bias": True},
+    }
+    for name, content in variants.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(content))
+    (tmp_path / "empty").mkdir()
+    fix = "train it with --family hf"
+    scaling = "scaling, which the built-in llama does not have; " + fix
+    cases = {
+        "qwen2": f"it is a Qwen2ForCausalLM, not a LlamaForCausalLM; the built-in llama takes Llama checkpoints only: "
+        f"{fix}",
+        "llama3-rope": f'its rotary embeddings use "llama3" {scaling}',
+        "old-rope-scaling": f'its rotary embeddings use "linear" {scaling}',
+        "biases": f"its attention_bias = True is not the built-in llama's; {fix}",
+        "empty": f"{tmp_path / 'empty' / 'config.json'} does not exist; give a Llama folder written by save_pretrained",
+    }
+    with project_modules(project):
+        parse_args = importlib.import_module("config").parse_args
+        for name, expected in cases.items():
+            folder = tmp_path / name
+            with pytest.raises(SystemExit) as stopped:
+                parse_args(["--config", str(project / "config.toml"), "--model.hf_checkpoint", str(folder)])
+            assert stopped.value.code == 2
+            assert capsys.readouterr().err.splitlines() == [f"{Path(sys.argv[0]).name}: error: model.hf_checkpoint "
+                                                            f"{folder}: {expected}"]  # fmt: skip
+        # The tokenizer the checkpoint came with, gone: data.tokenizer's own one line.
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--config", str(project / "config.toml"), "--data.tokenizer", str(tmp_path / "empty")])
+        assert stopped.value.code == 2
+        error = capsys.readouterr().err.splitlines()
+        assert len(error) == 1 and "tokenizer.json does not exist" in error[0], error
+
+
+@pytest.mark.parametrize(
+    ("golden", "reason"),
+    [
+        ("custom-2gpu-fp32", "your own model (model.py) has no Hugging Face transformers class to load it"),
+        ("llama-4gpu-bf16-moe-ep2", "no transformers class has this model's experts and routing"),
+    ],
+)
+def test_export_format_hf_without_a_transformers_class_is_one_line(golden: str, reason: str, tmp_path: Path) -> None:
+    command = [sys.executable, "scripts/export.py", "--format", "hf", "--output", str(tmp_path / "exported")]
+    result = subprocess.run(command, cwd=REPO / "generated_examples" / golden, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"export.py: error: --format hf: {reason}") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "exported").exists()
