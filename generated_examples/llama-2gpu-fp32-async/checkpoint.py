@@ -26,6 +26,7 @@ from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, pub
 from checkpoint_files import file_record
 from config import Config
 from errors import reason, stop, stop_if_rank0_failed
+from hf_checkpoint import save_hf_checkpoint
 
 
 class DcpState(Stateful):
@@ -146,6 +147,8 @@ class Checkpointer(CheckpointerBase):
         writer = ChecksummedWriter(staging)
         future = dcp.async_save(app_state, storage_writer=writer, process_group=self.group, async_stager=self.stager)
         self.in_flight = BackgroundSave(future, writer, info, config.checkpoint.keep_last, self.stager)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/ (hf_checkpoint.py)
+            save_hf_checkpoint(state.model, self.checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
         """Load the checkpoint `path` into `state` (resharding if the world size changed); None, or why its tensors

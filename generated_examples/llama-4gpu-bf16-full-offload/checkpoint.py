@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record
 from errors import reason, stop_if_rank0_failed
+from hf_checkpoint import save_hf_checkpoint
 
 
 class Checkpointer(CheckpointerBase):
@@ -68,6 +69,8 @@ class Checkpointer(CheckpointerBase):
             except Exception as exc:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/ (hf_checkpoint.py)
+            save_hf_checkpoint(state.model, checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
         """Load the checkpoint `path` into `state`, on any number of ranks; None, or why its tensors cannot be

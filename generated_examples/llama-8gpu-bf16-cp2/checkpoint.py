@@ -22,6 +22,7 @@ from torch.futures import Future as WriteFuture
 from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record
 from errors import reason, stop, stop_if_rank0_failed
+from hf_checkpoint import save_hf_checkpoint
 
 
 class DcpState(Stateful):
@@ -130,6 +131,8 @@ class Checkpointer(CheckpointerBase):
             except OSError as exc:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/ (hf_checkpoint.py)
+            save_hf_checkpoint(state.model, self.checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
         """Load the checkpoint `path` into `state` (resharding if the world size changed); None, or why its tensors
