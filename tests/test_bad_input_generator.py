@@ -258,7 +258,7 @@ CASES = [
     Case(
         "tp-family-custom",
         (*NEW, "--family", "custom", "--tp", "2"),
-        "--tp: tensor parallelism is built in for --family llama only; use --tp 1",
+        "--tp: tensor parallelism is built in for --family llama and hf only; use --tp 1",
     ),
     Case(
         "moe-family-hf",
