@@ -24,6 +24,8 @@ units. A model that declares no plan (GPT-2), or a plan word torch has no style 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -80,10 +82,16 @@ def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
              "empty); use --parallel.tp 1 (FSDP shards it over every rank)")  # fmt: skip
     output = model.get_output_embeddings()
     output_name = next((key for key, module in model.named_modules() if module is output), None)
+    names = [key for key, _ in model.named_modules()]
     styles = {}
     for pattern, word in plan.items():
         if word == "replicate":
             continue  # every tp rank keeps the whole tensor: nothing to split (FSDP still shards it)
+        matches = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$").match
+        if not any(matches(key) for key in names):
+            # A plan entry for layers this model does not have: a mixture-of-experts model's plan names the dense
+            # MLP (mlp.gate_proj ...) that only its dense layers have (Qwen3-MoE's mlp_only_layers; none here).
+            continue
         style = torch_style(word, output_layer=pattern == output_name)
         if style is None:
             stop(f"parallel.tp: {name}'s tensor-parallel plan splits {pattern} as {word!r}, which this project "
