@@ -652,7 +652,12 @@ def add_chunked_loss(model: PreTrainedModel, loss_chunks: int) -> None:
     @functools.wraps(hf_forward)
     def forward(*args, targets=None, reduction="mean", loss_chunks=1, **kwargs):
         if targets is None:
-            return hf_forward(*args, **kwargs)
+            output = hf_forward(*args, **kwargs)
+            if isinstance(output.logits, DTensor):
+                # Tensor parallelism (tensor_parallel.py) leaves lm_head's logits split by vocabulary for the loss;
+                # model(tokens) gives them whole, as transformers does (generation, evaluation scripts).
+                output.logits = output.logits.full_tensor()
+            return output
         if transforms:  # the model's own logits, whole
             output = hf_forward(*args, **kwargs)
             loss = chunked_cross_entropy(output.logits, nn.Identity(), targets, 1, reduction)
