@@ -283,7 +283,9 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
     """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
     [training] batch, and the answers it was generated with."""
     if tp is not None and tp > 1:
-        raise PlanError(f"--tp {tp}: tensor parallelism is built in for family llama only; use --tp 1")
+        raise PlanError(
+            f"--tp {tp}: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
+        )
     raw = read_toml(config)
     model_table = raw.get("model", {})
     folder = model_table.get("path") if isinstance(model_table, dict) else None

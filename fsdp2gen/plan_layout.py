@@ -66,7 +66,9 @@ EVERY_DIMENSION = {"pp": 2, "tp": 2, "cp": 2, "moe": True}
 
 
 def render_layout(**answers: Any) -> str:
-    """The source of the layout.py a project with these answers (pp, tp, cp, moe) holds."""
+    """The source of the layout.py a project with these answers (pp, tp, cp, moe; a llama model unless
+    transformers_model is given) holds."""
+    answers.setdefault("transformers_model", False)
     environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     environment.undefined = jinja2.StrictUndefined  # an answer the template reads but was not given fails here
     return environment.from_string((template_dir() / LAYOUT_FILE).read_text(encoding="utf-8")).render(answers)

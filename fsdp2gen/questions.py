@@ -168,9 +168,32 @@ def _hf_model_problem(value: str, answers: dict[str, Any]) -> str | None:
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 
+def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--tp N for a local Hugging Face model whose type declares no tensor-parallel plan: refused now rather than
+    at run time. The plans are those the installed transformers declared when scripts/hf_plans.py wrote
+    templates/hf_plans.json (fsdp2gen never imports transformers, which imports torch); a model type it does not
+    list (a newer transformers) is left to preflight, which asks transformers itself."""
+    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+        return None
+    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # a hub id, or a config hf_model's own check speaks for
+    plans = json.loads((template_dir() / "hf_plans.json").read_text())
+    declared = plans["models"].get(model_type)
+    if declared is None or declared["tp"]:
+        return None
+    return (
+        f"{declared['class']} ({config}: model_type {model_type}) declares no tensor-parallel plan in transformers "
+        f"{plans['transformers']} (its config class's base_model_tp_plan is empty); use --tp 1 (FSDP shards it over "
+        "every GPU)"
+    )
+
+
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
 # run after the validator, by fsdp2gen only.
-PYTHON_CHECKS = {"hf_model": _hf_model_problem}
+PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem}
 
 
 def _render(template: str, answers: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ HELPERS = REPO / "tests" / "helpers"  # probes and reference loops, run by path 
 SLOW_FILES_FIRST = (
     "test_training_runs.py", "test_pipeline_parallel.py", "test_hf.py", "test_benchmarks.py",
     "test_plan_simulation.py", "test_real_data.py", "test_expert_parallel.py", "test_hf_moe.py", "test_moe.py",
+    "test_hf_parallel.py",
     "test_option_numerics.py", "test_document_masking.py", "test_launchers.py", "test_float8.py",
     "test_context_parallel.py", "test_custom.py", "test_run_ownership.py", "test_plan.py", "test_plan_families.py",
     "test_resume_contract.py",

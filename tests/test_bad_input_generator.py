@@ -261,7 +261,13 @@ CASES = [
     Case(
         "tp-family-custom",
         (*NEW, "--family", "custom", "--tp", "2"),
-        "--tp: tensor parallelism is built in for --family llama only; use --tp 1",
+        "--tp: tensor parallelism is built in for --family llama and hf only; use --tp 1",
+    ),
+    Case(
+        "tp-hf-lora",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--tp", "2", "--lora"),
+        "--lora: --lora with --tp 2 is not built: peft wraps the linear layers the model's tp plan splits (q_proj ... "
+        "become LoRA modules torch's ColwiseParallel cannot split); use --tp 1 with --lora",
     ),
     Case(
         "moe-family-hf",

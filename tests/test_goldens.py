@@ -167,6 +167,19 @@ GOLDENS = {
         "launcher": "torchrun",
         **DEFAULT_OPTIONS,
     },
+    # Tensor parallelism for a Hugging Face model, from the plan it declares (tensor_parallel.py), FSDP over the rest.
+    "hf-4gpu-bf16-tp2": {
+        "family": "hf",
+        "hf_model": "models/tiny-llama",
+        "pretrained": True,
+        "gpus": 4,
+        "nodes": 1,
+        "precision": "bf16",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "tp": 2,
+    },
     # Supervised fine-tuning of a Hugging Face model on chat data, with LoRA adapters.
     "hf-2gpu-fp32-sft-lora": {
         "family": "hf",

@@ -356,7 +356,7 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
 
     config = projects["lora"] / "config.toml"
     assert error("--config", str(config), "--tp", "2") == (
-        "--tp 2: tensor parallelism is built in for family llama only; use --tp 1"
+        "--tp 2: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
     )
     edited = tmp_path / "config.toml"
     (tmp_path / ".copier-answers.yml").write_bytes((projects["lora"] / ".copier-answers.yml").read_bytes())
