@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as WriteFuture
 
 from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
-from checkpoint_files import file_record, unreadable
-from errors import stop, stop_if_rank0_failed
+from checkpoint_files import file_record
+from errors import reason, stop, stop_if_rank0_failed
 
 
 class DcpState(Stateful):
@@ -131,16 +131,22 @@ class Checkpointer(CheckpointerBase):
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
 
-    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
-        """Load the checkpoint `path` into `state` (resharding if the world size changed)."""
+    def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
+        """Load the checkpoint `path` into `state` (resharding if the world size changed); None, or why its tensors
+        cannot be loaded (e.g. weights of another shape than this model's)."""
         # RNG streams belong to ranks: they continue only if the ranks are the same as when saved.
         same_ranks = info["world_size"] == dist.get_world_size() and info["device"] == state.device.type
         try:
             # DCP reads on every rank just the pieces of each tensor that the rank's shards need.
             dcp.load({"train": DcpState(state, with_rng=same_ranks)}, checkpoint_id=path)
         except dcp.CheckpointException as exc:
-            # DCP gathers every rank's read errors, so all ranks raise here together. Its exception wraps
-            # them (and is a BaseException): report the first.
-            stop(unreadable(path, next(iter(exc.failures.values()))[0]))
-        except Exception as exc:
-            stop(unreadable(path, exc))
+            # DCP gathers every rank's read and planning errors (a tensor of another shape than the model's), so
+            # all ranks raise here together. Its exception wraps them (and is a BaseException): report the first.
+            problem = reason(next(iter(exc.failures.values()))[0])
+        except Exception as exc:  # on this rank only, maybe: the ranks agree below
+            problem = reason(exc)
+        else:
+            problem = None
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((found for found in problems if found is not None), None)

@@ -43,8 +43,10 @@ from checkpoint_files import (
     no_intact_checkpoint,
     short_of_space,
 )
-from config import Config
+from config import Config, saved_config
 from errors import reason, stop, stop_if_rank0_failed
+from model_args import RESUME_MAY_CHANGE
+from schema import as_option, resume_changes
 
 
 @dataclass(eq=False)
@@ -100,18 +102,27 @@ class CheckpointerBase:
         return model_only
 
     def load(self, state: TrainState) -> Path | None:
-        """Load the newest intact checkpoint into `state` and return its folder; None if there is none yet."""
-        path, info = checkpoint_to_resume(self.checkpoint_dir)
-        if path is None:
-            return None
-        if info["model_only"]:
-            # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
-            state.step = info["step"]
-        else:
-            self.load_state(path, info, state)
-        return path
+        """Load the newest intact checkpoint into `state` and return its folder; None if there is none yet.
 
-    def load_state(self, path: Path, info: dict, state: TrainState) -> None:
+        A checkpoint whose tensors cannot be loaded into this model (weights that do not fit what its
+        checkpoint.json claims) is unusable like a corrupt one: set aside, and the previous one is loaded."""
+        unusable: list[tuple[Path, str]] = []
+        while True:
+            path, info = checkpoint_to_resume(self.checkpoint_dir, unusable)
+            if path is None:
+                return None
+            if info["model_only"]:
+                # The final checkpoint of a finished run (preflight.py made sure): nothing left to train.
+                state.step = info["step"]
+                return path
+            problem = self.load_state(path, info, state)
+            if problem is None:
+                resumed_with(state, saved_config(info["config"]), self.config)
+                return path
+            unusable.append((path, problem))
+
+    def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
+        """Load the checkpoint `path` into `state`; None, or on every rank why its tensors cannot be loaded."""
         raise NotImplementedError
 
     def after_step(self) -> None:
@@ -119,6 +130,31 @@ class CheckpointerBase:
 
     def close(self) -> None:
         """Nothing to release: no save outlives save()."""
+
+
+def resumed_with(state: TrainState, saved: Config, config: Config) -> None:
+    """After a resume: the keys a resume may change (schema.py) take this launch's values, and rank 0 names those
+    that differ from the checkpoint's, in one line. The learning rate, the schedule's shape and the weight decay
+    apply from the first step after the resume (the optimizer and scheduler states hold the saved values)."""
+    training = config.training
+    scheduler = state.scheduler
+    scheduler.base_lrs = [training.lr for _ in scheduler.base_lrs]
+    # The step's learning rate as LambdaLR.step() computes it, with this run's lr and schedule (train.py's
+    # warmup_cosine reads the config). _last_lr: what get_last_lr() returns, the lr train_step logs.
+    schedules = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in schedules]
+    for group, lr in zip(state.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    state.optimizer.param_groups[0]["weight_decay"] = training.weight_decay  # build_optimizer's decayed group
+    # (job.output_dir: where the run is, moved or not; not a setting of the run.) With the model's keys a resume may
+    # change (model_args.py).
+    changes = [change for change in resume_changes(saved, config, may_change=True) if change[0] != "job.output_dir"]
+    changes += [change for change in resume_changes(saved, config, may_change=False)
+                if change[0].removeprefix("model.") in RESUME_MAY_CHANGE]  # fmt: skip
+    changed = [f"{key} {as_option(before)} -> {as_option(now)}" for key, before, now in changes]
+    if changed and dist.get_rank() == 0:
+        print(f"resume: this run changes {', '.join(changed)} (schema.py: a resume may change them)", flush=True)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -209,18 +245,21 @@ def free_name(path: Path, label: str) -> Path:
     return candidate
 
 
-def checkpoint_to_resume(checkpoint_dir: Path) -> tuple[Path | None, dict]:
+def checkpoint_to_resume(
+    checkpoint_dir: Path, unusable: list[tuple[Path, str]] | None = None
+) -> tuple[Path | None, dict]:
     """The newest intact step-N/ and its checkpoint.json, on every rank as rank 0 found them.
 
-    Rank 0 lists the folders and reads their checkpoint.json, so that every rank loads the same folder even if
-    the listing races a save; then every rank verifies its share of the files' checksums. A corrupt checkpoint
-    is passed over for the previous one and set aside (step-N.corrupt: never deleted, and no later save of step N
+    Rank 0 lists the folders and reads their checkpoint.json (through its schema: checkpoint_files.py), so that
+    every rank loads the same folder even if the listing races a save; then every rank verifies its share of the
+    files' checksums. A corrupt checkpoint, or one of `unusable` ((folder, why): those whose load failed), is
+    passed over for the previous one and set aside (step-N.corrupt: never deleted, and no later save of step N
     replaces it); rank 0 says so in one line. None intact: every rank stops, in one line.
     """
+    corrupt: list[tuple[Path, str]] = list(unusable or [])
     listed = [complete_checkpoints(checkpoint_dir)[::-1] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(listed, src=0)
-    corrupt: list[tuple[Path, str]] = []
-    for path in listed[0]:
+    for path in [path for path in listed[0] if path not in {seen for seen, _ in corrupt}]:
         found: list = [{}, None]  # checkpoint.json, what is wrong with the folder
         if dist.get_rank() == 0:
             try:

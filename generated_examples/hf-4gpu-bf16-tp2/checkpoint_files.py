@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from config import saved_config
 from errors import reason
 
 if TYPE_CHECKING:
@@ -27,6 +28,19 @@ if TYPE_CHECKING:
 # Kept free on the disk beyond a checkpoint's estimated size: 5% of it plus this (checkpoint.json, and what the
 # run writes meanwhile: metrics, logs).
 SPARE_BYTES = 1 << 20
+
+
+# The fields of checkpoint.json (checkpoint_common.checkpoint_info): name, type(s), smallest value. Its "config" is
+# read by config.saved_config, its "files" by check_checkpoint_files.
+INFO_FIELDS = (
+    ("step", (int,), 0),
+    ("world_size", (int,), 1),
+    ("model_only", (bool,), None),
+    ("device", (str,), None),
+    ("run_id", (str,), None),
+)
+# Absent from checkpoints of older projects.
+OPTIONAL_FIELDS = ("run_id",)
 
 
 class CheckpointFolderError(Exception):
@@ -44,19 +58,24 @@ def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def read_checkpoint_info(path: Path) -> dict:
-    """checkpoint.json of `path`, once the files it describes are there and whole."""
-    try:
-        return load_checkpoint_info(path)
-    except (OSError, ValueError) as exc:
-        raise CheckpointFolderError(unreadable(path, exc)) from None
-
-
 def load_checkpoint_info(path: Path) -> dict:
-    """checkpoint.json of `path`, once the files it describes are there and whole; raises OSError or ValueError."""
+    """checkpoint.json of `path`, once the files it describes are there and whole; raises OSError or ValueError.
+
+    Read through a schema, as config.toml is: each field of the type checkpoint_common.checkpoint_info writes, and
+    its "config" every section of config.py's Config, each value of its key's type (config.saved_config). A
+    checkpoint.json of any other shape is a damaged checkpoint, passed over like one whose files are damaged."""
     info = json.loads((path / "checkpoint.json").read_text())
-    if not isinstance(info, dict) or not {"step", "world_size", "model_only", "config"} <= info.keys():
-        raise ValueError("checkpoint.json lacks step, world_size, model_only or config")
+    if not isinstance(info, dict):
+        raise ValueError(f"checkpoint.json is not a table but {type(info).__name__}")
+    for key, kinds, low in INFO_FIELDS:
+        value = info.get(key)
+        if key not in info and key in OPTIONAL_FIELDS:
+            continue
+        wrong_type = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+        if wrong_type or (low is not None and value < low):
+            kind = " or ".join(kind.__name__ for kind in kinds) + (f" of at least {low}" if low is not None else "")
+            raise ValueError(f"checkpoint.json: {key} is not {kind} but {value!r:.60}")
+    saved_config(info.get("config"))
     check_checkpoint_files(path, info)
     return info
 
@@ -205,11 +224,3 @@ def check_free_space(tensors: list[torch.Tensor], checkpoint_dir: Path) -> None:
             f"disk full: a checkpoint of this model {short}; free space there, or give a --job.output_dir on a "
             "disk with room"
         )
-
-
-def unreadable(path: Path, exc: BaseException) -> str:
-    return (
-        f"checkpoint {path} cannot be loaded ({reason(exc)}); it is probably incomplete or corrupt. "
-        f"Delete it (rm -r {path}) to resume from the previous checkpoint, or start a new run in another "
-        "--job.output_dir"
-    )

@@ -124,6 +124,11 @@ def open_tokens(
     return TokenFile(path, seq_len, vocab_size)
 
 
+def describe_data(path: str, samples: TokenFile | TokenShards) -> str:
+    """data.path as train.py's data line names it."""
+    return path
+
+
 class ShuffledEpochs:
     """Visit the samples of `dataset` in a new seeded order every epoch, forever."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from datetime import timedelta
@@ -55,6 +56,38 @@ def largest_over_ranks(peaks: list[float], device: torch.device) -> torch.Tensor
     return largest
 
 
+# Where a resumed run keeps the rows of the steps it repeats (set_aside_rows_after): never deleted.
+SET_ASIDE = "metrics.rewound.jsonl"
+
+
+def set_aside_rows_after(metrics_file: Path, step: int) -> None:
+    """Before a run goes on from its checkpoint at `step` (0: from the start), move the rows of later steps, which
+    an earlier launch wrote before it stopped (a crash after the checkpoint), from `metrics_file` to SET_ASIDE
+    next to it: metrics.jsonl then holds one row per step, the run's own history, as the steps are repeated.
+    Appended there first (a torn last row too), then metrics.jsonl replaced whole: a crash in between leaves a
+    row in both files, never in neither."""
+    try:
+        lines = metrics_file.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return
+    kept, aside = [], []
+    for line in lines:
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            row_step = None  # the torn row of a write cut short
+        (kept if isinstance(row_step, int) and row_step <= step else aside).append(line)
+    if not aside:
+        return
+    with open(metrics_file.with_name(SET_ASIDE), "a") as side:
+        side.writelines(line if line.endswith("\n") else line + "\n" for line in aside)
+        side.flush()
+        os.fsync(side.fileno())
+    staging = metrics_file.with_name(metrics_file.name + ".tmp")
+    staging.write_text("".join(kept))
+    staging.replace(metrics_file)
+
+
 class MetricsLog:
     """Rank 0's report of each step; the other ranks only take part in its all-reduce of the peak memory.
 
@@ -78,7 +111,8 @@ class MetricsLog:
         self.device_wait = 0.0  # seconds the host waited for the device to finish the pending steps
         self.file = None
         if dist.get_rank() == 0:
-            # Appended to: a resumed run goes on in the same file (its rows carry the run id).
+            # Appended to: a resumed run goes on in the same file (its rows carry the run id), from its checkpoint.
+            set_aside_rows_after(output_dir / "metrics.jsonl", first_step)
             self.file = open(output_dir / "metrics.jsonl", "a")
 
     def log(self, step: int, numbers: dict[str, float | torch.Tensor], validation: float | None) -> None:

@@ -4,7 +4,7 @@ The launch scripts run this once, in one process, before torchrun:
 
     python preflight.py --world-size 8 --config config.toml --training.steps 100
 
-A mistake prints one line naming it and the fix, and exits with USAGE_ERROR (2): torchrun never starts, so
+A mistake prints one line naming it and the fix, and exits with errors.USAGE_ERROR (2): torchrun never starts, so
 nothing is printed once per rank, and nothing is retried by --max-restarts, which stays for real faults (a
 killed process, a lost node). train.py runs the same checks on rank 0 before it builds the model, for runs
 started some other way (`torchrun train.py`, Ray).
@@ -15,9 +15,10 @@ that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
+import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -29,7 +30,7 @@ import run_folder
 from checkpoint_files import CheckpointFolderError, check_free_space
 from config import Config, parse_args
 from data import DataError, check_token_data
-from errors import USAGE_ERROR, reason
+from errors import reason, stop
 from layout import LayoutError, ParallelLayout
 from model import block_classes, build_model, document_mask_error
 from profiling import ProfileError, check_profile
@@ -115,7 +116,7 @@ def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
     training = config.training
     if training.seq_len > max_seq_len:
         raise PreflightError(
-            f"training.seq_len ({training.seq_len}) exceeds model.max_seq_len ({max_seq_len}); "
+            f"training.seq_len ({training.seq_len}) exceeds config.json's max_position_embeddings ({max_seq_len}); "
             f"use --training.seq_len {max_seq_len} or less"
         )
     # The mesh, the model and batch split over it, tp groups inside a node: layout.py's arithmetic, as train.py's.
@@ -182,16 +183,15 @@ def check_data(config: Config, vocab_size: int) -> None:
 
 def main() -> None:
     gc.freeze()  # torch's import-time objects outlive the check: the collector's full passes skip them
-    parser = argparse.ArgumentParser(description="Check a run before torchrun starts it", allow_abbrev=False)
-    parser.add_argument("--world-size", type=int, required=True, help="ranks the run will have (nodes x GPUs)")
-    args, rest = parser.parse_known_args()
-    if args.world_size < 1:
-        parser.exit(USAGE_ERROR, f"{parser.prog}: error: --world-size must be at least 1, got {args.world_size}\n")
-    config = parse_args(rest)
+    # --world-size first, then exactly train.py's arguments, read by train.py's parser: one parser for both.
+    argv = sys.argv[1:]
+    world_size = argv[1] if argv[:1] == ["--world-size"] and len(argv) > 1 else ""
+    if not (world_size.isascii() and world_size.isdigit() and int(world_size) >= 1):
+        stop(f"the first arguments must be --world-size N (the run's ranks, at least 1), got {shlex.join(argv[:2])}")
     try:
-        preflight(config, args.world_size)
+        preflight(parse_args(argv[2:]), int(world_size))
     except PreflightError as exc:
-        parser.exit(USAGE_ERROR, f"{parser.prog}: error: {exc}\n")
+        stop(str(exc))
 
 
 if __name__ == "__main__":

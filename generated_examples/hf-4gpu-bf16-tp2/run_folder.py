@@ -18,18 +18,14 @@ import uuid
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from checkpoint_files import newest_checkpoint, newest_intact_checkpoint, read_checkpoint_info
+from checkpoint_files import newest_intact_checkpoint
+from config import Config, saved_config
 from model_args import RESUME_MAY_CHANGE
 from ownership import LOCK_FILE, describe_holder, launch_id, lock_holder, run_folder_above, take_run_lock
+from schema import as_option, resume_changes
 
-if TYPE_CHECKING:
-    from config import Config
-
-# data.py addresses samples as step x global_batch_size windows of seq_len + 1 tokens: a resume that changed
-# either would re-read or skip data.
-DATA_POSITION_KEYS = ("global_batch_size", "seq_len")
+NEW_RUN = "start a new run in another --job.output_dir"
 
 
 class RunFolderError(Exception):
@@ -65,8 +61,8 @@ def run_id_of(output_dir: Path) -> str | None:
                 f"{run_file} cannot be read ({type(exc).__name__}: {exc}); restore it, or start a new run in "
                 "another --job.output_dir"
             ) from None
-    newest = newest_checkpoint(output_dir / "checkpoints")
-    return read_checkpoint_info(newest).get("run_id") if newest is not None else None
+    # The newest intact one's, as a resume would pick it (damaged ones are passed over, never deleted).
+    return newest_intact_checkpoint(output_dir / "checkpoints")[1].get("run_id")
 
 
 def start_run(output_dir: Path, config: Config, launch_ids: list[str]) -> str:
@@ -92,10 +88,9 @@ def start_run(output_dir: Path, config: Config, launch_ids: list[str]) -> str:
         run_id = uuid.uuid4().hex[:12]
     if not run_file.exists():
         started = datetime.now(UTC).isoformat(timespec="seconds")
-        # What a resume of this run must keep (check_run_settings), for as long as it has no checkpoint.
-        settings = {"model": asdict(config.model), "training": {key: getattr(config.training, key)
-                                                                 for key in DATA_POSITION_KEYS}}  # fmt: skip
-        record = {"run_id": run_id, "started": started, "launch": launch_ids, **settings}
+        # What a resume of this run must keep (check_run_settings), for as long as it has no checkpoint: its whole
+        # config, of which a resume may change only the keys the schema says (schema.py).
+        record = {"run_id": run_id, "started": started, "launch": launch_ids, "config": asdict(config)}
         staging = run_file.with_suffix(".json.tmp")
         staging.write_text(json.dumps(record) + "\n")
         staging.rename(run_file)
@@ -116,66 +111,60 @@ def check_run_folder(config: Config, launch_ids: list[str] | None = None) -> Non
 
 
 def check_resumable(path: Path, info: dict, config: Config, run_id: str | None) -> None:
-    """`path` must continue this run as configured: same run, same model, same data positions."""
+    """`path` must continue this run as configured: same run, and every key that defines the run as saved."""
     saved_run = info.get("run_id")
     if run_id is not None and saved_run is not None and saved_run != run_id:
         raise RunFolderError(
             f"{path} belongs to run {saved_run}, but {path.parent.parent} holds run {run_id} (run.json); move the "
-            "checkpoint to its own run's folder, or start a new run in another --job.output_dir"
+            f"checkpoint to its own run's folder, or {NEW_RUN}"
         )
-    new_run = "start a new run in another --job.output_dir"
-    saved = info["config"]
-    changed = changed_model(saved["model"], config)
-    if changed:
-        raise RunFolderError(
-            f"{path} holds a different model ({', '.join(changed)}); resume with the model settings in "
-            f"{path / 'checkpoint.json'}, or {new_run}"
-        )
-    for key in DATA_POSITION_KEYS:
-        before, now = saved["training"][key], getattr(config.training, key)
-        if before != now:
-            raise RunFolderError(
-                f"{path} was saved with training.{key} {before}, but this run has {now}; resume with "
-                f"--training.{key} {before}, or {new_run}"
-            )
+    check_unchanged(saved_config(info["config"]), config, str(path), path / "checkpoint.json")
     if info["model_only"] and info["step"] < config.training.steps:
         raise RunFolderError(
             f"{path} is a model-only final checkpoint (checkpoint.model_only_final) of a run that ended at step "
-            f"{info['step']}: it cannot continue training to step {config.training.steps}. Delete it "
-            f"(rm -r {path}) to resume from the previous checkpoint, or {new_run}"
+            f"{info['step']}: it cannot continue training to step {config.training.steps}; export it with "
+            f"scripts/export.py, or {NEW_RUN} (to continue from an earlier checkpoint, move {path.name} out of "
+            f"{path.parent})"
         )
 
 
-def changed_model(saved_model: dict, config: Config) -> list[str]:
-    """The model settings of `config` that differ from `saved_model` (a checkpoint's or run.json's), as
-    "model.KEY before -> now": every one must match, except those model.py lists as free to change on resume."""
-    return [
-        f"model.{key} {saved_model.get(key)!r} -> {value!r}"
-        for key, value in asdict(config.model).items()
-        if key not in RESUME_MAY_CHANGE and saved_model.get(key) != value
+def check_unchanged(saved: Config, config: Config, where: str, record: Path) -> None:
+    """Every key of `config` that defines the run (schema.py: not declared resume=True; of the model, not in
+    model.py's RESUME_MAY_CHANGE) as in `saved`, the config of the checkpoint (or run.json) `where`."""
+    changed = [
+        (key, before, now)
+        for key, before, now in resume_changes(saved, config, may_change=False)
+        if key.removeprefix("model.") not in RESUME_MAY_CHANGE
     ]
+    model = [f"{key} {before!r} -> {now!r}" for key, before, now in changed if key.startswith("model.")]
+    if model:
+        raise RunFolderError(
+            f"{where} holds a different model ({', '.join(model)}); resume with the model settings in {record}, or "
+            f"{NEW_RUN}"
+        )
+    if changed:
+        key, before, now = changed[0]
+        raise RunFolderError(
+            f"{where} was saved with {key} {as_option(before)}, but this run has {as_option(now)} (a resume may not "
+            f"change what defines the run); resume with --{key} {as_option(before)}, or {NEW_RUN}"
+        )
 
 
 def check_run_settings(output_dir: Path, config: Config) -> None:
-    """run.json of a run that has no checkpoint yet: it is continued only by the same model, global batch size
-    and sequence length, as a checkpoint would be (check_resumable)."""
+    """run.json of a run that has no checkpoint yet: it is continued only with the keys that define the run as
+    they were, as a checkpoint would be (check_resumable)."""
     try:
         recorded = json.loads((output_dir / "run.json").read_text())
     except (OSError, ValueError):
         return  # no run.json; an unreadable one is reported by run_id_of
-    if not isinstance(recorded, dict) or "model" not in recorded:
-        return
-    changed = changed_model(recorded["model"], config) + [
-        f"training.{key} {recorded['training'].get(key)!r} -> {getattr(config.training, key)!r}"
-        for key in DATA_POSITION_KEYS
-        if recorded["training"].get(key) != getattr(config.training, key)
-    ]
-    if changed:
-        raise RunFolderError(
-            f"{output_dir} holds run {recorded.get('run_id')} (run.json), which has no checkpoint yet and other "
-            f"settings ({', '.join(changed)}); continue it with its settings, or start a new run in another "
-            "--job.output_dir"
-        )
+    if not isinstance(recorded, dict) or "config" not in recorded:
+        return  # written by an older project, which recorded less
+    try:
+        saved = saved_config(recorded["config"])
+    except ValueError as exc:
+        raise RunFolderError(f"{output_dir / 'run.json'} cannot be read ({exc}); restore it, or {NEW_RUN}") from None
+    where = f"{output_dir} holds run {recorded.get('run_id')} (run.json), which has no checkpoint yet and"
+    check_unchanged(saved, config, where, output_dir / "run.json")
 
 
 def check_no_run(output_dir: Path) -> None:
@@ -199,13 +188,15 @@ def check_output_dir(output_dir: Path) -> None:
             f"job.output_dir {output_dir} is a file, not a folder; choose a folder with --job.output_dir"
         )
     # What the run writes there must be able to take its place: found now, not at the first save or log line.
-    for name, folder in (("checkpoints", True), ("metrics.jsonl", False)):
+    writes = {"checkpoints": "its checkpoints there", "metrics.jsonl": "its metrics to it", "run.json": "its id to it"}
+    for name, what in writes.items():
         found = output_dir / name
+        folder = name == "checkpoints"
         if found.exists() and found.is_dir() != folder:
             should = "a folder" if folder else "a file"
             raise RunFolderError(
-                f"job.output_dir {output_dir} has {name}, which is not {should}: the run writes its "
-                f"{'checkpoints there' if folder else 'metrics to it'}; move it away or choose another --job.output_dir"
+                f"job.output_dir {output_dir} has {name}, which is not {should}: the run writes {what}; move it "
+                "away or choose another --job.output_dir"
             )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,11 @@ A value outside its bounds is one line that names the key, the allowed range, th
 "training.steps must be at least 1, got 0; e.g. --training.steps 1000". Floats must be finite (NaN and inf
 are refused) unless a field says `finite=False`; ints are bounded so that nothing overflows downstream
 (torch's int64 and CUDA's int32 indexing, numpy's seeding, datetime.timedelta), and bools are not ints.
+
+Each key also declares whether a resume may change it (`resume=True`): how long the run trains, its learning-rate
+schedule, how it is logged, saved, sharded and computed. Every other key defines the run (the model, the batch and
+sequence, the data and its order, the precision, LoRA's shape): a resume with another value is refused in one line
+(run_folder.py), and a changed key that a resume may change is named once when the run resumes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class Bound:
     finite: bool = True  # floats: NaN and inf refused
     nonempty: str = ""  # strings and lists: the fix to print when empty
     words: str = ""  # the allowed values in words, where the above do not say it well
+    # A resume may change the key: True (the run continues exactly as it would have, or with the new value from the
+    # step it resumes at), or ROUNDING (how a step is computed: the same numbers up to float rounding); False: the
+    # key defines the run, which a resume keeps.
+    resume: bool | str = False
 
 
 def setting(default: Any, **bound: Any) -> Any:
@@ -54,6 +63,61 @@ class Rule:
 
 class SchemaError(ValueError):
     """A value that the schema refuses; the message is one line naming the key, the problem and the fix."""
+
+
+# Bound.resume of the keys that decide how a step is computed, not what: the batch split into micro-batches, the
+# loss into chunks, the model over ranks, the device. A resume may change them; the numbers then differ from the
+# uninterrupted run's by float rounding only (another order of the same sums).
+ROUNDING = "rounding"
+
+
+def may_change_on_resume(spec: dataclasses.Field) -> bool:
+    """Whether a resume may change the key of the dataclass field `spec` (its Bound's `resume`); a key declared
+    without setting() defines the run."""
+    bound = spec.metadata.get("bound")
+    return bound is not None and bool(bound.resume)
+
+
+def resume_changes(saved: Any, now: Any, may_change: bool) -> list[tuple[str, Any, Any]]:
+    """(section.key, saved value, value now) of the keys of two Configs (`saved`: a checkpoint's) that differ, among
+    those a resume may change (`may_change`) or those it may not; in the order the sections declare them."""
+    changes = []
+    for section in dataclasses.fields(saved):
+        before, after = getattr(saved, section.name), getattr(now, section.name)
+        for spec in dataclasses.fields(before):
+            if may_change_on_resume(spec) == may_change and getattr(before, spec.name) != getattr(after, spec.name):
+                changes.append((f"{section.name}.{spec.name}", getattr(before, spec.name), getattr(after, spec.name)))
+    return changes
+
+
+def resume_table(config_cls: type, model_may_change: tuple[str, ...]) -> str:
+    """What a resume may change, as the README's Markdown: every key of `config_cls` (a Config dataclass) by its
+    declaration (`model_may_change`: model.py's RESUME_MAY_CHANGE). fsdp2gen writes it into README.md."""
+    groups: dict[str, list[str]] = {"yes": [], ROUNDING: [], "no": []}
+    for section in dataclasses.fields(config_cls):
+        for spec in dataclasses.fields(section.default_factory()):
+            bound = spec.metadata.get("bound")
+            kind = bound.resume if bound is not None and bound.resume else "no"
+            if section.name == "model" and spec.name in model_may_change:
+                kind = "yes"
+            groups["yes" if kind is True else kind].append(f"`{section.name}.{spec.name}`")
+    return (
+        "| a resume | keys |\n|---|---|\n"
+        f"| may change them; the run continues exactly as it would have, or with the new value from the step it "
+        f"resumes at, and says which it changed | {', '.join(groups['yes'])} |\n"
+        f"| may change them; the numbers then differ from the uninterrupted run's by float rounding only | "
+        f"{', '.join(groups[ROUNDING])} |\n"
+        f"| refuses another value in one line (they define the run) | {', '.join(groups['no'])} |\n"
+    )
+
+
+def as_option(value: Any) -> str:
+    """A value as the command line writes it: --training.lr 0.001, --parallel.shard_modules Block,Attention."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value) if value != "" else "''"
 
 
 def _number(value: float) -> str:

@@ -32,7 +32,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint import Checkpointer, TrainState
 from checkpoint_common import seed_everything
 from config import Config, ParallelConfig, TrainingConfig, parse_args
-from data import IGNORE, MicroBatch, ShuffledEpochs, SyntheticTokens, TokenFile, TokenShards, micro_batches, open_tokens
+from data import (
+    IGNORE,
+    MicroBatch,
+    ShuffledEpochs,
+    SyntheticTokens,
+    TokenFile,
+    TokenShards,
+    describe_data,
+    micro_batches,
+    open_tokens,
+)
 from errors import stop
 from layout import ParallelLayout
 from metrics import MetricsLog
@@ -367,7 +377,7 @@ def open_datasets(config: Config) -> tuple[Samples, Samples | None]:
         train_samples = open_tokens(data.path, "train", training.seq_len, vocab_size, data.document_mask)
         if config.eval.every:
             val_samples = open_tokens(data.path, "val", training.seq_len, vocab_size, data.document_mask)
-        described = data.path
+        described = describe_data(data.path, train_samples)
     else:
         train_samples = SyntheticTokens(vocab_size, training.seq_len, data.synthetic_samples, training.seed)
         if config.eval.every:

@@ -11,7 +11,8 @@ It holds model.safetensors (the trained fp32 weights, written one tensor at a ti
 in memory; tied weights once, as transformers saves them), under the names of the files the model came from
 (a mixture-of-experts model's fused experts as per-expert weights again, by transformers' reverse conversion:
 model.hub_layout), and the other files of the original model folder: config.json, generation_config.json, the
-tokenizer.
+tokenizer. The tokenizer is the run's: data.tokenizer's when the run named one (its files replace the model
+folder's), else the model's own.
 
 open_checkpoint (checkpoint_reader.py) reads the weights of any checkpoint style one tensor at a time, as for
 scripts/generate.py.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import export_checkpoint, export_parser, open_for_export, write_safetensors  # noqa: E402
 from model import hub_layout  # noqa: E402
 from model_args import HUB_FILES, ModelArgs  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +50,15 @@ def main() -> None:
         if source.is_file() and any(source.match(pattern) for pattern in HUB_FILES):
             if not source.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copyfile(source, args.output / source.name)
+    save_run_tokenizer(config["data"]["tokenizer"], args.output)
     print(f"exported {checkpoint} -> {args.output} ({len(weights)} tensors; the other files of {model_args.path})")
+
+
+def save_run_tokenizer(spec: str, output: Path) -> None:
+    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
+    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
+    if spec:
+        load_tokenizer(spec).backend.save_pretrained(output)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module  # noqa: E402
 from torch.distributed.tensor import _sharding_prop as sharding_prop  # noqa: E402
 from torch.distributed.tensor import _utils as dtensor_utils  # noqa: E402
 from torch.nn.modules.module import register_module_forward_pre_hook  # noqa: E402
@@ -95,10 +96,12 @@ class Tracker(FSDPMemTracker):
 def real_mesh_arithmetic() -> None:
     """A DeviceMesh computes this rank's coordinates from a real tensor of ranks (nonzero(), a data-dependent
     shape), and DTensor a strided shard's offsets (sharded_init.py) from a real index tensor: fake tensors cannot
-    do either, so both run outside the fake mode. (torch's private functions: re-check them when torch changes;
-    tests/test_plan_simulation.py runs this script.)"""
+    do either, so both run outside the fake mode, as does fully_shard's mesh of the groups that keep parameters
+    sharded after forward (parallel.reshard_after_forward = N: a view of the ranks' tensor, fake in the fake mode).
+    (torch's private functions: re-check them when torch changes; tests/test_plan_simulation.py runs this script.)"""
     init = DeviceMesh.__init__
     compute = dtensor_utils._compute_local_shape_and_global_offset
+    post_forward_mesh = fully_shard_module._get_post_forward_mesh_info
 
     def real_init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
         with unset_fake_temporarily():
@@ -108,8 +111,13 @@ def real_mesh_arithmetic() -> None:
         with unset_fake_temporarily():
             return compute(*args, **kwargs)
 
+    def real_post_forward_mesh(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return post_forward_mesh(*args, **kwargs)
+
     DeviceMesh.__init__ = real_init
     dtensor_utils._compute_local_shape_and_global_offset = real_compute
+    fully_shard_module._get_post_forward_mesh_info = real_post_forward_mesh
     # DTensor computes output shapes on fake copies of whole (unsharded) tensors, in the active fake mode if there
     # is one: the tracker would count those as memory. In a fake mode of their own, the tracker skips them.
     sharding_prop.detect_fake_mode = lambda *args: None

@@ -1,4 +1,32 @@
-# Sourced by the launch scripts (not a command): what a launch passes to its ranks, and its restart policy.
+# Sourced by the launch scripts (not a command): the checks of their variables, what a launch passes to its
+# ranks, and its restart policy.
+
+# refuse MESSAGE: the launch stops with one line and exit code 2 (a mistake in the input), before anything starts.
+refuse() {
+  echo "$(basename "$0"): error: $1" >&2
+  exit 2
+}
+
+# require_count NAME LOW HIGH EXAMPLE: the variable NAME holds a whole number from LOW to HIGH (digits only, so
+# that bash arithmetic never reads it as an expression or a variable name), or the launch stops here. The
+# variable is then written in decimal (08 -> 8: bash would read a leading 0 as octal).
+require_count() {
+  local name="$1" low="$2" high="$3" value="${!1}"
+  if [[ ! "$value" =~ ^[0-9]{1,9}$ ]] || (( 10#$value < low || 10#$value > high )); then
+    refuse "$name must be a whole number from $low to $high, got ${value@Q}; e.g. $name=$4"
+  fi
+  printf -v "$name" '%d' "$((10#$value))"
+}
+
+# require_choice NAME CHOICE...: the variable NAME holds one of the choices, or the launch stops here.
+require_choice() {
+  local name="$1" value="${!1}" choice
+  shift
+  for choice in "$@"; do
+    if [[ "$value" == "$choice" ]]; then return 0; fi
+  done
+  refuse "$name must be one of $*, got ${value@Q}; e.g. $name=$1"
+}
 
 # start_launch ID FOLDER: export, for every rank of this launch,
 # - TRAIN_LAUNCH_ID=ID: run.json records it, and a restart continues the run in job.output_dir only if this
@@ -23,8 +51,8 @@ watch_this_script() {
 
 # train_with_restarts MAX COMMAND...: run COMMAND (one attempt: a torchrun with --max-restarts 0) and, after a
 # failure, run it again, up to MAX times; each attempt resumes from the newest complete checkpoint. Never after a
-# mistake in the input: torchrun exits with 1 for any failed rank, so the ranks' file in TRAIN_USAGE_ERRORS
-# tells a usage error (exit code 2, at once) from a crash.
+# mistake in the input: the ranks' file in TRAIN_USAGE_ERRORS tells a usage error (exit code 2, at once) from a
+# crash (torchrun exits with 1 for any failed rank) and from a finished run.
 train_with_restarts() {
   local max_restarts="$1" restarts=0 status
   shift
@@ -33,8 +61,10 @@ train_with_restarts() {
   while true; do
     status=0
     "$@" || status=$?
-    if (( status == 0 )); then return 0; fi
+    # First the mark: ranks that stopped on a mistake in the input exit with 0 after leaving it (errors.stop), so
+    # that torchrun reports nothing; the one line they printed is all the user sees.
     if [[ -e "$TRAIN_USAGE_ERRORS/usage-error" ]]; then return 2; fi
+    if (( status == 0 )); then return 0; fi
     if (( restarts >= max_restarts )); then return "$status"; fi
     restarts=$((restarts + 1))
     echo "$(basename "$0"): training failed (exit code $status); restart $restarts of $max_restarts, from the newest checkpoint" >&2

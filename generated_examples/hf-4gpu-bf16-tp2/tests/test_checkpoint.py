@@ -92,8 +92,11 @@ def test_a_killed_rank_restarts_the_job_from_the_newest_checkpoint(straight: Pat
     assert "rank 1: SIGKILL after step" in result.stdout, result.stdout
     assert f"resumed from {tmp_path / 'checkpoints'}/step-" in result.stdout, result.stdout
     records = metrics(tmp_path)
-    assert records[-1]["step"] == 10
     assert records[-1]["loss"] == metrics(straight)[-1]["loss"]
+    # One row per step: the row of step 6, logged before the kill and repeated after the resume from step 5, was
+    # set aside (metrics.rewound.jsonl), not written twice and not deleted.
+    assert [record["step"] for record in records] == list(range(1, 11))
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()] == [6]
     # Same final parameters and optimizer state (the RNG states are those of other processes).
     expected, actual = straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10"
     assert_identical(load_checkpoint(expected), load_checkpoint(actual), ignore=r"rng\.")
@@ -204,8 +207,9 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
         changed = str(saved[key] // 2)
         result = launch("train.py", tmp_path / "batch", *TEN_STEPS, f"--training.{key}", changed, nproc=1, check=False)
         assert (result.returncode, result.stderr) == (2, (
-            f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed}; "
-            f"resume with --training.{key} {saved[key]}, or start a new run in another --job.output_dir\n"
+            f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed} (a "
+            f"resume may not change what defines the run); resume with --training.{key} {saved[key]}, or start a new "
+            "run in another --job.output_dir\n"
         ))  # fmt: skip
     # A model-only final checkpoint has no optimizer state: it ends a run and cannot extend it.
     run = tmp_path / "model-only"
