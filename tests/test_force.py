@@ -225,8 +225,10 @@ def _valid(drawn: dict) -> dict:
     answers = {**defaults, **drawn}
     if answers["family"] == "hf":
         answers["hf_model"] = "meta-llama/Llama-3.2-1B"
-    else:
-        del answers["hf_model"], answers["pretrained"]
+    else:  # llama asks hf_model too (its default, "": from scratch); pretrained is hf's alone
+        del answers["pretrained"]
+        if answers["family"] != "llama":
+            del answers["hf_model"]
     return answers
 
 
