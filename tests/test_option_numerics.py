@@ -78,7 +78,7 @@ def test_sharded_run_equals_plain_pytorch(
         # whole model.
         source = (projects["fp32"] / "train.py").read_text()
         assert (
-            'grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"'
+            'grad_sync: Literal["every_micro_batch", "last_micro_batch"] = setting("every_micro_batch", '
             in (projects["fp32"] / "config.py").read_text()
         )
         sync = 'set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)'
