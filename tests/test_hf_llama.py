@@ -39,8 +39,9 @@ def project(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def project_modules(project: Path) -> Iterator[None]:
-    """Import a generated project's modules in this process, and forget them afterwards (other tests import other
-    projects' modules under the same names)."""
+    """Import a generated project's modules in this process, and forget them afterwards (other tests, in this
+    worker's other files, import other projects' modules under the same names: those are set aside meanwhile)."""
+    others = {path.stem: sys.modules.pop(path.stem) for path in project.glob("*.py") if path.stem in sys.modules}
     before = set(sys.modules)
     sys.path.insert(0, str(project))
     try:
@@ -50,6 +51,7 @@ def project_modules(project: Path) -> Iterator[None]:
         for name in set(sys.modules) - before:
             if getattr(sys.modules[name], "__file__", "") and str(project) in sys.modules[name].__file__:
                 del sys.modules[name]
+        sys.modules.update(others)
 
 
 def probe_lines(output: str) -> dict[str, str]:

@@ -73,7 +73,8 @@ def test_template_defaults_are_the_ones_plan_assumes() -> None:
     assert {key: training[key] for key in TEMPLATE_TRAINING} == TEMPLATE_TRAINING
     # training.grad_sync: its choices and default, from the template itself (the goldens may lag behind it).
     modes = ", ".join(f'"{mode}"' for mode in GRAD_SYNC_MODES)
-    assert f'grad_sync: Literal[{modes}] = "{TEMPLATE_GRAD_SYNC}"\n' in (TEMPLATE / "config.py.jinja").read_text()
+    declared = f'grad_sync: Literal[{modes}] = setting("{TEMPLATE_GRAD_SYNC}", '
+    assert declared in (TEMPLATE / "config.py.jinja").read_text()
     # (pp projects default to 1 chunk: the pipeline's loss is not chunked; plan does not model pp's loss chunks.)
     chunks = f"{{{{ 1 if pp > 1 else {TEMPLATE_LOSS_CHUNKS} }}}}"
     assert f"loss_chunks: int = setting({chunks}, " in (TEMPLATE / "config.py.jinja").read_text()
