@@ -173,7 +173,7 @@ def test_the_hub_path_trains_exports_and_evaluates_in_order(tmp_path: Path) -> N
     tasks.mkdir()
     (tasks / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
     (tasks / "tiny_mc.yaml").write_text(TASK.format(items=tasks / "items.jsonl"))
-    command = bash_blocks((REPO / "README.md").read_text())[1][0]
+    command = next(block[0] for block in bash_blocks((REPO / "README.md").read_text()) if "--hf-model" in block[0])
     assert "--family hf --hf-model " in command
     shell = Shell(tmp_path)
     shell.env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
