@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,24 @@ def generate(dest: Path, *options: str) -> Path:
     result = fsdp2gen("new", str(dest), "--yes", *options)
     assert result.returncode == 0, result.stderr
     return dest
+
+
+@contextmanager
+def project_modules(project: Path) -> Iterator[None]:
+    """Import a generated project's modules in this process (its folder first on sys.path), and forget them
+    afterwards, sys.path too (a project script may add its folder itself): the other files on this xdist worker
+    import other projects' modules under the same names (config, model_args, ...), set aside meanwhile."""
+    others = {path.stem: sys.modules.pop(path.stem) for path in project.glob("*.py") if path.stem in sys.modules}
+    before, search_path = set(sys.modules), list(sys.path)
+    sys.path.insert(0, str(project))
+    try:
+        yield
+    finally:
+        sys.path[:] = search_path
+        for name in set(sys.modules) - before:
+            if str(project) in (getattr(sys.modules[name], "__file__", None) or ""):
+                del sys.modules[name]
+        sys.modules.update(others)
 
 
 def tree(root: Path) -> dict[str, bytes]:

@@ -10,15 +10,18 @@ data.tokenizer accept, and preflight's sequence-length line of hf projects.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from tests.conftest import generate, save_tiny_llama, torchrun_env
+from tests.conftest import generate, project_modules, save_tiny_llama, torchrun_env
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40 + "red green blue yellow, cat dog bird fish. " * 20
 
@@ -33,16 +36,19 @@ def hf_project(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "model": model, "project": project}
 
 
-def evaluate_module(project: Path):
-    spec = importlib.util.spec_from_file_location(f"evaluate_{id(project)}", project / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def evaluate(hf_project: dict) -> Iterator[ModuleType]:
+    """The project's scripts/evaluate.py, imported in this process with the project's modules (forgotten after)."""
+    project = hf_project["project"]
+    with project_modules(project):
+        spec = importlib.util.spec_from_file_location(f"evaluate_{id(project)}", project / "scripts" / "evaluate.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
 
 
-def test_each_evaluation_gets_a_new_folder(hf_project: dict, tmp_path: Path) -> None:
-    module = evaluate_module(hf_project["project"])
-    first, second = (module.new_evaluation_folder(tmp_path, "step-2") for _ in range(2))
+def test_each_evaluation_gets_a_new_folder(evaluate: ModuleType, tmp_path: Path) -> None:
+    first, second = (evaluate.new_evaluation_folder(tmp_path, "step-2") for _ in range(2))
     assert first != second and first.parent == second.parent == tmp_path / "evaluations"
     assert second.name == first.name + "-2" or second.name.split("-step")[0] != first.name.split("-step")[0]
 
@@ -69,13 +75,14 @@ def test_bad_input_is_one_line_and_exit_2(hf_project: dict, arguments: list[str]
     assert line.startswith("evaluate.py: error: ") and line.endswith(message), line
 
 
-def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(hf_project: dict, tmp_path: Path) -> None:
+def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(
+    evaluate: ModuleType, tmp_path: Path
+) -> None:
     """write_results on lm-eval's results of a checkpoint (the shape simple_evaluate returns): results.json and the
     samples file created anew, a line in evaluations.jsonl, and eval/<task>/<metric> at the checkpoint's step in the
     run's TensorBoard folder (read back with TensorBoard's own reader)."""
-    module = evaluate_module(hf_project["project"])
     run = tmp_path / "outputs"
-    folder = module.new_evaluation_folder(run, "step-7")
+    folder = evaluate.new_evaluation_folder(run, "step-7")
     results = {
         "results": {"tiny_mc": {"alias": "tiny_mc", "acc,none": 0.6, "acc_stderr,none": 0.2, "sample_len": 5}},
         "samples": {"tiny_mc": [{"doc_id": 0, "filtered_resps": [[-1.5, False], [-2.5, False]], "acc": 1.0}]},
@@ -86,7 +93,7 @@ def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(hf_
         "run_id": "abc",
         "config": {"job": {"tensorboard": True}},
     }
-    module.write_results(dict(results), folder, source)
+    evaluate.write_results(dict(results), folder, source)
     assert json.loads((folder / "results.json").read_text())["results"]["tiny_mc"]["acc,none"] == 0.6
     assert json.loads((folder / "samples_tiny_mc.jsonl").read_text())["filtered_resps"][0] == [-1.5, False]
     (row,) = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
@@ -98,7 +105,7 @@ def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(hf_
     assert [(e.step, e.value) for e in events.Scalars("eval/tiny_mc/acc")] == [(7, pytest.approx(0.6))]
     # Never over an earlier evaluation's files: writing into the same folder again is refused (exclusive creation).
     with pytest.raises(FileExistsError):
-        module.write_results(dict(results), folder, source)
+        evaluate.write_results(dict(results), folder, source)
 
 
 def test_hf_preflight_names_the_models_position_limit(hf_project: dict) -> None:
@@ -115,14 +122,13 @@ def test_hf_preflight_names_the_models_position_limit(hf_project: dict) -> None:
 
 def test_a_bare_tokenizer_json_or_its_folder_loads_as_the_models_tokenizer(hf_project: dict, tmp_path: Path) -> None:
     """--tokenizer path/tokenizer.json (documented) and a folder with only tokenizer.json, in an hf project."""
-    spec = importlib.util.spec_from_file_location("hf_tokenizer", hf_project["project"] / "tokenizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    full = module.load_tokenizer(str(hf_project["model"]))
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / "tokenizer.json").write_bytes((hf_project["model"] / "tokenizer.json").read_bytes())
-    for spec_ in (str(hf_project["model"] / "tokenizer.json"), str(alone)):
-        bare = module.load_tokenizer(spec_)
-        assert (bare.eos_id, bare.vocab_size) == (full.eos_id, full.vocab_size)
-        assert bare.encode("the lazy dog, red fish") == full.encode("the lazy dog, red fish")
+    with project_modules(hf_project["project"]):
+        tokenizer = importlib.import_module("tokenizer")
+        full = tokenizer.load_tokenizer(str(hf_project["model"]))
+        for bare_path in (str(hf_project["model"] / "tokenizer.json"), str(alone)):
+            bare = tokenizer.load_tokenizer(bare_path)
+            assert (bare.eos_id, bare.vocab_size) == (full.eos_id, full.vocab_size)
+            assert bare.encode("the lazy dog, red fish") == full.encode("the lazy dog, red fish")

@@ -10,13 +10,11 @@ import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_llama, torchrun
+from tests.conftest import REPO, fsdp2gen, generate, metrics, project_modules, save_tiny_llama, torchrun
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
@@ -35,23 +33,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def project(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("hf-llama") / "run", "--family", "llama", "--hf-model", str(llama),
                     "--gpus", "2", "--fp32")  # fmt: skip
-
-
-@contextmanager
-def project_modules(project: Path) -> Iterator[None]:
-    """Import a generated project's modules in this process, and forget them afterwards (other tests, in this
-    worker's other files, import other projects' modules under the same names: those are set aside meanwhile)."""
-    others = {path.stem: sys.modules.pop(path.stem) for path in project.glob("*.py") if path.stem in sys.modules}
-    before = set(sys.modules)
-    sys.path.insert(0, str(project))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(project))
-        for name in set(sys.modules) - before:
-            if getattr(sys.modules[name], "__file__", "") and str(project) in sys.modules[name].__file__:
-                del sys.modules[name]
-        sys.modules.update(others)
 
 
 def probe_lines(output: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from fsdp2gen.plan import build_request, estimate
 from fsdp2gen.plan_keys import CONFIG_KEYS, NOTED, READ
 from fsdp2gen.plan_layout import PlanError
 from fsdp2gen.plan_report import to_json
-from tests.conftest import REPO
+from tests.conftest import REPO, project_modules
 from tests.helpers.plan_simulation import write_config
 
 EXAMPLES = REPO / "generated_examples"
@@ -29,15 +28,8 @@ EXAMPLES = REPO / "generated_examples"
 
 def schema_keys(example: Path) -> set[str]:
     """The "section.key" names of `example`'s config.py: the Config dataclass's sections and their fields."""
-    for name in ("config", "model_args", "schema"):
-        sys.modules.pop(name, None)
-    sys.path.insert(0, str(example))
-    try:
+    with project_modules(example):
         config = importlib.import_module("config").Config()  # every section at its defaults
-    finally:
-        sys.path.remove(str(example))
-        for name in ("config", "model_args", "schema"):
-            sys.modules.pop(name, None)
     sections = [spec.name for spec in dataclasses.fields(config)]
     return {f"{name}.{spec.name}" for name in sections for spec in dataclasses.fields(getattr(config, name))}
 
