@@ -76,6 +76,15 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: P
     assert [r["loss"] for r in metrics(resumed)] == two
 
 
+def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
+    """scripts/export.py of `checkpoint` twice: the merged model into dest/merged, the PEFT adapter into
+    dest/adapter."""
+    for kind, args in {"merged": [], "adapter": ["--adapter"]}.items():
+        command = [sys.executable, "scripts/export.py", str(checkpoint), "--output", str(dest / kind), *args]
+        result = subprocess.run(command, cwd=project, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
 def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(lora: dict, tmp_path: Path) -> None:
     import torch
     from peft import PeftModel
@@ -85,11 +94,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(lora: di
     shutil.copytree(lora["out"], out)
     torchrun(lora["project"], "tests/model_output.py", *TRAIN, "--job.output_dir", str(out))
     expected = torch.load(out / "model_output.pt")
-    for kind, args in {"merged": [], "adapter": ["--adapter"]}.items():
-        command = [sys.executable, "scripts/export.py", str(out / "checkpoints" / "step-4"), "--output",
-                   str(tmp_path / kind), *args]  # fmt: skip
-        result = subprocess.run(command, cwd=lora["project"], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+    export_merged_and_adapter(lora["project"], out / "checkpoints" / "step-4", tmp_path)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(lora["model"], dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.test_lora import export_merged_and_adapter
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -137,11 +138,7 @@ def test_exported_adapter_on_the_dequantized_base_and_merged_model_give_the_trai
 
     out = probed["out"]  # the step-4 checkpoint, and the sharded model's logits on a fixed input
     expected = torch.load(out / "model_output.pt")
-    for kind, args in {"merged": [], "adapter": ["--adapter"]}.items():
-        command = [sys.executable, "scripts/export.py", str(out / "checkpoints" / "step-4"), "--output",
-                   str(tmp_path / kind), *args]  # fmt: skip
-        result = subprocess.run(command, cwd=qlora["project"], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+    export_merged_and_adapter(qlora["project"], out / "checkpoints" / "step-4", tmp_path)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     # The base the adapters were trained on: the pretrained weights, the adapted ones through NF4 and back.
     spec = importlib.util.spec_from_file_location("project_nf4", qlora["project"] / "nf4.py")
