@@ -70,9 +70,17 @@ def grouped_backward_bytes(model: LlamaShape, tokens: int, compute: int) -> int:
     """The grouped GEMM's backward (moe.py's grouped_swiglu, torch._grouped_mm: what H100-class GPUs run in bf16):
     each weight gradient multiplies the transposed routed copies and output gradients, which the kernel takes
     row-major, so it copies both: tokens x top_k x (dim + moe_ffn_dim) in the compute dtype at w1's/w3's, one
-    layer at a time. Measured by the simulation (fake tensors run the kernel's layout rules); 0 for a dense model."""
-    if isinstance(model, HfShape) or not model.n_experts:
+    layer at a time. Measured by the simulation (fake tensors run the kernel's layout rules); 0 for a dense model.
+
+    An hf model's experts (transformers' grouped_mm on the transposed fused weights): the gate_up_proj weight's
+    gradient as the kernel returns it (transposed: autograd copies it into the parameter's layout, both alive), with
+    the gradients of the routed copies and of gate_up_proj's output (tokens x top_k x (dim + 2 x moe_ffn_dim)).
+    Without them plan was 12% under the simulated step of Mixtral 8x7B's config.json (tests/test_plan_families.py)."""
+    if not model.n_experts or not model.moe_layers:
         return 0
+    if isinstance(model, HfShape):
+        weight = model.n_experts * 2 * model.moe_ffn_dim * model.dim
+        return compute * (weight + tokens * model.top_k * (model.dim + 2 * model.moe_ffn_dim))
     return compute * tokens * model.top_k * (model.dim + model.moe_ffn_dim)
 
 
@@ -200,7 +208,8 @@ def activation_bytes(
     backward recomputes the rest of one block at a time.
     With tp > 1 a block's input is this rank's 1/tp of the sequence (sequence parallelism).
     """
-    moe = [isinstance(model, LlamaShape) and i in model.moe_layers for i in range(model.n_layers)]
+    # An hf model's routed blocks are counted by family_activation_bytes (transformers' experts, not moe.py's).
+    moe = [not isinstance(model, HfShape) and i in model.moe_layers for i in range(model.n_layers)]
     blocks = {kind: block_activation_bytes(model, batch, seq_len, compute, tp, kind, ep) for kind in set(moe)}
     block_input = math.ceil(compute * batch * seq_len * model.dim / tp)
     head = head_activation_bytes(model, batch, seq_len, compute, tp, loss_chunks)
@@ -244,23 +253,38 @@ def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute
     """How an hf model's activations differ from activation_bytes' llama count: rotary's cos and sin, computed
     once per forward (batch x seq x head_dim each, compute dtype) and used by every block; the final norm's one
     fp32 copy (model.py keeps two); and in each block that keeps its activations, and the one backward
-    recomputes, a transformers block's own count (hf_block_activation_bytes) with LoRA's change
-    (lora_activation_delta). Selective AC: the recomputed block only; the kept matmul outputs are
-    op_level_kept_bytes' llama count."""
+    recomputes (the largest: a routed block's, in a mixture-of-experts model), a transformers block's own count
+    (hf_block_activation_bytes) with LoRA's change (lora_activation_delta). Selective AC: the recomputed block
+    only; the kept matmul outputs are op_level_kept_bytes' llama count, but in routed blocks (routed_kept_bytes)."""
     if not isinstance(model, HfShape):
         return 0
     rotary = 2 * compute * batch * seq_len * model.head_dim
     # The final norm: transformers' RMSNorm keeps one fp32 copy of its input where model.py's keeps two.
     hidden = batch * seq_len * model.dim
     final_norm = (FP32 + compute) * hidden - norm_activation_bytes(hidden, compute)
-    block = hf_block_activation_bytes(model, batch, seq_len, compute) - block_activation_bytes(
-        model, batch, seq_len, compute
-    )
-    layer = model.n_layers - math.ceil(model.n_layers / every) + 1  # the blocks layer AC keeps, and one recomputed
-    kept = {"none": model.n_layers, "selective": 1, "layer": layer, "full": 1}[ac]
-    # Selective AC with LoRA: every block keeps more matmul outputs (lora_op_level_delta).
-    matmuls = model.n_layers * lora_op_level_delta(model, batch, seq_len, compute) if ac == "selective" else 0
-    return rotary + final_norm + matmuls + kept * (block + lora_activation_delta(model, batch, seq_len, compute))
+    lora = lora_activation_delta(model, batch, seq_len, compute)
+    llama = block_activation_bytes(model, batch, seq_len, compute)
+    blocks = [hf_block_activation_bytes(model, batch, seq_len, compute, i) + lora for i in range(model.n_layers)]
+    # The blocks whose activations backward recomputes (one at a time): those checkpointed whole, or all (selective).
+    recomputed = {"none": [], "layer": blocks[::every], "full": blocks, "selective": blocks}[ac]
+    kept = {"none": blocks, "layer": [block for i, block in enumerate(blocks) if i % every]}.get(ac, [])
+    difference = sum(kept) - len(kept) * llama + max(recomputed, default=llama) - llama
+    if ac == "selective":
+        # With LoRA every block keeps more matmul outputs (lora_op_level_delta); a routed block keeps others.
+        difference += model.n_layers * lora_op_level_delta(model, batch, seq_len, compute)
+        routed = routed_kept_bytes(model, batch, seq_len, compute) - op_level_kept_bytes(model, batch, seq_len, compute)
+        difference += len(model.moe_layers) * routed
+    return rotary + final_norm + difference
+
+
+def routed_kept_bytes(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+    """What a routed hf block keeps under op-level selective AC: the outputs of every second matmul in forward order
+    (q, v; the router's scores; down_proj's grouped GEMM, per routed copy; k, o and gate_up recomputed), attention's
+    output and logsumexp."""
+    tokens = batch * seq_len
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    matmuls = tokens * (q + kv + model.n_experts) + tokens * model.top_k * model.dim
+    return compute * (matmuls + tokens * q) + FP32 * batch * model.n_heads * seq_len
 
 
 def activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:

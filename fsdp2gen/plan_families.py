@@ -18,6 +18,7 @@ from typing import Any
 from fsdp2gen.sizes import LlamaShape
 
 FP32 = 4
+INT32, INT64 = 4, 8
 
 # The config.json keys plan needs from every model, and their bounds (plan.MODEL_LIMITS' for the same sizes).
 REQUIRED = {
@@ -48,6 +49,34 @@ ARCHITECTURES = {
     "qwen2": Architecture(32, None, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
     "qwen3": Architecture(32, 128, qkv_bias=None, o_bias=None, mlp_bias=False, qk_norm=True),
     "mistral": Architecture(8, None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+    "qwen3_moe": Architecture(4, None, qkv_bias=None, o_bias=None, mlp_bias=False, qk_norm=True),
+    "mixtral": Architecture(8, None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How transformers builds the mixture-of-experts blocks of one model_type: a router (mlp.gate, n_experts x
+    hidden_size) and the experts fused into two tensors per block (mlp.experts.gate_up_proj, n_experts x 2 hidden
+    x hidden_size; mlp.experts.down_proj, n_experts x hidden_size x hidden), run by its grouped-GEMM experts
+    implementation (the default), with the config keys that size them and the config class's defaults."""
+
+    count: int  # the number of experts' default (config.json's num_local_experts, or num_experts: attribute_map)
+    hidden: tuple[str, int | None]  # each expert's hidden size: its key and default (None: required)
+    top_k: int  # num_experts_per_tok's default
+    router_first: bool  # named_parameters() order: mlp.gate before mlp.experts (Mixtral) or after (Qwen3-MoE)
+    sparse_step: bool  # decoder_sparse_step and mlp_only_layers pick the MoE blocks (Qwen3-MoE); else all are
+    fp32_weights: bool  # the router's top-k weights stay fp32 (Mixtral) or are cast to the compute dtype (Qwen3-MoE)
+
+
+# The mixture-of-experts model types plan derives (Qwen3-MoE: Qwen3-30B-A3B, 235B-A22B; Mixtral 8x7B, 8x22B). Other
+# transformers MoE models differ in what this does not model: shared experts (qwen2_moe, deepseek, glm4_moe),
+# full-width q/k norms (olmoe, minimax_m2), biases and sinks (gpt_oss, phimoe), latent attention (deepseek).
+EXPERTS = {  # fmt: skip
+    "qwen3_moe": Experts(
+        128, ("moe_intermediate_size", 768), 8, router_first=False, sparse_step=True, fp32_weights=False
+    ),
+    "mixtral": Experts(8, ("intermediate_size", None), 2, router_first=True, sparse_step=False, fp32_weights=True),
 }
 # The linear layers of a decoder block, the ones lora.target_modules may name.
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -83,10 +112,19 @@ class HfShape(LlamaShape):
     mlp_bias: bool = False
     qk_norm: bool = False
     lora: LoraSpec | None = None
+    # A mixture-of-experts model (EXPERTS): the blocks whose MLP is routed (the llama fields n_experts, top_k and
+    # moe_ffn_dim size them); the router's top-k weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+    # norm_topk_prob).
+    sparse_layers: tuple[int, ...] = ()
+    normalises_top_k: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.sparse_layers
 
 
 def read_hf_config(path: Path) -> HfShape:
@@ -154,6 +192,7 @@ def hf_shape(config: dict[str, Any], source: str) -> HfShape:
             "fix config.json"
         )
     attention_bias = flag("attention_bias", False)
+    experts = _experts(config, source, model_type, sizes["num_hidden_layers"])
     return HfShape(
         dim=sizes["hidden_size"],
         n_layers=sizes["num_hidden_layers"],
@@ -170,7 +209,36 @@ def hf_shape(config: dict[str, Any], source: str) -> HfShape:
         o_bias=attention_bias if arch.o_bias is None else arch.o_bias,
         mlp_bias=flag("mlp_bias", False) if arch.mlp_bias else False,
         qk_norm=arch.qk_norm,
+        **experts,
     )
+
+
+def _experts(config: dict[str, Any], source: str, model_type: str, layers: int) -> dict[str, Any]:
+    """The HfShape fields of a mixture-of-experts config.json (EXPERTS), none for a dense model type. Qwen3-MoE's
+    block i is routed unless listed in mlp_only_layers, when (i + 1) is a multiple of decoder_sparse_step."""
+    spec = EXPERTS.get(model_type)
+    if spec is None:
+        return {}
+    # transformers 5 writes num_local_experts and reads num_experts (the hub's Qwen3-MoE files) as the same key.
+    key = "num_local_experts" if config.get("num_local_experts") is not None else "num_experts"
+    count = _number(config, source, key, spec.count, 2**16)
+    top_k = _number(config, source, "num_experts_per_tok", spec.top_k, 2**16)
+    hidden = _number(config, source, spec.hidden[0], spec.hidden[1], 2**20)
+    if top_k > count:
+        raise HfConfigError(f"{source}: num_experts_per_tok ({top_k}) must be at most {key} ({count}); fix config.json")
+    sparse = range(layers)
+    normalises = True
+    if spec.sparse_step:
+        step = _number(config, source, "decoder_sparse_step", 1, 2**12)
+        dense = config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+            raise HfConfigError(
+                f"{source}: mlp_only_layers must be a list of block indices, got {dense!r}; fix config.json"
+            )
+        sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        normalises = _flag(config, source, "norm_topk_prob", False)
+    return {"n_experts": count, "top_k": top_k, "moe_ffn_dim": hidden, "sparse_layers": tuple(sparse),
+            "normalises_top_k": normalises}  # fmt: skip
 
 
 def hf_parameter_shapes(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
@@ -189,7 +257,10 @@ def hf_parameter_shapes(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
     lora = model.lora
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (model.vocab_size, d))]
     for i in range(model.n_layers):
+        routed = i in model.moe_layers
         for name, (rows, cols, bias) in linears.items():
+            if routed and name.startswith("mlp."):
+                continue
             full = f"model.layers.{i}.{name}"
             adapted = lora is not None and lora_targets(full, lora.targets)
             own = full + (".base_layer" if adapted else "")
@@ -201,11 +272,20 @@ def hf_parameter_shapes(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
                 shapes += [(full + ".lora_B.default.weight", (rows, lora.rank))]
             if name == "self_attn.o_proj" and model.qk_norm:
                 shapes += [(f"model.layers.{i}.self_attn.{n}.weight", (hd,)) for n in ("q_norm", "k_norm")]
+        shapes += expert_shapes(model, i) if routed else []
         shapes += [(f"model.layers.{i}.{n}.weight", (d,)) for n in ("input_layernorm", "post_attention_layernorm")]
     shapes.append(("model.norm.weight", (d,)))
     if not model.tie_embeddings:
         shapes.append(("lm_head.weight", (model.vocab_size, d)))
     return shapes
+
+
+def expert_shapes(model: HfShape, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A routed block's MLP as transformers builds it (EXPERTS): the router and the fused experts."""
+    mlp, e, h = f"model.layers.{layer}.mlp.", model.n_experts, model.moe_ffn_dim
+    router = [(mlp + "gate.weight", (e, model.dim))]
+    experts = [(mlp + "experts.gate_up_proj", (e, 2 * h, model.dim)), (mlp + "experts.down_proj", (e, model.dim, h))]
+    return router + experts if EXPERTS[model.model_type].router_first else experts + router
 
 
 # torchao's NF4 (a --qlora project's nf4.py): 4 bits per value, an int8 scale per 64 values and an fp32 factor per
@@ -233,7 +313,7 @@ def is_trainable(model: LlamaShape, name: str) -> bool:
     return not isinstance(model, HfShape) or model.lora is None or ".lora_" in name
 
 
-def hf_block_activation_bytes(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+def hf_block_activation_bytes(model: HfShape, batch: int, seq_len: int, compute: int, layer: int = 0) -> int:
     """Bytes one transformers decoder block saves for backward (its input included, cos and sin not: the model
     computes them once per forward), as tests/test_plan_families.py measures them. Per token: each RMSNorm keeps
     its input in fp32 (the input itself in fp32, else one fp32 copy) and its normalised output in the compute
@@ -246,10 +326,41 @@ def hf_block_activation_bytes(model: HfShape, batch: int, seq_len: int, compute:
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     per_token = 2 * ((FP32 + compute) * model.dim + FP32)  # the two norms
     per_token += compute * (2 * q + 2 * kv) + FP32 * model.n_heads  # attention
-    per_token += compute * 2 * model.dim + 4 * compute * model.ffn_dim  # q/k/v and gate/up inputs; the MLP
+    per_token += compute * 2 * model.dim  # the inputs of q/k/v and of gate/up (a routed block: the router's)
     if model.qk_norm:
         per_token += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
-    return batch * seq_len * per_token
+    if layer in model.moe_layers:
+        return batch * seq_len * per_token + sum(routed_activation_parts(model, batch * seq_len, compute).values())
+    return batch * seq_len * (per_token + 4 * compute * model.ffn_dim)  # the MLP
+
+
+def routed_activation_parts(model: HfShape, tokens: int, compute: int) -> dict[str, int]:
+    """What one routed MLP (EXPERTS: the router and transformers' grouped-GEMM experts) saves for backward for
+    `tokens` tokens, by part (its input, the normalised tokens, is the block's: the router's matmul keeps it), as
+    tests/test_plan_families.py measures it. Each token goes to top_k experts: tokens x top_k routed copies.
+
+    - router: the softmax over all experts (fp32); the top-k weights the experts' output is scaled by (compute
+      dtype; Mixtral's stay fp32); renormalised to sum to 1 (Mixtral, norm_topk_prob), the division keeps the
+      fp32 weights and their sum;
+    - indices: the chosen experts (topk), the copies' order by expert and its inverse (the gathers), the token of
+      each copy (int64 each), and the grouped GEMM's offsets (int32, one per expert);
+    - routed copies: the tokens gathered in expert order, the experts' input (compute dtype);
+    - expert hidden: per copy the gate_up projection's output (2 x hidden), the activation's output and the
+      product (hidden each);
+    - expert outputs: down_proj's output per copy (dim), kept by the multiplication by the weights.
+    Balanced routing or not, the same tensors: only the number of copies per expert changes.
+    """
+    routed, spec = tokens * model.top_k, EXPERTS[model.model_type]
+    weights = (FP32 if spec.fp32_weights else compute) * routed
+    if model.normalises_top_k:
+        weights += FP32 * (routed + tokens)
+    return {
+        "router": FP32 * tokens * model.n_experts + weights,
+        "indices": INT64 * 4 * routed + INT32 * model.n_experts,
+        "routed copies": compute * routed * model.dim,
+        "expert hidden": 4 * compute * routed * model.moe_ffn_dim,
+        "expert outputs": compute * routed * model.dim,
+    }
 
 
 def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int) -> int:

@@ -34,9 +34,11 @@ def find_levers(plan: Plan) -> list[Lever]:
         if request.grad_sync != "every_micro_batch":
             smaller += " --grad-sync every_micro_batch"
         options.append((smaller, replace(every, micro_batch=request.batch // 2, grad_accum_steps=accum)))
-    if has_experts(request.model):
+    if isinstance(request.model, HfShape):
+        pass  # an hf project has FSDP/HSDP only: no ep, cp or pp to offer (its experts are FSDP-sharded)
+    elif has_experts(request.model):
         options += _ep_levers(plan)
-    elif not isinstance(request.model, HfShape):
+    else:
         options += _cp_levers(plan) if request.pp == 1 else []
         options += _pp_levers(plan)
     if request.dp_replicate > 1:

@@ -9,6 +9,7 @@ from typing import Any
 from fsdp2gen.plan_activations import moe_activation_parts
 from fsdp2gen.plan_families import (
     HfShape,
+    routed_activation_parts,
 )
 from fsdp2gen.plan_layout import GPUS, PlanRequest, gathered_numel, request_shard_numel
 from fsdp2gen.plan_memory import Plan
@@ -248,19 +249,40 @@ def expert_lines(plan: Plan) -> list[str]:
     compute = COMPUTE_BYTES[request.precision]
     experts = [(name, shape) for name, shape in parameter_shapes(model) if is_expert(name)]
     shard = FP32 * sum(request_shard_numel(request, name, shape) for name, shape in experts)
-    gathered = compute * sum(gathered_numel(request, name, shape) for name, shape in experts[:3])
+    first = experts[: len(experts) // len(model.moe_layers)]  # one MoE block's
+    gathered = compute * sum(gathered_numel(request, name, shape) for name, shape in first)
     tokens = request.batch * request.local_seq_len
-    parts = moe_activation_parts(model, tokens, compute, request.ep)
+    hf = isinstance(model, HfShape)
+    parts = (
+        routed_activation_parts(model, tokens, compute)
+        if hf
+        else moe_activation_parts(model, tokens, compute, request.ep)
+    )
     held = ", ".join(f"{part} {_size(size)}" for part, size in parts.items() if size)
+    layout = (
+        f"; FSDP-sharded over {request.fsdp_ranks} ranks like every weight (an hf project has no --ep yet: each GPU "
+        f"gathers all {model.n_experts} experts of a block to compute it)"
+        if hf
+        else f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep = "
+        f"{request.fsdp_ranks // request.ep} ranks"
+    )
     lines = [
         f"experts: {model.n_experts} per MoE block x {len(model.moe_layers)} blocks, top {model.top_k}"
         + (f" + {model.n_shared_experts} shared" if model.n_shared_experts else "")
-        + f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep = "
-        f"{request.fsdp_ranks // request.ep} ranks",
+        + layout,
         f"expert weights per GPU: {_size(shard)} fp32 shards (of the parameters row), {_size(gathered)} gathered "
         "per MoE block",
-        f"MoE block activations held for backward ({tokens} tokens, balanced routing): {held}",
+        f"MoE block activations held for backward ({tokens} tokens x top_k {model.top_k} routed copies, balanced "
+        f"routing or not): {held}",
     ]
+    if hf:
+        router = model.n_experts * model.dim
+        lines.insert(
+            1,
+            f"router: {model.n_experts} x {model.dim} (mlp.gate, {router:,} parameters) per MoE block, trained; "
+            f"experts: {_count(3 * model.dim * model.moe_ffn_dim * model.n_experts)} per block (gate_up_proj, "
+            f"down_proj), {model.top_k} of {model.n_experts} active per token",
+        )
     if request.ep > 1:
         lines.append(
             f"all-to-all (ep {request.ep}): each GPU sends and receives {tokens} x top_k {model.top_k} token copies "

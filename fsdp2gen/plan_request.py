@@ -24,9 +24,6 @@ from fsdp2gen.plan_layout import (
 )
 from fsdp2gen.plan_pp import MULTI_STAGE, PP_SCHEDULES
 from fsdp2gen.plan_shapes import COMPUTE_BYTES, MOE_SIZES, SIZES, has_experts
-from fsdp2gen.sizes import (
-    LlamaShape,
-)
 
 
 def _positive(name: str, value: int | None, limit: int) -> None:
@@ -207,7 +204,16 @@ def _check_experts(request: PlanRequest) -> None:
     """model_args.py's rules of the mixture-of-experts keys, and expert parallelism's (ep borrows its ranks from
     dp_shard and gives each of them whole experts), worded with plan's options."""
     model, ep = request.model, request.ep
-    experts = model.n_experts if isinstance(model, LlamaShape) and not isinstance(model, HfShape) else 0
+    if isinstance(model, HfShape):
+        if ep > 1 and has_experts(model):
+            raise PlanError(
+                f"--ep {ep}: an hf project has no expert parallelism yet (its experts are FSDP-sharded over the "
+                "data-parallel ranks like every weight); plan with --ep 1"
+            )
+        if ep > 1:
+            raise PlanError(f"--ep {ep}: {model.source} is not a mixture-of-experts model; use --ep 1")
+        return
+    experts = model.n_experts
     if not experts:
         if ep > 1:
             raise PlanError(

@@ -97,13 +97,14 @@ def moe_shapes(model: LlamaShape, block: str) -> list[tuple[str, tuple[int, ...]
 
 
 def is_expert(name: str) -> bool:
-    """Whether parameter `name` is a routed expert's stacked weight (sharded over ep, then dp_shard / ep)."""
-    return ".experts.w" in name
+    """Whether parameter `name` is a routed expert's stacked weight (sharded over ep, then dp_shard / ep): llama's
+    experts.w1/w2/w3, transformers' fused experts.gate_up_proj and experts.down_proj (hf: no ep, dp_shard)."""
+    return ".experts.w" in name or name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
 
 
 def has_experts(model: LlamaShape) -> bool:
-    """Whether `model` is a mixture-of-experts llama (hf models are planned dense)."""
-    return not isinstance(model, HfShape) and model.n_experts > 0
+    """Whether `model` is a mixture-of-experts model (a llama with model.n_experts, an hf MoE config.json)."""
+    return model.n_experts > 0 and len(model.moe_layers) > 0
 
 
 def parameter_count(model: LlamaShape) -> int:
@@ -113,8 +114,9 @@ def parameter_count(model: LlamaShape) -> int:
 def active_parameter_count(model: LlamaShape) -> int:
     """The parameters one token goes through: all but the routed experts it is not sent to (each MoE layer's
     n_experts - top_k of them); the router, the shared experts, the embedding and the output layer count."""
-    if isinstance(model, HfShape) or not model.n_experts:
+    if not has_experts(model):
         return parameter_count(model)
+    # Three dim x moe_ffn_dim matrices per expert: w1, w2, w3 (llama), gate, up, down (transformers' fused ones).
     idle = (model.n_experts - model.top_k) * 3 * model.dim * model.moe_ffn_dim
     return parameter_count(model) - len(model.moe_layers) * idle
 
