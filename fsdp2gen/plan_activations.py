@@ -78,8 +78,8 @@ def grouped_backward_bytes(model: LlamaShape, tokens: int, compute: int) -> int:
     Without them plan was 12% under the simulated step of Mixtral 8x7B's config.json (tests/test_plan_families.py)."""
     if not model.n_experts or not model.moe_layers:
         return 0
-    if isinstance(model, HfShape):
-        weight = model.n_experts * 2 * model.moe_ffn_dim * model.dim
+    if isinstance(model, HfShape):  # (LoRA: frozen experts, no weight gradient)
+        weight = model.n_experts * 2 * model.moe_ffn_dim * model.dim if model.lora is None else 0
         return compute * (weight + tokens * model.top_k * (model.dim + 2 * model.moe_ffn_dim))
     return compute * tokens * model.top_k * (model.dim + model.moe_ffn_dim)
 
@@ -262,9 +262,12 @@ def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute
     # The final norm: transformers' RMSNorm keeps one fp32 copy of its input where model.py's keeps two.
     hidden = batch * seq_len * model.dim
     final_norm = (FP32 + compute) * hidden - norm_activation_bytes(hidden, compute)
-    lora = lora_activation_delta(model, batch, seq_len, compute)
     llama = block_activation_bytes(model, batch, seq_len, compute)
-    blocks = [hf_block_activation_bytes(model, batch, seq_len, compute, i) + lora for i in range(model.n_layers)]
+    blocks = [
+        hf_block_activation_bytes(model, batch, seq_len, compute, i)
+        + lora_activation_delta(model, batch, seq_len, compute, i)
+        for i in range(model.n_layers)
+    ]
     # The blocks whose activations backward recomputes (one at a time): those checkpointed whole, or all (selective).
     recomputed = {"none": [], "layer": blocks[::every], "full": blocks, "selective": blocks}[ac]
     kept = {"none": blocks, "layer": [block for i, block in enumerate(blocks) if i % every]}.get(ac, [])

@@ -308,6 +308,12 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
     if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
+        if model.moe_layers:
+            raise PlanError(
+                f"{config}: QLoRA on a mixture-of-experts model ({model.model_type}, {model.source}) is not modelled "
+                "by plan yet (which weights nf4.py quantizes around transformers' fused experts); plan the model "
+                "with fsdp2gen plan --hf-config"
+            )
         model = replace(model, lora=replace(model.lora, nf4=True))
     lora = f" + {'QLoRA' if model.lora.nf4 else 'LoRA'} rank {model.lora.rank}" if model.lora else ""
     task = str(_default("task", answers))

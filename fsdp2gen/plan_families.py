@@ -363,7 +363,7 @@ def routed_activation_parts(model: HfShape, tokens: int, compute: int) -> dict[s
     }
 
 
-def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int) -> int:
+def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int, layer: int = 0) -> int:
     """How LoRA changes one block's saved activations (bytes, negative when it saves less), as torch saves them
     (tests/test_plan_families.py measures it on a transformers block):
 
@@ -372,7 +372,10 @@ def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int
       of q/k/v (the attention norm's output), of gate/up (the MLP norm's output) and of down_proj is kept only
       while one of them is adapted; o_proj's input, the attention output, is kept by the attention kernel anyway;
     - an adapted layer's lora_A keeps that same input, lora_B keeps lora_A's output (tokens x rank);
-    - with dropout > 0, lora_A keeps its own dropped-out copy of the input instead, and dropout its mask (bool).
+    - with dropout > 0, lora_A keeps its own dropped-out copy of the input instead, and dropout its mask (bool);
+    - a routed block (`layer` in moe_layers; its experts frozen: read_lora adapts attention only there): the frozen
+      router keeps no input either, and the frozen grouped GEMMs not theirs, the routed copies and the products
+      (tokens x top_k x (dim + moe_ffn_dim)), in place of down_proj's input.
     """
     lora = model.lora
     if lora is None:
@@ -392,6 +395,8 @@ def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int
             delta -= compute * tokens * width
     if lora.dropout > 0:
         delta += (compute + 1) * tokens * sum(widths[name] for name in adapted)
+    if layer in model.moe_layers:
+        delta += compute * tokens * (model.ffn_dim - model.top_k * (model.dim + model.moe_ffn_dim))
     return delta
 
 
@@ -439,6 +444,15 @@ def read_lora(path: Path, table: Any, model: HfShape) -> LoraSpec:
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise HfConfigError(f"{path}: lora.target_modules must be a non-empty list of layer names; {fix}")
     spec = LoraSpec(rank=rank, targets=tuple(targets), dropout=float(dropout))
+    beyond = [
+        target for target in targets if not any(lora_targets(f"self_attn.{name}", (target,)) for name in ATTENTION)
+    ]
+    if model.moe_layers and beyond:
+        raise HfConfigError(
+            f"{path}: lora.target_modules {beyond}: plan models LoRA on the attention layers of a mixture-of-experts "
+            "model only (not peft's adapters on transformers' fused experts, nor its dense MLPs); plan with "
+            f"target_modules among {list(ATTENTION)}"
+        )
     adapted = [name for name, _ in hf_parameter_shapes(replace(model, lora=spec)) if ".lora_A." in name]
     if not adapted:
         raise HfConfigError(

@@ -264,7 +264,8 @@ def _peak(
         # with selective AC, where plan was 6% and 12% under without this moment.
         model, tokens = request.model, (request.batch, request.local_seq_len)
         block = max(hf_block_activation_bytes(model, *tokens, compute, i) for i in range(model.n_layers))
-        held = comm - request.reduce_bytes * largest_block(request, shapes)
+        trained = [(name, shape) for name, shape in shapes if is_trainable(model, name)]
+        held = comm - request.reduce_bytes * largest_block(request, trained)
         late = at_step + per_gpu["deferred_gradients"] + held + per_gpu["experts_backward"] + block
         moments.append((late, held))
     return max(moments, key=lambda moment: moment[0])
