@@ -24,6 +24,7 @@ from fsdp2gen.plan_families import ATTENTION, MLP, HfConfigError, LoraSpec, read
 from fsdp2gen.plan_layout import PlanRequest
 from fsdp2gen.plan_shapes import parameter_shapes
 from tests.conftest import HELPERS, generate, invoke, save_tiny_llama
+from tests.helpers.plan_simulation import MIXTRAL_8X7B_CONFIG, QWEN3_30B_A3B_CONFIG
 from tests.test_generator_properties import assert_contract
 
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -34,9 +35,10 @@ OPTIONAL = ("num_key_value_heads", "head_dim", "tie_word_embeddings", "attention
 
 
 def config_class(model_type: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[model_type]
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+            "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[model_type]  # fmt: skip
 
 
 def transformers_parameters(config_json: Path, lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...]]]:
@@ -75,7 +77,16 @@ CASES = {
     "qwen2-tied": ("qwen2", {"intermediate_size": 128, "num_key_value_heads": 2, "tie_word_embeddings": True}),
     "qwen3-head-dim-32": ("qwen3", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 32}),
     "mistral-head-dim-8": ("mistral", {"intermediate_size": 160, "num_key_value_heads": 1, "head_dim": 8}),
-}
+    # Mixture of experts: 8 experts of hidden 24, each token to 2 (top-k weights renormalised or not); Qwen3-MoE's
+    # block 1 a dense MLP (mlp_only_layers), or every second block routed (decoder_sparse_step 2: block 0 dense).
+    "qwen3-moe-mlp-only": ("qwen3_moe", {"intermediate_size": 96, "num_key_value_heads": 2, "head_dim": 16,
+                                         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                         "mlp_only_layers": [1]}),
+    "qwen3-moe-step-2-normalised": ("qwen3_moe", {"intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 3,
+                                                  "moe_intermediate_size": 40, "decoder_sparse_step": 2,
+                                                  "norm_topk_prob": True, "attention_bias": True}),
+    "mixtral": ("mixtral", {"intermediate_size": 24, "num_key_value_heads": 2, "num_local_experts": 8}),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -314,11 +325,141 @@ def test_hf_config_plans_a_model_without_a_project(projects: dict) -> None:
     )
 
 
+# --- mixture-of-experts config.json files (qwen3_moe, mixtral) ---------------------------------------------------
+
+PUBLISHED = {
+    "Qwen3-30B-A3B": (QWEN3_30B_A3B_CONFIG, 30.5e9, 3.3e9),
+    "Mixtral-8x7B": (MIXTRAL_8X7B_CONFIG, 46.7e9, 12.9e9),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_moe_configs_are_counted_as_transformers_builds_them(name: str, tmp_path: Path) -> None:
+    config, total, active = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected, _ = transformers_parameters(tmp_path / "config.json")
+    model = read_hf_config(tmp_path)
+    assert parameter_shapes(model) == expected  # every name and shape, the router and the fused experts included
+    plan = plan_json("--hf-config", str(tmp_path), "--seq", "2048", "--batch", "1")
+    assert plan["model"]["parameters"] == sum(math.prod(shape) for _, shape in expected)
+    # A token goes through top_k of the experts of every block: the others' gate, up and down weights are idle.
+    idle = (model.n_experts - model.top_k) * 3 * model.dim * model.moe_ffn_dim * model.n_layers
+    assert plan["model"]["active_parameters"] == plan["model"]["parameters"] - idle
+    # The model cards' figures, to their rounding (Qwen3's "3.3B" active is 3.35B, Mixtral's "12.9B" 12.88B).
+    assert abs(plan["model"]["parameters"] - total) < 0.05e9
+    assert abs(plan["model"]["active_parameters"] - active) < 0.06e9
+
+
+def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    result = invoke("plan", "--hf-config", str(tmp_path), "--seq", "4096", "--batch", "1")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0] == f"qwen3_moe {tmp_path}/config.json: 30.53B parameters (3.35B active per token), 48 blocks, dim 2048"
+    )
+    assert lines[4:8] == [
+        "experts: 128 per MoE block x 48 blocks, top 8; FSDP-sharded over 8 ranks like every weight (an hf project "
+        "has no --ep yet: each GPU gathers all 128 experts of a block to compute it)",
+        "router: 128 x 2048 (mlp.gate, 262,144 parameters) per MoE block, trained; experts: 603.98M per block "
+        "(gate_up_proj, down_proj), 8 of 128 active per token",
+        # 128 x 3 x 2048 x 768 fp32 values / 8 ranks, x 48 blocks; a block's in bf16, gathered.
+        "expert weights per GPU: 13.50 GiB fp32 shards (of the parameters row), 1.12 GiB gathered per MoE block",
+        # 4096 tokens x top 8 = 32768 routed copies of 2048 values (bf16: 128 MiB), 4 x 768 per copy in the experts.
+        "MoE block activations held for backward (4096 tokens x top_k 8 routed copies, balanced routing or not): "
+        "router 2.20 MiB, indices 1.00 MiB, routed copies 128.00 MiB, expert hidden 192.00 MiB, expert outputs "
+        "128.00 MiB",
+    ]
+    assert any(line.startswith("grouped GEMM backward copies (1 layer)") for line in lines)
+    result = invoke("plan", "--hf-config", str(tmp_path), "--ep", "2")
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", (
+        "fsdp2gen: error: --ep 2: an hf project has no expert parallelism yet (its experts are FSDP-sharded over the "
+        "data-parallel ranks like every weight); plan with --ep 1\n"
+    ))  # fmt: skip
+
+
+MOE_SMALL = {
+    "qwen3_moe": {**SMALL, "num_hidden_layers": 1, "intermediate_size": 96, "num_key_value_heads": 2, "head_dim": 16,
+                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "attention_dropout": 0.0},
+    "mixtral": {**SMALL, "num_hidden_layers": 1, "intermediate_size": 24, "num_key_value_heads": 2,
+                "num_local_experts": 8, "num_experts_per_tok": 3},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", MOE_SMALL)
+def test_lora_on_a_moe_models_attention_is_what_peft_builds_and_saves(model_type: str, dtype: str, tmp_path: Path):
+    # The router and the experts frozen: they keep none of their inputs (the routed copies, the products).
+    from fsdp2gen.plan_families import lora_activation_delta
+
+    path = save_config(tmp_path, model_type, **MOE_SMALL[model_type])
+    lora = LoraSpec(rank=4, targets=("q_proj", "self_attn.v_proj"), dropout=0.1)
+    expected, trainable = transformers_parameters(path, lora)
+    model = replace(read_hf_config(path), lora=lora)
+    assert parameter_shapes(model) == expected
+    assert sorted(trainable) == sorted(name for name, _ in expected if ".lora_" in name)
+    compute = {"fp32": 4, "bf16": 2}[dtype]
+    full, adapted = (saved_block_bytes(path, spec, dtype, (2, 8)) for spec in (None, lora))
+    cpu_mask = (compute - 1) * 16 * 64 * 2  # dropout's mask on CPU (test_lora_changes_a_blocks_saved_activations...)
+    assert adapted - full == lora_activation_delta(model, 2, 8, compute) + cpu_mask
+
+
+def test_lora_on_fused_experts_and_qlora_on_a_moe_model_are_one_line(projects: dict, tmp_path: Path) -> None:
+    # The --lora project's config.toml with model.path at a Qwen3-MoE config.json (its answers beside it).
+    folder = save_config(tmp_path / "moe", "qwen3_moe", **MOE_SMALL["qwen3_moe"]).parent
+    answers = (projects["lora"] / ".copier-answers.yml").read_text()
+    (tmp_path / ".copier-answers.yml").write_text(answers)
+    edited = tmp_path / "config.toml"
+    text = (projects["lora"] / "config.toml").read_text().replace(str(projects["model"]), str(folder))
+    edited.write_text(text)  # the project's default targets: the 7 linear layers' names
+
+    def error() -> str:
+        result = invoke("plan", "--config", str(edited))
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.output
+        return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
+
+    assert error() == (
+        f"{edited}: lora.target_modules ['gate_proj', 'up_proj', 'down_proj']: plan models LoRA on the attention "
+        "layers of a mixture-of-experts model only (not peft's adapters on transformers' fused experts, nor its "
+        "dense MLPs); plan with target_modules among ['q_proj', 'k_proj', 'v_proj', 'o_proj']"
+    )
+    edited.write_text(re.sub(r"(?m)^target_modules = .*$", 'target_modules = ["q_proj", "v_proj"]', text))
+    plan = plan_json("--config", str(edited), "--seq", "64")
+    assert plan["model"]["trainable_parameters"] == 16 * (64 + 64) + 16 * (64 + 32)  # q: 64 -> 64, v: 64 -> 32
+    (tmp_path / ".copier-answers.yml").write_text(answers.replace("qlora: false", "qlora: true"))
+    assert error() == (
+        f"{edited}: QLoRA on a mixture-of-experts model (qwen3_moe, {folder}/config.json) is not modelled by plan yet "
+        "(which weights nf4.py quantizes around transformers' fused experts); plan the model with fsdp2gen plan "
+        "--hf-config"
+    )
+
+
 BAD = {
     "unknown architecture": (
         {"model_type": "gpt2", "n_embd": 64},
-        "model_type 'gpt2': plan derives the parameter shapes of llama, qwen2, qwen3, mistral models only; plan a "
-        "similar model with --size or --hf-config",
+        "model_type 'gpt2': plan derives the parameter shapes of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral "
+        "models only; plan a similar model with --size or --hf-config",
+    ),
+    # A mixture-of-experts model whose blocks plan does not model (a shared expert and its gate beside the routed).
+    "unmodelled experts": (
+        {"model_type": "qwen2_moe", **SMALL, "intermediate_size": 128},
+        "model_type 'qwen2_moe': plan derives the parameter shapes of llama, qwen2, qwen3, mistral, qwen3_moe, "
+        "mixtral models only; plan a similar model with --size or --hf-config",
+    ),
+    "top_k over the experts": (
+        {
+            "model_type": "mixtral",
+            **SMALL,
+            "intermediate_size": 128,
+            "num_key_value_heads": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 6,
+        },
+        "num_experts_per_tok (6) must be at most num_local_experts (4); fix config.json",
+    ),
+    "dense blocks not a list": (
+        {"model_type": "qwen3_moe", **SMALL, "intermediate_size": 128, "mlp_only_layers": "0"},
+        "mlp_only_layers must be a list of block indices, got '0'; fix config.json",
     ),
     "missing field": (
         {"model_type": "llama", **SMALL},
@@ -386,10 +527,12 @@ JSON_VALUES = st.recursive(
     max_leaves=8,
 )
 KEYS = st.sampled_from(["model_type", *SMALL, "intermediate_size", *OPTIONAL])
+MOE_KEYS = ["num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+            "mlp_only_layers", "norm_topk_prob"]  # fmt: skip
 DOCUMENTS = st.one_of(
     JSON_VALUES.map(json.dumps),
     st.fixed_dictionaries(
-        {"model_type": st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gpt2"])},
+        {"model_type": st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt2"])},
         optional={
             key: st.one_of(st.integers(-3, 2**40), JSON_VALUES)
             for key in [
@@ -399,6 +542,7 @@ DOCUMENTS = st.one_of(
                 "num_attention_heads",
                 "vocab_size",
                 *OPTIONAL,
+                *MOE_KEYS,
             ]
         },
     ).map(json.dumps),  # fmt: skip

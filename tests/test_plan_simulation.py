@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import REPO, generate, save_tiny_llama
 from tests.helpers.plan_simulation import (
-    LLAMA_31_8B_CONFIG,
+    HF_CONFIGS,
     LLAMA_70B,
     TABLE_HEAD,
     Row,
@@ -40,7 +40,7 @@ OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "
 # model.path at a folder holding Llama 3.1 8B's config.json only (scripts/plan_memory.py reads no weights).
 HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")
 HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft")}
-HF_8B = {"path": "the test's folder with Llama 3.1 8B's config.json"}
+HF_8B = {"path": "Llama-3.1-8B"}  # HF_CONFIGS' name: the test points model.path at its folder
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
 # the sizes cost no memory or compute, the number of ops does).
 ROWS = [
@@ -85,6 +85,9 @@ ROWS = [
     # QLoRA: the same adapters on NF4 frozen weights (nf4.py; the simulation fills no NF4 values, only their shapes).
     Row("hf-8b-qlora-selective", HF_8B, project="hf-qlora", ac="selective"),
     Row("hf-8b-sft-selective", HF_8B, project="hf-sft", ac="selective"),
+    # Mixture-of-experts models (transformers' fused experts, FSDP-sharded: hf projects have no --ep).
+    Row("hf-qwen3-30b-a3b-selective", {"path": "Qwen3-30B-A3B"}, project="hf", ac="selective"),
+    Row("hf-mixtral-4-blocks-selective", {"path": "Mixtral-8x7B (4 of its 32 blocks)"}, project="hf", ac="selective"),
 ]
 README = REPO / "README.md"
 TOLERANCE = 10  # %
@@ -97,16 +100,18 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The hf projects (HF_KINDS), and "8b": a folder with Llama 3.1 8B's config.json and nothing else."""
+    """The hf projects (HF_KINDS), and by HF_CONFIGS' names a folder with that config.json and nothing else."""
     root = tmp_path_factory.mktemp("plan_simulation_hf")
     template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"  # for task sft
     special = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
     tiny = save_tiny_llama(root / "tiny", "the cat sat on the mat " * 50, special, chat_template=template)
     projects = {kind: generate(root / kind, *HF_OPTIONS, "--hf-model", str(tiny), *extra)
                 for kind, extra in HF_KINDS.items()}  # fmt: skip
-    (root / "8b").mkdir()
-    (root / "8b" / "config.json").write_text(json.dumps(LLAMA_31_8B_CONFIG))
-    return {**projects, "8b": root / "8b"}
+    for index, (name, config) in enumerate(HF_CONFIGS.items()):
+        (root / f"model-{index}").mkdir()
+        (root / f"model-{index}" / "config.json").write_text(json.dumps(config))
+        projects[name] = root / f"model-{index}"
+    return projects
 
 
 @pytest.fixture
@@ -117,7 +122,7 @@ def project_of(request: pytest.FixtureRequest):
         if row.project == "llama":
             return request.getfixturevalue("project"), row
         projects = request.getfixturevalue("hf_projects")
-        return projects[row.project], replace(row, model={"path": str(projects["8b"])})
+        return projects[row.project], replace(row, model={"path": str(projects[row.model["path"]])})
 
     return find
 

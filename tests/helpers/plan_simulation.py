@@ -32,6 +32,35 @@ LLAMA_31_8B_CONFIG = {
                                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
 }  # fmt: skip
+# Qwen3-30B-A3B's and Mixtral-8x7B's config.json as published (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1):
+# mixture-of-experts models, planned from config.json alone.
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+# The hf rows' models, by the name a Row's model.path gives (the test writes each config.json in a folder of its
+# own). Mixtral with 4 of its 32 blocks: a step a tenth as long to simulate, where the gathered MoE blocks weigh more
+# next to the sharded state (plan was 48% under it before it counted the first blocks' backward).
+HF_CONFIGS = {
+    "Llama-3.1-8B": LLAMA_31_8B_CONFIG,
+    "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG,
+    "Mixtral-8x7B (4 of its 32 blocks)": {**MIXTRAL_8X7B_CONFIG, "num_hidden_layers": 4},
+}
 # The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft).
 PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft")
 
@@ -85,7 +114,7 @@ class Row:
             kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft",
                      "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
-            name = f"hf Llama-3.1-8B config.json{kind}"
+            name = f"hf {self.model['path']} config.json{kind}"  # type: ignore[index]
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
         replicas = self.extra.get("parallel.dp_replicate", 1)
         parts += [f"HSDP {replicas} x {self.gpus // replicas}"] if replicas > 1 else []
