@@ -74,8 +74,8 @@ def grouped_backward_bytes(model: LlamaShape, tokens: int, compute: int) -> int:
 
     An hf model's experts (transformers' grouped_mm on the transposed fused weights): the gate_up_proj weight's
     gradient as the kernel returns it (transposed: autograd copies it into the parameter's layout, both alive), with
-    the gradients of the routed copies and of gate_up_proj's output (tokens x top_k x (dim + 2 x moe_ffn_dim)).
-    Without them plan was 12% under the simulated step of Mixtral 8x7B's config.json (tests/test_plan_families.py)."""
+    the gradients of the routed copies and of gate_up_proj's output (tokens x top_k x (dim + 2 x moe_ffn_dim)), as
+    the simulated steps of Qwen3-30B-A3B and Mixtral 8x7B hold them (tests/test_plan_simulation.py's MoE rows)."""
     if not model.n_experts or not model.moe_layers:
         return 0
     if isinstance(model, HfShape):  # (LoRA: frozen experts, no weight gradient)
