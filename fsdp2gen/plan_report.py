@@ -271,7 +271,13 @@ def expert_lines(plan: Plan) -> list[str]:
         + (f" + {model.n_shared_experts} shared" if model.n_shared_experts else "")
         + layout,
         f"expert weights per GPU: {_size(shard)} fp32 shards (of the parameters row), {_size(gathered)} gathered "
-        "per MoE block",
+        "per MoE block"
+        + (
+            f" (fully_shard splits dim 0, the {model.n_experts} experts, over {request.fsdp_ranks} ranks: padded to "
+            f"{-(-model.n_experts // request.fsdp_ranks)} per rank)"
+            if hf and model.n_experts % request.fsdp_ranks
+            else ""
+        ),
         f"MoE block activations held for backward ({tokens} tokens x top_k {model.top_k} routed copies, balanced "
         f"routing or not): {held}",
     ]

@@ -371,6 +371,13 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
         "128.00 MiB",
     ]
     assert any(line.startswith("grouped GEMM backward copies (1 layer)") for line in lines)
+    # Mixtral's 8 experts on 16 GPUs: each rank's dim-0 shard is padded to one whole expert (ranks 8-15 hold padding).
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
+    text = invoke("plan", "--hf-config", str(tmp_path), "--nodes", "2", "--batch", "1").stdout.splitlines()
+    assert text[6] == (
+        "expert weights per GPU: 21.00 GiB fp32 shards (of the parameters row), 2.62 GiB gathered per MoE block "
+        "(fully_shard splits dim 0, the 8 experts, over 16 ranks: padded to 1 per rank)"
+    )  # 32 blocks x 3 x 4096 x 14336 fp32 values: 1 of the 8 experts per GPU
     result = invoke("plan", "--hf-config", str(tmp_path), "--ep", "2")
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", (
         "fsdp2gen: error: --ep 2: an hf project has no expert parallelism yet (its experts are FSDP-sharded over the "
