@@ -124,6 +124,11 @@ CONFIG_KEYS: dict[str, str] = {
         (
             "model.init_std",
             "model.rope_theta",
+            "model.rope_type",
+            "model.rope_factor",
+            "model.rope_low_freq_factor",
+            "model.rope_high_freq_factor",
+            "model.rope_original_max_seq_len",
             "model.norm_eps",
             "model.route_scale",
             "model.score_func",

@@ -620,7 +620,8 @@ SCHEMA_CASES: dict[str, tuple[list[str], str]] = {
     "moe-key-in-a-dense-project": (
         ["--model.n_experts", "4"],
         "unknown key model.n_experts; known: size, dim, n_layers, n_heads, n_kv_heads, vocab_size, ffn_dim, "
-        "max_seq_len, rope_theta, norm_eps, init_std, tie_embeddings",
+        "max_seq_len, rope_theta, rope_type, rope_factor, rope_low_freq_factor, rope_high_freq_factor, "
+        "rope_original_max_seq_len, norm_eps, init_std, tie_embeddings",
     ),
     "seed-2**32": (
         ["--training.seed", str(2**32)],

@@ -1,8 +1,9 @@
-"""scripts/evaluate.py (family hf), the parts that need no lm-eval run: a new folder per evaluation, bad input,
-and the results logged where the checkpoint's run logs (TensorBoard). lm-eval itself runs once, in
-tests/test_newcomer_path.py's Hugging Face path (train, export, evaluate as the generated README prints them), which
-checks its per-item log-likelihoods against transformers by hand (importing lm_eval costs ~5 CPU-seconds, one
-evaluate.py process ~30).
+"""scripts/evaluate.py. Family hf, the parts that need no lm-eval run: a new folder per evaluation, bad input,
+and the results logged where the checkpoint's run logs (TensorBoard). lm-eval itself runs on an hf project in
+tests/test_newcomer_path.py's Hugging Face path (train, export, evaluate as the generated README prints them), and
+here on a built-in llama's checkpoint (started from a Llama 3.1-style Hugging Face folder, exported with
+export.py --format hf), in this process: both check its per-item log-likelihoods against transformers by hand
+(importing lm_eval costs ~5 CPU-seconds, one evaluate.py process ~30).
 
 Also here, as they need a Hugging Face project and model folder: the bare tokenizer.json that --tokenizer and
 data.tokenizer accept, and preflight's sequence-length line of hf projects.
@@ -13,15 +14,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.conftest import generate, project_modules, save_tiny_llama, torchrun_env
+from tests.conftest import generate, metrics, project_modules, save_tiny_llama, torchrun_env
+from tests.test_hf_llama import LLAMA3_ROPE
+from tests.test_newcomer_path import ITEMS, TASK, log_likelihoods_by_hand
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40 + "red green blue yellow, cat dog bird fish. " * 20
 
@@ -36,14 +41,19 @@ def hf_project(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "model": model, "project": project}
 
 
-@pytest.fixture
-def evaluate(hf_project: dict) -> Iterator[ModuleType]:
-    """The project's scripts/evaluate.py, imported in this process with the project's modules (forgotten after)."""
-    project = hf_project["project"]
+@contextmanager
+def evaluate_script(project: Path) -> Iterator[ModuleType]:
+    """`project`'s scripts/evaluate.py, imported in this process with the project's modules (forgotten after)."""
     with project_modules(project):
         spec = importlib.util.spec_from_file_location(f"evaluate_{id(project)}", project / "scripts" / "evaluate.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        yield module
+
+
+@pytest.fixture
+def evaluate(hf_project: dict) -> Iterator[ModuleType]:
+    with evaluate_script(hf_project["project"]) as module:
         yield module
 
 
@@ -132,3 +142,62 @@ def test_a_bare_tokenizer_json_or_its_folder_loads_as_the_models_tokenizer(hf_pr
             bare = tokenizer.load_tokenizer(bare_path)
             assert (bare.eos_id, bare.vocab_size) == (full.eos_id, full.vocab_size)
             assert bare.encode("the lazy dog, red fish") == full.encode("the lazy dog, red fish")
+
+
+def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_transformers_scores_it(
+    tmp_path: Path,
+) -> None:
+    """The built-in llama started from a tiny Llama with Llama 3.1's rotary scaling, trained 2 steps in one process;
+    evaluate.py (in this process) on its newest checkpoint with a local multiple-choice task: exported by
+    export.py --format hf into a temporary folder, scored by lm-eval. Its per-item log-likelihoods are transformers'
+    by hand (1e-5) on the same checkpoint exported by hand, its accuracy theirs, the temporary export gone."""
+    hub = save_tiny_llama(tmp_path / "model", TEXT, rope_parameters=LLAMA3_ROPE)
+    project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(hub), "--gpus", "1", "--fp32")
+    out = tmp_path / "outputs"
+    train = [sys.executable, "train.py", "--job.device", "cpu", "--job.output_dir", str(out), "--training.steps", "2",
+             "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.warmup_steps", "1",
+             "--training.lr", "1e-2", "--eval.every", "0"]  # fmt: skip
+    trained = subprocess.run(train, cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    (tasks / "tiny_mc.yaml").write_text(TASK.format(items=tasks / "items.jsonl"))
+    exported = tmp_path / "exported"
+    with pytest.MonkeyPatch.context() as patch, evaluate_script(project) as evaluate:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        # A run on token ids (no data.tokenizer) cannot be scored on text: one line, before anything is exported.
+        no_tokenizer = tmp_path / "no-tokenizer" / "checkpoints" / "step-2"
+        no_tokenizer.mkdir(parents=True)
+        record = json.loads((out / "checkpoints" / "step-2" / "checkpoint.json").read_text())
+        record["config"]["data"]["tokenizer"] = ""
+        (no_tokenizer / "checkpoint.json").write_text(json.dumps(record))
+        with pytest.raises(evaluate.EvaluateError, match=r"step-2 was trained without a tokenizer \(data.tokenizer "
+                           r"is empty: token ids\), and lm-eval scores text; give the tokenizer its token ids come "
+                           r"from with --tokenizer \(a folder or hub id\)$"):  # fmt: skip
+            evaluate.run(evaluate.parse_args([str(no_tokenizer), "--tasks", str(tasks / "tiny_mc.yaml")]))
+        assert not (tmp_path / "no-tokenizer" / "evaluations").exists()
+
+        patch.setattr(sys, "argv", ["export.py", str(out / "checkpoints" / "step-2"), "--output", str(exported),
+                                    "--format", "hf"])  # fmt: skip
+        runpy.run_path(str(project / "scripts" / "export.py"), run_name="__main__")
+        args = ["--checkpoints", str(out / "checkpoints"), "--tasks", str(tasks / "tiny_mc.yaml"), "--device", "cpu"]
+        evaluate.run(evaluate.parse_args(args))
+    (folder,) = (out / "evaluations").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json", "samples_tiny_mc.jsonl"]  # export removed
+    samples = sorted((json.loads(x) for x in (folder / "samples_tiny_mc.jsonl").read_text().splitlines()),
+                     key=lambda sample: sample["doc_id"])  # fmt: skip
+    scored = [[choice[0] for choice in sample["filtered_resps"]] for sample in samples]
+    reference = log_likelihoods_by_hand(exported)
+    assert len(scored) == len(ITEMS)
+    for ours, theirs in zip(scored, reference, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5, rel=0)
+    # The trained checkpoint, not the folder it started from: training moved the log-likelihoods.
+    untrained = [value for row in log_likelihoods_by_hand(hub) for value in row]
+    assert max(abs(a - b) for a, b in zip(untrained, sum(reference, []), strict=True)) > 1e-3
+    accuracy = sum(row.index(max(row)) == item["answer"] for row, item in zip(reference, ITEMS, strict=True)) / 5
+    results = json.loads((folder / "results.json").read_text())["results"]
+    assert results["tiny_mc"]["acc,none"] == pytest.approx(accuracy)
+    (row,) = [json.loads(x) for x in (out / "evaluations.jsonl").read_text().splitlines()]
+    assert (row["run_id"], row["step"]) == (metrics(out)[0]["run_id"], 2)

@@ -1,8 +1,10 @@
 """The built-in llama and Hugging Face checkpoints (hf_checkpoint.py): a tiny LlamaForCausalLM made here with
-save_pretrained, loaded by `fsdp2gen new --family llama --hf-model` projects under every layout (1, 2 and 4 ranks,
-tensor and pipeline parallel) equal to transformers' weights and logits; trained, then exported with
+save_pretrained, with Llama 3.1/3.2's rotary scaling ("llama3", as the checkpoints users start from have it),
+loaded by `fsdp2gen new --family llama --hf-model` projects under every layout (1, 2 and 4 ranks, tensor and
+pipeline parallel) equal to transformers' weights and logits; trained, then exported with
 `scripts/export.py --format hf` and saved with `checkpoint.save_format = "hf"`, loaded by from_pretrained with
-the trained model's logits; HF -> ours -> HF bit for bit. Four launches in all."""
+the trained model's logits; HF -> ours -> HF bit for bit, config.json's rotary scaling included. In-process:
+checkpoints without rotary scaling and with transformers 4's `rope_scaling`. Four launches in all."""
 
 from __future__ import annotations
 
@@ -23,10 +25,18 @@ TRAIN = ["--job.device", "cpu", "--training.seq_len", "32", "--training.global_b
          "--eval.every", "0", "--job.log_every", "1"]  # fmt: skip
 
 
+# Llama 3.1's rotary scaling, its wavelengths scaled down to this model's 64 positions: with head_dim 16 and theta
+# 10000 (wavelengths 6.3, 19.9, 62.8, 199, ...) each of its three bands has some (6.3 < 48 / 6 is kept, 19.9 is
+# interpolated, those above 48 are divided by the factor).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 6.0, "original_max_position_embeddings": 48}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer LlamaForCausalLM (hidden 64, GQA, vocabulary 320, untied) and its tokenizer, as the hub has them."""
-    return save_tiny_llama(tmp_path_factory.mktemp("hf-llama") / "tiny-llama", TEXT)
+    """A 2-layer LlamaForCausalLM (hidden 64, GQA, vocabulary 320, untied, Llama 3.1's rotary scaling) and its
+    tokenizer, as the hub has them."""
+    return save_tiny_llama(tmp_path_factory.mktemp("hf-llama") / "tiny-llama", TEXT, rope_parameters=LLAMA3_ROPE)
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +65,28 @@ def assert_equal_to_transformers(output: str, n_weights: int, sharded: bool) -> 
         assert "sharded logits max |diff|" not in found
 
 
-def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
+def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     reference = hf_model.state_dict()
+    hf_config = json.loads((llama / "config.json").read_text())
     with project_modules(project):
         adapter = importlib.import_module("hf_checkpoint")
         model_module = importlib.import_module("model")
-        config = importlib.import_module("config").load_config(project / "config.toml")
-        # The shape is the checkpoint's (config.json), whatever model.size says.
+        config_module = importlib.import_module("config")
+        config = config_module.load_config(project / "config.toml")
+        # The shape is the checkpoint's (config.json), whatever model.size says, its rotary scaling too.
         assert (config.model.dim, config.model.n_layers, config.model.vocab_size) == (64, 2, 320)
+        rope = ("type", "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+        assert [getattr(config.model, f"rope_{key}") for key in rope] == ["llama3", 8, 1, 6, 48]
+        # config.json back: every key transformers' LlamaConfig wrote that the model defines, rope_parameters too.
+        written = adapter.hf_config(config.model)
+        assert {key: written[key] for key in written.keys() & hf_config.keys() - {"bos_token_id", "eos_token_id"}} == {
+            key: hf_config[key] for key in written.keys() & hf_config.keys() - {"bos_token_id", "eos_token_id"}
+        }
+        assert written["rope_parameters"] == LLAMA3_ROPE
         # `fsdp2gen plan --config` plans that shape too: 2 x 64 x 320 embeddings + 2 blocks + the final norm.
         planned = fsdp2gen("plan", "--config", str(project / "config.toml"), "--gpus", "2")
         assert planned.returncode == 0, planned.stderr
@@ -86,6 +106,34 @@ def test_hf_to_ours_to_hf_is_bit_exact(project: Path, llama: Path) -> None:
         # Tied: lm_head.weight is left out, as transformers' own files leave it out, and comes back as the embedding.
         tied = {key: value for key, value in reference.items() if key != "lm_head.weight"}
         assert adapter.to_hf(adapter.from_hf(tied, tie_embeddings=True), True).keys() == tied.keys()
+
+        # The same weights without rotary scaling, and with Llama 3.1's scaling as transformers 4 wrote it (and the
+        # hub's Llama 3.1 files still are): rope_theta and rope_scaling. transformers' logits, all positions.
+        plain, old = tmp_path / "plain", tmp_path / "transformers-4"
+        legacy = {key: value for key, value in hf_config.items() if key != "rope_parameters"}
+        legacy |= {"rope_theta": 10000.0, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
+        unscaled = {**hf_config, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+        for folder, content in ((plain, unscaled), (old, legacy)):
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(content))
+            (folder / "model.safetensors").symlink_to(llama / "model.safetensors")
+        tokens = torch.randint(320, (2, 64), generator=torch.Generator().manual_seed(2))
+        logits = {}
+        for folder, kind in ((plain, "default"), (old, "llama3"), (llama, "llama3")):
+            args = config_module.parse_args(["--config", str(project / "config.toml"), "--model.hf_checkpoint",
+                                             str(folder)]).model  # fmt: skip
+            assert args.rope_type == kind
+            model = model_module.Model(args)
+            model.init_weights(seed=0)
+            model.load_state_dict(ours)
+            theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits[folder] = theirs(tokens).logits
+                assert (model.eval()(tokens) - logits[folder]).abs().max().item() <= 1e-5, folder
+            expected = {"rope_theta": 10000.0, "rope_type": "default"} if kind == "default" else LLAMA3_ROPE
+            assert adapter.hf_config(args)["rope_parameters"] == expected
+        # The scaling matters here: transformers' logits with and without it differ.
+        assert (logits[llama] - logits[plain]).abs().max().item() > 1e-3
 
 
 def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Path, tmp_path: Path) -> None:
@@ -118,6 +166,9 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
         assert result.returncode == 0, result.stderr
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in exported.iterdir()}  # fmt: skip
+    # Llama 3.1's rotary scaling leaves with the model (the logits below depend on it).
+    for folder in (exported, out / "hf" / "step-6"):
+        assert json.loads((folder / "config.json").read_text())["rope_parameters"] == LLAMA3_ROPE
     model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
     assert {key: value for key, value in info.items() if value} == {}, info
     saved = AutoModelForCausalLM.from_pretrained(out / "hf" / "step-6", dtype=torch.float32).state_dict()
@@ -168,7 +219,8 @@ def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
     config = json.loads((llama / "config.json").read_text())
     variants = {
         "qwen2": {**config, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
-        "llama3-rope": {**config, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0}},
+        "yarn": {**config, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn", "factor": 4.0}},
+        "llama3-incomplete": {**config, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 32.0}},
         # As transformers 4 wrote it.
         "old-rope-scaling": {
             **{key: value for key, value in config.items() if key != "rope_parameters"},
@@ -182,11 +234,14 @@ def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
         (tmp_path / name / "config.json").write_text(json.dumps(content))
     (tmp_path / "empty").mkdir()
     fix = "train it with --family hf"
-    scaling = "scaling, which the built-in llama does not have; " + fix
+    scaling = 'scaling, which the built-in llama does not have (it has "llama3"); ' + fix
     cases = {
         "qwen2": f"it is a Qwen2ForCausalLM, not a LlamaForCausalLM; the built-in llama takes Llama checkpoints only: "
         f"{fix}",
-        "llama3-rope": f'its rotary embeddings use "llama3" {scaling}',
+        "yarn": f'its rotary embeddings use "yarn" {scaling}',
+        "llama3-incomplete": 'its "llama3" rotary scaling has no low_freq_factor, high_freq_factor, '
+        "original_max_position_embeddings; give them in config.json's rope_parameters (Llama 3.1's: factor 8.0, "
+        "low_freq_factor 1.0, high_freq_factor 4.0, original_max_position_embeddings 8192)",
         "old-rope-scaling": f'its rotary embeddings use "linear" {scaling}',
         "biases": f"its attention_bias = True is not the built-in llama's; {fix}",
         "empty": f"{tmp_path / 'empty' / 'config.json'} does not exist; give a Llama folder written by save_pretrained",
@@ -200,6 +255,16 @@ def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
             assert stopped.value.code == 2
             assert capsys.readouterr().err.splitlines() == [f"{Path(sys.argv[0]).name}: error: model.hf_checkpoint "
                                                             f"{folder}: {expected}"]  # fmt: skip
+        # llama3 scaling set in config.toml (a model of `size`): its band must not be empty.
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--config", str(project / "config.toml"), "--model.hf_checkpoint", "", "--model.rope_type",
+                        "llama3", "--model.rope_high_freq_factor", "1"])  # fmt: skip
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f'{Path(sys.argv[0]).name}: error: model.rope_type "llama3" interpolates between the wavelengths of '
+            "model.rope_high_freq_factor (1.0) and model.rope_low_freq_factor (1.0): the high one must be the larger; "
+            "e.g. Llama 3.1's 4.0 and 1.0"
+        ]
         # The tokenizer the checkpoint came with, gone: data.tokenizer's own one line.
         with pytest.raises(SystemExit) as stopped:
             parse_args(["--config", str(project / "config.toml"), "--data.tokenizer", str(tmp_path / "empty")])

@@ -44,6 +44,15 @@ class ModelArgs:
     max_seq_len: int = setting(0, low=1, high=MAX_COUNT, zero=PRESET)
     # Below 1 the rotary frequencies theta**(-i/d) grow past float32's range: the tables become NaN.
     rope_theta: float = setting(0.0, low=1, zero=PRESET)
+    # Rotary scaling (rotary_frequencies in model.py). "default": none. "llama3": Llama 3.1 and 3.2's (their
+    # config.json's rope_type "llama3", as transformers computes it): wavelengths below rope_original_max_seq_len /
+    # rope_high_freq_factor are kept, those above rope_original_max_seq_len / rope_low_freq_factor are divided
+    # by rope_factor, and those between are interpolated. The defaults are Llama 3.1's (Llama 3.2: factor 32).
+    rope_type: Literal["default", "llama3"] = "default"
+    rope_factor: float = setting(8.0, low=1)
+    rope_low_freq_factor: float = setting(1.0, positive=True)
+    rope_high_freq_factor: float = setting(4.0, positive=True)
+    rope_original_max_seq_len: int = setting(8192, low=1, high=MAX_COUNT)
     norm_eps: float = setting(1e-5, positive=True, high=1)
     init_std: float = setting(0.02, positive=True, high=1)  # above 1 the first logits overflow fp16/bf16
     tie_embeddings: bool = False  # the output layer reuses the token embedding matrix
@@ -84,6 +93,12 @@ MODEL_RULES = [
         lambda c: c.model.n_heads % c.model.n_kv_heads == 0,
         "model.n_heads ({c.model.n_heads}) must be divisible by model.n_kv_heads ({c.model.n_kv_heads}); change "
         "one of them",
+    ),
+    Rule(
+        lambda c: c.model.rope_type != "llama3" or c.model.rope_high_freq_factor > c.model.rope_low_freq_factor,
+        'model.rope_type "llama3" interpolates between the wavelengths of model.rope_high_freq_factor '
+        "({c.model.rope_high_freq_factor}) and model.rope_low_freq_factor ({c.model.rope_low_freq_factor}): the "
+        "high one must be the larger; e.g. Llama 3.1's 4.0 and 1.0",
     ),
     Rule(
         lambda c: c.model.head_dim % 2 == 0,

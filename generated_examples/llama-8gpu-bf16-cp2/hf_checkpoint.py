@@ -102,19 +102,50 @@ def from_hf(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, t
     return ours
 
 
-def rope_theta(config: dict[str, Any]) -> float:
-    """The rotary base of a config.json, written by transformers 5 (rope_parameters) or 4 (rope_theta); any
-    rotary scaling (Llama 3.1's "llama3", "linear", "yarn", ...) is refused: this model's tables have none."""
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kinds = [rope.get("rope_type"), scaling.get("rope_type") or scaling.get("type")]
-    kind = next((kind for kind in kinds if kind not in (None, "default")), None)
-    if kind is not None:
+# The rotary scaling this model has (model.rope_type), and the keys of its parameters in a config.json's
+# rope_parameters (transformers 5) or rope_scaling (transformers 4) -> ModelArgs'.
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                    "high_freq_factor": "rope_high_freq_factor",
+                    "original_max_position_embeddings": "rope_original_max_seq_len"}  # fmt: skip
+
+
+def rope_args(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary keys of [model] (rope_theta, rope_type and llama3's parameters) of a config.json, written by
+    transformers 5 (rope_parameters) or 4 (rope_theta and rope_scaling, as Llama 3.1's hub files still are); any
+    scaling but Llama 3.1/3.2's "llama3" ("linear", "yarn", "dynamic", ...) is refused: this model has no other."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ROPE_TYPES:
         raise HFCheckpointError(
-            f'its rotary embeddings use "{kind}" scaling, which the built-in llama does not have; '
-            "train it with --family hf"
+            f'its rotary embeddings use "{kind}" scaling, which the built-in llama does not have (it has '
+            '"llama3"); train it with --family hf'
         )
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFCheckpointError(
+            f"its rotary embeddings turn part of each head (partial_rotary_factor = {rope['partial_rotary_factor']}), "
+            "the built-in llama's turn all of it; train it with --family hf"
+        )
+    args = {"rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), "rope_type": kind}
+    if kind == "llama3":
+        missing = [key for key in LLAMA3_ROPE_KEYS if rope.get(key) is None]
+        if missing:
+            raise HFCheckpointError(
+                f'its "llama3" rotary scaling has no {", ".join(missing)}; give them in config.json\'s '
+                "rope_parameters (Llama 3.1's: factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+                "original_max_position_embeddings 8192)"
+            )
+        args |= {ours: float(rope[key]) for key, ours in LLAMA3_ROPE_KEYS.items()}
+        args["rope_original_max_seq_len"] = int(rope["original_max_position_embeddings"])
+    return args
+
+
+def hf_rope_parameters(args: ModelArgs) -> dict[str, Any]:
+    """config.json's rope_parameters for `args` (what transformers 5's save_pretrained writes)."""
+    rope = {"rope_theta": args.rope_theta, "rope_type": args.rope_type}
+    if args.rope_type == "llama3":
+        rope |= {key: getattr(args, ours) for key, ours in LLAMA3_ROPE_KEYS.items()}
+    return rope
 
 
 def args_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +170,7 @@ def args_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": config["vocab_size"],
         "ffn_dim": config["intermediate_size"],
         "max_seq_len": config["max_position_embeddings"],
-        "rope_theta": rope_theta(config),
+        **rope_args(config),
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
@@ -158,7 +189,7 @@ def hf_config(args: ModelArgs, eos_id: int | None = None, bos_id: int | None = N
         "vocab_size": args.vocab_size,
         "intermediate_size": args.ffn_dim,
         "max_position_embeddings": args.max_seq_len,
-        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
+        "rope_parameters": hf_rope_parameters(args),
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.init_std,

@@ -50,6 +50,27 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     return cos[:, :, None, :], sin[:, :, None, :]
 
 
+def rotary_frequencies(args: ModelArgs, device: torch.device) -> torch.Tensor:
+    """The rotary inverse frequencies rope_theta**(-2i / head_dim), one per pair of a head's values; with
+    model.rope_type "llama3", scaled as Llama 3.1 and 3.2 scale them: transformers' _compute_llama3_parameters
+    (modeling_rope_utils.py) step for step, so that a Llama 3.x checkpoint gets its own rotary tables."""
+    head_dim = args.dim // args.n_heads
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if args.rope_type == "default":
+        return inv_freq
+    factor, low, high = args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_context = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths longer than the original context / low (the slowest turns): slowed down `factor` times more.
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    # Between old_context / high and old_context / low: interpolated between slowed down and unchanged.
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    # (Shorter wavelengths than old_context / high, the fastest turns, are left as they are.)
+    return torch.where(medium, smoothed, scaled)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :half], x[..., half:]) of a (batch, seq, heads, head_dim) tensor by the angles of
     `rotary_tables`: (x1 cos - x2 sin, x2 cos + x1 sin).
@@ -193,8 +214,7 @@ class Transformer(nn.Module):
         self._init_rope(buffer_device or device)
 
     def _init_rope(self, device: torch.device) -> None:
-        head_dim = self.args.dim // self.args.n_heads
-        inv_freq = 1.0 / self.args.rope_theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+        inv_freq = rotary_frequencies(self.args, device)
         angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), inv_freq)
         # Assigning to a registered buffer replaces it (still non-persistent), on `device`.
         self.rope_cos = angles.cos()

@@ -6,9 +6,11 @@
     python scripts/evaluate.py --tasks tasks/my_task.yaml                       # a task's YAML file, by path
 
 Needs `pip install -e '.[eval]'`. MODEL is a checkpoint (a step-N folder: it is exported first with
-scripts/export.py into a temporary folder, removed afterwards), a Hugging Face model folder (scripts/export.py's
---output, or any save_pretrained folder) or a hub id. The model is lm-eval's own `HFLM` (transformers'
-AutoModelForCausalLM) and the scores are lm-eval's: nothing here computes a log-likelihood.
+`scripts/export.py --format hf`, as transformers' LlamaForCausalLM, into a temporary folder, removed afterwards;
+lm-eval needs a tokenizer: the run's data.tokenizer, else --tokenizer), a Hugging Face model folder
+(`scripts/export.py --format hf`'s --output, or any save_pretrained folder) or a hub id. The model is lm-eval's
+own `HFLM` (transformers' AutoModelForCausalLM) and the scores are lm-eval's: nothing here computes a
+log-likelihood.
 
 --tasks: any lm-eval task or group by name (`lm-eval ls tasks` lists them; their datasets download once into the
 Hugging Face cache), or a task's YAML file. A local task needs no network: a YAML such as
@@ -18,9 +20,9 @@ Hugging Face cache), or a task's YAML file. A local task needs no network: a YAM
     dataset_kwargs: {data_files: {test: /data/my_task.jsonl}}
     test_split: test
     output_type: multiple_choice
-    doc_to_text: "{{ '{{question}}' }}"
-    doc_to_choice: "{{ '{{choices}}' }}"
-    doc_to_target: "{{ '{{answer}}' }}"
+    doc_to_text: "{{question}}"
+    doc_to_choice: "{{choices}}"
+    doc_to_target: "{{answer}}"
     metric_list: [{metric: acc}]
 
 next to a JSONL file of {"question": ..., "choices": [...], "answer": index} lines.
@@ -30,15 +32,6 @@ ones: each evaluation creates a new folder evaluations/<UTC time>-<model>/ holdi
 each task's metrics and their standard errors, the configuration of each task, versions) and samples_<task>.jsonl
 (each item: its requests, the model's per-choice log-likelihoods, the metrics), and appends one line per task to
 evaluations.jsonl (run id, step, model, task, metrics).
-{% if tensorboard or wandb %}
-An evaluated checkpoint's scores also go where its run logged its training, as eval/<task>/<metric>:
-{% if tensorboard %}
-TensorBoard at the checkpoint's step{{ "," if wandb else "." }}
-{% endif %}
-{% if wandb %}
-the run's own W&B run (with an x-axis of their own, eval/step).
-{% endif %}
-{% endif %}
 
 On GPUs the evaluation uses all visible GPUs (--nproc, default: their number): this script starts torchrun with
 one process per GPU, each holding the whole model and scoring its share of the items (lm-eval's data-parallel
@@ -108,6 +101,11 @@ def run(args: argparse.Namespace) -> None:
 
     check_arguments(args)
     source = model_source(args)
+    if source["step"] is not None and not source["config"]["data"]["tokenizer"] and not args.tokenizer:
+        raise EvaluateError(
+            f"{source['model']} was trained without a tokenizer (data.tokenizer is empty: token ids), and lm-eval "
+            "scores text; give the tokenizer its token ids come from with --tokenizer (a folder or hub id)"
+        )
     output_dir = args.output_dir or Path(source["run_dir"] or "outputs")
     nproc = args.nproc or max(torch.cuda.device_count() if args.device != "cpu" else 1, 1)
     if nproc > 1 and not torch.cuda.is_available():
@@ -201,8 +199,10 @@ def new_evaluation_folder(output_dir: Path, name: str) -> Path:
 
 
 def export(checkpoint: Path, folder: Path) -> None:
-    """The checkpoint as a Hugging Face folder, written by scripts/export.py (what a user would export)."""
-    command = [sys.executable, str(PROJECT / "scripts" / "export.py"), str(checkpoint), "--output", str(folder)]
+    """The checkpoint as a Hugging Face folder, written by scripts/export.py --format hf (what a user would export):
+    transformers' LlamaForCausalLM, which lm-eval's HFLM loads."""
+    command = [sys.executable, str(PROJECT / "scripts" / "export.py"), str(checkpoint), "--output", str(folder),
+               "--format", "hf"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         lines = (result.stderr or result.stdout).strip().splitlines()
@@ -274,47 +274,8 @@ def write_results(results: dict, evaluation: Path, source: dict) -> None:
             row = {"run_id": source["run_id"], "step": source["step"], "model": source["model"], "task": task,
                    "metrics": metrics, "folder": str(evaluation)}  # fmt: skip
             file.write(json.dumps(row) + "\n")
-{% if tensorboard or wandb %}
-    if source["step"] is not None:
-        log_to_run(scores, run_dir, source)
-{% endif %}
     print(f"evaluated {source['model']}: {json.dumps(scores)}")
     print(f"results in {evaluation}")
-{% if tensorboard or wandb %}
-
-
-def log_to_run(scores: dict[str, dict[str, float]], run_dir: Path, source: dict) -> None:
-    """The scores where the checkpoint's run logged its training metrics, at the checkpoint's step."""
-    job, step = source["config"]["job"], source["step"]
-    flat = {f"eval/{task}/{name}": value for task, metrics in scores.items() for name, value in metrics.items()}
-{% if tensorboard %}
-    if job.get("tensorboard"):
-        from torch.utils.tensorboard import SummaryWriter
-
-        # A new event file next to the run's own: TensorBoard shows them as one run.
-        writer = SummaryWriter(run_dir / "tensorboard")
-        for name, value in flat.items():
-            writer.add_scalar(name, value, step)
-        writer.close()
-{% endif %}
-{% if wandb %}
-    if job.get("wandb"):
-        import wandb
-
-        from config import WandbConfig
-        from metrics import wandb_mode
-
-        settings = WandbConfig(**source["config"]["wandb"])
-        # The run's own W&B run (its id is the run id). Its steps have moved past this checkpoint's, so the
-        # evaluation has an x-axis of its own, eval/step.
-        run = wandb.init(project=settings.project, id=source["run_id"], resume="allow", mode=wandb_mode(settings),
-                         dir=run_dir)  # fmt: skip
-        run.define_metric("eval/step")
-        run.define_metric("eval/*", step_metric="eval/step")
-        run.log({"eval/step": step, **flat})
-        run.finish()
-{% endif %}
-{% endif %}
 
 
 if __name__ == "__main__":
