@@ -8,6 +8,7 @@ tiny model, projects rendered by the CLI.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -100,18 +101,14 @@ def test_a_checkpoint_saved_with_cp2_resumes_with_cp1_as_the_uninterrupted_run(
     assert_close(numbers(run), one_process, [3, 4])
 
 
-def test_dp_shard2_x_cp2_x_tp2_on_8_ranks_equals_one_process(one_process: dict, tmp_path: Path) -> None:
+def test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process(one_process: dict, tmp_path: Path) -> None:
     # The user's node of 8 GPUs with every dimension in use: each cp rank's share of the sequence is split again
-    # over the tp ranks between the blocks (sequence parallelism), and FSDP shards over dp_shard x cp = 4 ranks.
-    # The model and its initialisation are the cp project's, so is the reference.
+    # over the tp ranks between the blocks (sequence parallelism), and two replicas each shard over their
+    # dp_shard x cp = 1 x 2 ranks: FSDP's mesh is (dp_replicate, dp_shard_cp). (FSDP over dp_shard 2 x cp 2:
+    # test_cp2_x_dp_shard2_on_4_ranks_equals_one_process.) The model and its initialisation are the cp project's,
+    # so is the reference.
     project = generate(tmp_path / "cp2-tp2", "--gpus", "8", "--cp", "2", "--tp", "2", "--precision", "fp32")
-    ran(train(project, tmp_path / "out", "--training.steps", "2", nproc=8))
-    assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
-
-
-def test_hsdp_2_x_cp2_on_4_ranks_equals_one_process(project: Path, one_process: dict, tmp_path: Path) -> None:
-    # Two replicas, each sharding over its dp_shard x cp = 1 x 2 ranks: FSDP's mesh is (dp_replicate, dp_shard_cp).
-    ran(train(project, tmp_path / "out", "--training.steps", "2", "--parallel.dp_replicate", "2", nproc=4))
+    ran(train(project, tmp_path / "out", "--training.steps", "2", "--parallel.dp_replicate", "2", nproc=8))
     assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
 
 
@@ -125,7 +122,8 @@ def test_the_rotary_positions_of_a_ranks_pieces_matter(project: Path, one_proces
     assert source.count("yield MicroBatch(inputs, targets, positions)\n") == 1
     mutation = source.replace("yield MicroBatch(inputs, targets, positions)\n", "yield MicroBatch(inputs, targets)\n")
     (mutated / "context_parallel.py").write_text(mutation)
-    ran(train(mutated, tmp_path / "out", nproc=4))
+    # cp 2 on 2 ranks (dp_shard 1) is enough: each rank's pieces are what is numbered wrong.
+    ran(train(mutated, tmp_path / "out", nproc=2))
     got = numbers(tmp_path / "out")
     # Far outside the tolerance (measured: 1.3e-5 at step 1, the model still nearly blind to order, 1.8e-2 in
     # step 3's gradient norm).
@@ -148,18 +146,36 @@ REFUSALS = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
+    """Every case of REFUSALS run by the project's own preflight.main() as `python preflight.py --world-size 4 ARGS`
+    runs it: the cases with the CPU shim all in one process (tests/helpers/preflight_driver.py), the one without it
+    (cpu) as `python preflight.py` itself. The folder of their output dirs, and case -> [exit code, stdout, stderr]."""
+    root = tmp_path_factory.mktemp("refusals")
+    argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
+            for case, (args, _, _) in REFUSALS.items()}  # fmt: skip
+    shimmed = {case: argv[case] for case, (_, shim, _) in REFUSALS.items() if shim}
+    (root / "cases.json").write_text(json.dumps(shimmed))
+    env = {**torchrun_env(), "PYTHONPATH": f"{SHIM}:{project}"}
+    result = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(root / "cases.json")],
+                            cwd=project, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    ran(result)
+    results = json.loads(result.stdout)
+    for case in REFUSALS.keys() - shimmed.keys():
+        plain = subprocess.run([sys.executable, "preflight.py", *argv[case]], cwd=project, capture_output=True,
+                               text=True, timeout=120, env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip
+        results[case] = [plain.returncode, plain.stdout, plain.stderr]
+    return root, results
+
+
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_what_cp_cannot_run_is_refused_in_one_line_before_the_model_is_built(
-    case: str, project: Path, tmp_path: Path
+    case: str, refusals: tuple[Path, dict[str, list]]
 ) -> None:
-    args, shim, line = REFUSALS[case]
-    output_dir = ["--job.output_dir", str(tmp_path / "o")]
-    command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, *output_dir, *args]
-    path = f"{SHIM}:{project}" if shim else str(project)
-    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": path},
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
-    assert not (tmp_path / "o").exists()  # nothing written
+    root, results = refusals
+    code, _, stderr = results[case]
+    assert (code, stderr) == (2, f"preflight.py: error: {REFUSALS[case][2]}\n")
+    assert not (root / case).exists()  # nothing written
 
 
 def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ the final weights.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -23,8 +24,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import generate, metrics, torchrun_env
-from tests.test_launchers import launch_two_nodes
+from tests.conftest import HELPERS, generate, metrics, torchrun_env
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
 # top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
@@ -91,42 +91,43 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("ep") / "ep2", "--gpus", "4", "--moe", "--ep", "2", "--precision", "fp32")
 
 
-@pytest.fixture(scope="module", params=["bias", "aux-loss"])
-def balancing(request: pytest.FixtureRequest) -> list[str]:
-    """The auxiliary-loss-free bias updates (the default), or the sequence-wise balance loss alone."""
-    return [] if request.param == "bias" else AUX_LOSS
-
-
 @pytest.fixture(scope="module")
-def one_process(project: Path, balancing: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same run in one process: every expert local, no all-to-all (the reference)."""
+def one_process(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run in one process: every expert local, no all-to-all (the reference), balanced by the
+    auxiliary-loss-free bias updates (the default)."""
     output_dir = tmp_path_factory.mktemp("one-process")
-    ran(train(project, output_dir, *balancing, nproc=1))
+    ran(train(project, output_dir, nproc=1))
     return output_dir
 
 
 @pytest.fixture(scope="module")
-def ep2_dp2(project: Path, balancing: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_process_aux_loss(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference balanced by the sequence-wise balance loss alone."""
+    output_dir = tmp_path_factory.mktemp("one-process-aux-loss")
+    ran(train(project, output_dir, *AUX_LOSS, nproc=1))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def ep2_dp2(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ep 2 borrowed from dp_shard 4 on 4 ranks: the mesh is dp_shard_mod_ep 2 x ep 2, each rank holds 4 experts
     of every MoE layer, sharded over the 2 ranks that hold the same ones."""
     output_dir = tmp_path_factory.mktemp("ep2-dp2")
-    ran(train(project, output_dir, *balancing, nproc=4))
+    ran(train(project, output_dir, nproc=4))
     return output_dir
 
 
-def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_process: Path, balancing: list) -> None:
+def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_process: Path) -> None:
     # Loss (the mean over every target of the step), gradient norm (the experts' gradients sit on another mesh
-    # than the rest's: clip_grad_norm combines the two), the load figures (or the aux loss) and every final weight.
+    # than the rest's: clip_grad_norm combines the two), the load figures and every final weight; with the bias
+    # updates (the balance loss: the hsdp 2 x ep 2 resume below).
     assert sorted(numbers(ep2_dp2)) == [1, 2, 3, 4]
-    if balancing:
-        assert all("moe_aux_loss" in row for row in numbers(ep2_dp2).values())
     diffs = differences(ep2_dp2, one_process, [1, 2, 3, 4])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
 def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
-    ep2_dp2: Path, one_process: Path, project: Path, balancing: list, tmp_path: Path
+    ep2_dp2: Path, one_process: Path, project: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(ep2_dp2, run)
@@ -139,35 +140,29 @@ def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
-def test_a_checkpoint_saved_by_one_process_resumes_with_ep2_as_the_uninterrupted_run(
-    one_process: Path, project: Path, balancing: list, tmp_path: Path
+def test_a_checkpoint_saved_by_one_process_resumes_with_hsdp_2_x_ep2_as_the_uninterrupted_run(
+    one_process_aux_loss: Path, project: Path, tmp_path: Path
 ) -> None:
+    one_process = one_process_aux_loss
     run = tmp_path / "run"
     shutil.copytree(one_process, run)
     shutil.rmtree(run / "checkpoints" / "step-4")
-    # Whole stacked experts in the checkpoint of step 2, each of 4 ranks loading its share: 2 of the 8 experts (ep 2
-    # x FSDP 2).
-    result = train(project, run, nproc=4)
+    # Whole stacked experts in the checkpoint of step 2, each of 4 ranks loading its share: two replicas of
+    # dp_shard 2, all of it lent to ep (dp_shard_mod_ep = 1), so each rank loads half the experts whole, and their
+    # gradients are all-reduced across the replicas. Balanced by the sequence-wise balance loss alone (its value,
+    # summed over the ranks' sequences, is one of the compared figures). Steps 3 and 4, validated and checkpointed,
+    # equal one process: the HSDP x EP layout's proof.
+    result = train(project, run, *AUX_LOSS, "--parallel.dp_replicate", "2", nproc=4)
     ran(result)
     assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    assert all("moe_aux_loss" in numbers(run)[step] for step in (3, 4))
+    # The loss acted and the biases stayed still: the run exercised the balancing it compares.
+    assert numbers(run)[4]["moe_bias_abs_max"] == 0 and 0 < numbers(run)[4]["moe_aux_loss"] < 0.1, numbers(run)[4]
     diffs = differences(run, one_process, [3, 4])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
-def test_hsdp_2_x_ep2_on_4_ranks_equals_one_process(
-    project: Path, one_process: Path, balancing: list, tmp_path: Path
-) -> None:
-    # Two replicas of dp_shard 2, all of it lent to ep: dp_shard_mod_ep = 1, each rank holds half the experts
-    # whole, and their gradients are all-reduced across the replicas.
-    ran(train(project, tmp_path / "out", "--parallel.dp_replicate", "2", nproc=4))
-    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
-    assert max(diffs.values()) <= TOLERANCE, diffs
-
-
-@pytest.mark.parametrize("balancing", ["bias"], indirect=True)  # one balancing mode is enough here
-def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, balancing: list, tmp_path: Path) -> None:
+def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, tmp_path: Path) -> None:
     # The equality above is not blind to the dispatch: tokens left in arrival order (by sender, not by expert)
     # reach the wrong experts, and the run no longer equals one process.
     mutated = tmp_path / "mutated"
@@ -175,33 +170,23 @@ def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, b
     source = (mutated / "expert_parallel.py").read_text()
     assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
     (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
-    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=4))
+    # ep 2 on 2 ranks (dp_shard_mod_ep 1) is enough: the all-to-all between the 2 ep ranks is what is broken.
+    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=2))
     diffs = differences(tmp_path / "out", one_process, [1, 2])
     # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
     assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
 
 
-def test_ep4_x_dp_shard2_on_8_ranks_with_experts_split_by_rows_equals_one_process(tmp_path: Path) -> None:
-    # The user's node of 8 GPUs: ep 4 x dp_shard_mod_ep 2, and 4 experts, so each rank holds 1 expert and its
-    # 2 FSDP ranks shard its rows (Shard(1), as torchtitan does when experts are fewer than their shard ranks).
-    project = generate(tmp_path / "ep4", "--gpus", "8", "--moe", "--ep", "4", "--precision", "fp32")
-    experts = ["--model.n_experts", "4", "--training.steps", "2", "--training.grad_accum_steps", "1"]
+def test_ep2_x_dp_shard2_with_experts_split_by_rows_equals_one_process(project: Path, tmp_path: Path) -> None:
+    # ep 2 x dp_shard_mod_ep 2 on 4 ranks, and 2 experts (each token to 1): each rank holds 1 expert and its 2 FSDP
+    # ranks shard its rows (Shard(1), as torchtitan does when experts are fewer than their shard ranks; the user's
+    # node of 8 GPUs with ep 4 and 4 experts is the same layout). (Across 2 launched nodes, and at 8 ranks in one
+    # node: test_pipeline_parallel.py's pp x tp, test_launchers.py's HSDP and test_context_parallel.py's cp x tp.)
+    experts = ["--model.n_experts", "2", "--model.top_k", "1", "--training.steps", "2", "--training.grad_accum_steps",
+               "1"]  # fmt: skip
     ran(train(project, tmp_path / "one", *experts, nproc=1))
-    ran(train(project, tmp_path / "eight", *experts, nproc=8))
-    diffs = differences(tmp_path / "eight", tmp_path / "one", [1, 2])
-    assert max(diffs.values()) <= TOLERANCE, diffs
-
-
-def test_two_nodes_of_4_ranks_hsdp_x_ep4_equals_one_process(tmp_path: Path) -> None:
-    # scripts/launch_multinode.sh as 2 "nodes" of 4 ranks on 127.0.0.1: a 2-node project is HSDP (dp_replicate 2),
-    # and ep 4 takes a node's whole shard group: each rank holds 2 experts of every layer whole, their gradients
-    # all-reduced across the nodes.
-    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "4", "--moe", "--ep", "4", "--fp32")
-    steps = ["--training.steps", "2", "--training.grad_accum_steps", "1"]
-    ran(train(project, tmp_path / "one", *steps, nproc=1))
-    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 4, *RUN, *steps)
-    assert [code for code, _ in nodes] == [0, 0], nodes
-    diffs = differences(tmp_path / "two", tmp_path / "one", [1, 2])
+    ran(train(project, tmp_path / "four", *experts, nproc=4))
+    diffs = differences(tmp_path / "four", tmp_path / "one", [1, 2])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
@@ -218,25 +203,39 @@ PREFLIGHT_REFUSALS = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
+    """Every case of PREFLIGHT_REFUSALS run by the project's own preflight.main() as `python preflight.py
+    --world-size 4 ARGS` runs it, all in one process (tests/helpers/preflight_driver.py): the folder of their output
+    dirs, and case -> [exit code, stdout, stderr]. test_train_py_refuses_too_... launches the real thing."""
+    root = tmp_path_factory.mktemp("refusals")
+    argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
+            for case, (args, _) in PREFLIGHT_REFUSALS.items()}  # fmt: skip
+    (root / "cases.json").write_text(json.dumps(argv))
+    result = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(root / "cases.json")],
+                            cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    ran(result)
+    return root, json.loads(result.stdout)
+
+
 @pytest.mark.parametrize("case", sorted(PREFLIGHT_REFUSALS))
 def test_what_ep_cannot_run_is_refused_in_one_line_before_the_model_is_built(
-    case: str, project: Path, tmp_path: Path
+    case: str, refusals: tuple[Path, dict[str, list]]
 ) -> None:
-    args, line = PREFLIGHT_REFUSALS[case]
-    output_dir = ["--job.output_dir", str(tmp_path / "o")]
-    command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, *output_dir, *args]
-    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
-    assert not (tmp_path / "o").exists()  # nothing written
+    root, results = refusals
+    code, _, stderr = results[case]
+    assert (code, stderr) == (2, f"preflight.py: error: {PREFLIGHT_REFUSALS[case][1]}\n")
+    assert not (root / case).exists()  # nothing written
 
 
 def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
-    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2.
-    result = train(project, tmp_path / "o", "--parallel.ep", "3", nproc=4)
+    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2. (2
+    # ranks: this refusal does not depend on the number.)
+    result = train(project, tmp_path / "o", *PREFLIGHT_REFUSALS["no-experts"][0], nproc=2)
     assert result.returncode != 0
     lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
-    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["ep-not-dividing-dp-shard"][1]], result.stderr[-2000:]
+    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["no-experts"][1]], result.stderr[-2000:]
 
 
 # The generator's refusals of --ep (without --moe, not dividing the GPUs per node, 0) are cases of

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, torchrun, torchrun_env
+from tests.conftest import TINY, generate, metrics, project_modules, torchrun, torchrun_env
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +18,18 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_size_presets_have_the_parameter_counts_config_toml_states(project: Path) -> None:
-    # Built on the meta device: nothing is allocated, so even 8b is counted in a moment.
-    count = (
-        "import json, torch\nfrom model import ModelArgs, SIZES, Transformer\ncounts = {}\n"
-        "for size in SIZES:\n    for tied in (False, True):\n        with torch.device('meta'):\n"
-        "            model = Transformer(ModelArgs(size=size, tie_embeddings=tied))\n"
-        "        counts[f'{size} {tied}'] = sum(p.numel() for p in model.parameters())\nprint(json.dumps(counts))"
-    )
-    result = subprocess.run([sys.executable, "-c", count], cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    counts = json.loads(result.stdout)
+    # Built on the meta device: nothing is allocated, so even 8b is counted in a moment (in this process).
+    import torch
+
+    with project_modules(project):
+        from model import SIZES, ModelArgs, Transformer
+
+        counts = {}
+        for size in SIZES:
+            for tied in (False, True):
+                with torch.device("meta"):
+                    model = Transformer(ModelArgs(size=size, tie_embeddings=tied))
+                counts[f"{size} {tied}"] = sum(p.numel() for p in model.parameters())
     assert counts["1b True"] == 1_235_814_400  # Llama 3.2 1B, as published (tied)
     assert counts["8b False"] == 8_030_261_248  # Llama 3.1 8B, as published
     comment = re.search(r'^size = "debug" +# (.*)$', (project / "config.toml").read_text(), flags=re.M)[1]

@@ -30,9 +30,8 @@ OWN = {4: [1, 0], 6: [2, 1], 8: [2, 1]}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_steps_that_do_not_report_make_no_host_sync(tmp_path: Path, precision: str) -> None:
-    project = generate(tmp_path / "project", "--gpus", "2", "--precision", precision)
-    reports = syncs_per_step(project, tmp_path)
+def test_steps_that_do_not_report_make_no_host_sync(projects: dict[str, Path], tmp_path: Path, precision: str) -> None:
+    reports = syncs_per_step(projects[precision], tmp_path)
     for rank, report in enumerate(reports):
         assert len(report["steps"]) == 8, report
         sites = {

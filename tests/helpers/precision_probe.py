@@ -1,6 +1,7 @@
 """Run under torchrun inside a generated project (PYTHONPATH = the project) by test_precision.py.
 
-bf16: records the dtype the first block's weights have *inside* forward and the sharded master dtype.
+bf16: records the dtype the first block's weights have *inside* forward, the sharded master dtype and the logits'
+dtype, for a model built with each parallel.output_dtype in turn (one launch for both).
 fp16: injects an inf into one gradient shard on rank 1 only and records, per rank, whether the step was
 skipped (parameters unchanged) and the loss scale before and after.
 Each rank writes its report to $PROBE_OUT/rank<N>.json (ranks printing to one stdout interleave).
@@ -21,8 +22,6 @@ from train import TrainState, build_model_meta, build_optimizer, close_process_g
 config = parse_args(sys.argv[2:])
 device, mesh = init_distributed(config)
 rank = dist.get_rank()
-model = build_model_meta(config, mesh, device)
-optimizer, scheduler = build_optimizer(model, config.training, device)
 samples = ShuffledEpochs(SyntheticTokens(config.model.vocab_size, config.training.seq_len, 64, 0), 0)
 batches = micro_batches(samples, 0, config.training.global_batch_size, 1, rank, dist.get_world_size())
 report: dict = {"rank": rank}
@@ -34,12 +33,20 @@ if sys.argv[1] == "bf16":
         # Inside forward FSDP2 has all-gathered the block: these are the compute parameters.
         seen["dtype"] = str(module.wq.weight.dtype)
 
-    model.layers["0"].attention.register_forward_pre_hook(record_dtype)
-    logits = model(batches[0][0])
-    report.update(inside_forward=seen["dtype"], master=str(model.layers["0"].attention.wq.weight.dtype),
-                  logits=str(logits.dtype))  # fmt: skip
+    for output_dtype in ("float32", "compute"):
+        config.parallel.output_dtype = output_dtype
+        model = build_model_meta(config, mesh, device)
+        model.layers["0"].attention.register_forward_pre_hook(record_dtype)
+        seen.clear()
+        logits = model(batches[0][0])
+        master = model.layers["0"].attention.wq.weight.dtype
+        report[output_dtype] = dict(inside_forward=seen["dtype"], master=str(master), logits=str(logits.dtype))
+    optimizer = scheduler = None
 else:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = build_model_meta(config, mesh, device)
+    optimizer, scheduler = build_optimizer(model, config.training, device)
 
     class InfOnRankOne(ShardedGradScaler):
         def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
