@@ -1,8 +1,8 @@
 """Training options, proven numerically on CPU ranks with real torchrun processes.
 
-- Sharded runs (2 ranks; 4 ranks resharding to pairs after forward; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4
-  accumulated micro-batches) equal plain single-process PyTorch (tests/helpers/reference_loop.py, no FSDP) step by
-  step and in their final parameters, with clipping active on every step.
+- Sharded runs (2 ranks; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4 accumulated micro-batches) equal plain
+  single-process PyTorch (tests/helpers/reference_loop.py, no FSDP) step by step and in their final parameters,
+  with clipping active on every step. (Resharding to groups after forward: the 8-GPU project's own test.)
 - A project generated with every memory/speed option passes its own tests, which check that each option
   (CPU offload, explicit prefetch, no resharding; activation checkpointing: test_op_level_ac.py) leaves the
   numbers unchanged, that compiled blocks match eager, and that TensorBoard gets the metrics.
@@ -58,8 +58,9 @@ def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "nproc,options",
     [
         (2, []),
-        # An int reshard_after_forward keeps parameters sharded over groups of 2 between forward and backward.
-        (4, ["--parallel.reshard_after_forward", "2"]),
+        # (An int reshard_after_forward, keeping parameters sharded over groups between forward and backward: the
+        # 8-GPU project's own test_resharding_to_groups_changes_memory_not_numbers, 8 ranks in groups of 4 with 2
+        # micro-batches equal to one process, run by test_training_runs.py.)
         # HSDP: 2 replicas, each sharded over 2 ranks.
         (4, ["--parallel.dp_replicate", "2"]),
         # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
@@ -67,7 +68,7 @@ def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (2, ["--training.grad_accum_steps", "4"]),
         (2, ["--training.grad_accum_steps", "4", "--training.grad_sync", "last_micro_batch"]),
     ],
-    ids=["2-ranks", "4-ranks-reshard-2", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4", "2-ranks-accumulate-4-sync-last"],
+    ids=["2-ranks", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4", "2-ranks-accumulate-4-sync-last"],
 )
 def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]

@@ -102,27 +102,27 @@ def test_a_killed_rank_restarts_the_job_from_the_newest_checkpoint(straight: Pat
     assert_identical(load_checkpoint(expected), load_checkpoint(actual), ignore=r"rng\.")
 
 
-@pytest.mark.skipif(DEVICE == "cuda" and NPROC < 4, reason="needs 4 GPUs")
-def test_resume_on_fewer_ranks_continues_the_same_run(tmp_path: Path) -> None:
-    steps = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2"]
-    four = train(tmp_path / "four", *steps, nproc=4)
-    # keep_last 2: step-2 was deleted once step-6 was complete.
-    assert checkpoint_names(tmp_path / "four") == ["step-4", "step-6"]
-    reference = load_checkpoint(tmp_path / "four" / "checkpoints" / "step-6")
-    for nproc in (2, 1):
+# Resumed on fewer ranks: half of them (on 4 or more GPUs), and one process.
+FEWER_RANKS = sorted({NPROC // 2, 1} - {0, NPROC}, reverse=True)
+
+
+@pytest.mark.skipif(NPROC < 2, reason="needs 2 GPUs (NPROC >= 2)")
+def test_resume_on_fewer_ranks_continues_the_same_run(straight: Path, tmp_path: Path) -> None:
+    reference = load_checkpoint(straight / "checkpoints" / "step-10")
+    for nproc in FEWER_RANKS:
         run = tmp_path / f"on-{nproc}"
-        shutil.copytree(tmp_path / "four" / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
-        resumed = train(run, *steps, nproc=nproc)
-        assert [m["step"] for m in resumed] == [5, 6]
-        for a, b in zip(four[4:], resumed, strict=True):
+        shutil.copytree(straight / "checkpoints" / "step-5", run / "checkpoints" / "step-5")
+        resumed = train(run, *TEN_STEPS, nproc=nproc)
+        assert [m["step"] for m in resumed] == [6, 7, 8, 9, 10]
+        for a, b in zip(metrics(straight)[5:], resumed, strict=True):
             assert abs(a["loss"] - b["loss"]) <= RESHARD_LOSS_TOLERANCE, (nproc, a, b)
-        # The optimizer state was carried over, not created anew: Adam's step count went on from 4 to 6
-        # (a fresh optimizer would count 2), and its moments match the 4-rank run's (fresh ones would be
-        # off by about 100%).
-        continued = load_checkpoint(run / "checkpoints" / "step-6")
+        # The optimizer state was carried over, not created anew: Adam's step count went on from 5 to 10
+        # (a fresh optimizer would count 5), and its moments match those of the run on all ranks (fresh ones would
+        # be off by about 100%).
+        continued = load_checkpoint(run / "checkpoints" / "step-10")
         for name, expected in adam_state(reference).items():
             actual = adam_state(continued)[name]
-            assert actual["step"].item() == 6, (nproc, name)
+            assert actual["step"].item() == 10, (nproc, name)
             for moment in ("exp_avg", "exp_avg_sq"):
                 error = ((actual[moment] - expected[moment]).norm() / expected[moment].norm()).item()
                 assert error <= RESHARD_STATE_TOLERANCE, (nproc, name, moment, error)
@@ -155,37 +155,54 @@ def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tm
 
 
 def test_a_corrupt_checkpoint_stops_with_a_clear_error(straight: Path, tmp_path: Path) -> None:
-    # The run's only checkpoint. (Were there an older one, resume would set the corrupt one aside, say so, and
-    # resume from the older one.)
-    shutil.copytree(straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
-    newest = tmp_path / "checkpoints" / "step-10"
-    truncated = newest / "__1_0.distcp"
-    intact = truncated.read_bytes()
-    truncated.write_bytes(intact[: len(intact) // 2])
-    refused_with(tmp_path, newest, "(ValueError: ")
-    # The same size, 64 bytes inverted: only the checksum recorded at save tells.
-    truncated.write_bytes(intact[:-64] + bytes(byte ^ 0xFF for byte in intact[-64:]))
-    refused_with(tmp_path, newest, f"({truncated.name}: checksum mismatch)", before_build=False)
-    truncated.write_bytes(intact)
-    # DCP's index of the checkpoint, missing or garbage: the same one line, not DCP's traceback.
-    metadata = newest / ".metadata"
-    intact = metadata.read_bytes()
-    metadata.unlink()
-    refused_with(tmp_path, newest, f"(FileNotFoundError: no .metadata in {newest})")
-    metadata.write_bytes(b"garbage")
-    refused_with(tmp_path, newest, "(ValueError: .metadata is not a DCP metadata file")
-    metadata.write_bytes(intact)
-    (newest / "checkpoint.json").write_text("{")
-    refused_with(tmp_path, newest, "(JSONDecodeError: ")
+    # Damage that checkpoint.json and the files' sizes show is found before the model is built. A run whose every
+    # checkpoint is damaged, each in another way: one line names each with its problem, newest first. (Were one
+    # intact, resume would set the damaged newer ones aside, say so, and resume from it.)
+    checkpoints = tmp_path / "damaged" / "checkpoints"
+    step_10, step_9, step_8, step_7 = copies(straight / "checkpoints" / "step-10", checkpoints, 4)
+    truncate(step_10 / "__1_0.distcp")
+    # DCP's index of the checkpoint, missing or garbage: named, not DCP's traceback.
+    (step_9 / ".metadata").unlink()
+    (step_8 / ".metadata").write_bytes(b"garbage")
+    (step_7 / "checkpoint.json").write_text("{")
+    refused_with(tmp_path / "damaged", [
+        "(ValueError: ", f"(FileNotFoundError: no .metadata in {step_9})",
+        "(ValueError: .metadata is not a DCP metadata file", "(JSONDecodeError: ",
+    ])  # fmt: skip
+    newest, damaged = tmp_path / "flipped" / "checkpoints" / "step-10", "__1_0.distcp"
+    # The same size, 64 bytes inverted: only the checksum recorded at save tells, when the ranks load it.
+    shutil.copytree(straight / "checkpoints" / "step-10", newest)
+    intact = (newest / damaged).read_bytes()
+    (newest / damaged).write_bytes(intact[:-64] + bytes(byte ^ 0xFF for byte in intact[-64:]))
+    refused_with(tmp_path / "flipped", [f"({damaged}: checksum mismatch)"], before_build=False)
 
 
-def refused_with(output_dir: Path, newest: Path, reason: str, before_build: bool = True) -> None:
-    """Resuming from `newest` stops with one line that names it, the reason and the fix, before any training (and,
-    unless the ranks found it verifying checksums at the load, before the model is built)."""
+def copies(checkpoint: Path, checkpoints: Path, count: int) -> list[Path]:
+    """`count` copies of `checkpoint` in `checkpoints`: step-10, step-9, ... (newest first)."""
+    folders = [checkpoints / f"step-{10 - i}" for i in range(count)]
+    for folder in folders:
+        shutil.copytree(checkpoint, folder)
+    return folders
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def refused_with(output_dir: Path, reasons: list[str], before_build: bool = True) -> None:
+    """Resuming stops with one line that names the newest checkpoint and the start of its problem (`reasons`, newest
+    first), then each older one ("nor can step-N (problem)"), and the fix; before any training (and, unless the
+    ranks found it verifying checksums at the load, before the model is built)."""
+    newest, *older = sorted(
+        (output_dir / "checkpoints").iterdir(), key=lambda path: int(path.name.removeprefix("step-")), reverse=True
+    )
     result = launch("train.py", output_dir, "--training.steps", "12", nproc=1, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith(f"train.py: error: checkpoint {newest} cannot be loaded {reason}"), result.stderr
+    first, *nor = result.stderr.split(", nor can ")
+    assert first.startswith(f"train.py: error: checkpoint {newest} cannot be loaded {reasons[0]}"), result.stderr
+    for path, reason, part in zip(older, reasons[1:], nor, strict=True):
+        assert part.startswith(f"{path.name} {reason}"), (path, reason, result.stderr)
     assert result.stderr.endswith(
         "and no older checkpoint is left to resume from; restore it from a copy, or start a new run in another "
         "--job.output_dir\n"
@@ -220,32 +237,33 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
     assert result.stderr.startswith(f"train.py: error: {final} is a model-only final checkpoint"), result.stderr
 
 
-@pytest.mark.parametrize("keep_last", [1, 2])
-def test_a_new_run_never_mixes_with_another_runs_files(keep_last: int, tmp_path: Path) -> None:
-    steps = ["--checkpoint.interval", "2", "--checkpoint.keep_last", str(keep_last)]
-    first = train(tmp_path, "--training.steps", "4", *steps, nproc=1)
-    kept = ["step-4"] if keep_last == 1 else ["step-2", "step-4"]
-    assert checkpoint_names(tmp_path) == kept
-    before = {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()}
+def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
+    run, other = tmp_path / "run", tmp_path / "other"
+    steps = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "2"]
+    first = train(run, "--training.steps", "4", *steps, nproc=1)
+    assert checkpoint_names(run) == ["step-2", "step-4"]
+    before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
     # A new run in the same folder would prune the old run's checkpoints as if they were its own, or be
     # resumed as the old run later: it is refused before anything is built, and nothing changes.
-    result = launch("train.py", tmp_path, "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1,
+    result = launch("train.py", run, "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1,
                     check=False)  # fmt: skip
     assert (result.returncode, result.stderr) == (2, (
-        f"train.py: error: job.output_dir {tmp_path} already holds a run (run.json; metrics.jsonl; checkpoints "
-        f"{', '.join(kept)}); checkpoint.resume = 'never' starts a new run, which must not mix with it: give the "
-        "new run its own --job.output_dir, or continue that run with --checkpoint.resume auto\n"
+        f"train.py: error: job.output_dir {run} already holds a run (run.json; metrics.jsonl; checkpoints "
+        "step-2, step-4); checkpoint.resume = 'never' starts a new run, which must not mix with it: give the new run "
+        "its own --job.output_dir, or continue that run with --checkpoint.resume auto\n"
     ))  # fmt: skip
-    assert {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()} == before
-    # In its own folder the new run gets its own id; the old run resumes as itself, and every row and
-    # checkpoint says which run it belongs to.
-    # (Beside it, not inside: a folder inside another run's folder is refused, that run may prune it.)
-    other = train(tmp_path.with_name(f"{tmp_path.name}-other"), "--training.steps", "2", "--checkpoint.resume",
-                  "never", *steps, nproc=1)  # fmt: skip
-    resumed = train(tmp_path, "--training.steps", "6", *steps, nproc=1)
-    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
-    assert {row["run_id"] for row in resumed} == {run_id} != {row["run_id"] for row in other}
+    assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
+    # In its own folder the new run gets its own id, and keeps only its newest checkpoint (keep_last 1).
+    # (Beside the old run, not inside: a folder inside another run's folder is refused, that run may prune it.)
+    new = train(other, "--training.steps", "4", "--checkpoint.resume", "never", "--checkpoint.interval", "2",
+                "--checkpoint.keep_last", "1", nproc=1)  # fmt: skip
+    assert checkpoint_names(other) == ["step-4"]
+    # The old run resumes as itself, and every row and checkpoint says which run it belongs to.
+    resumed = train(run, "--training.steps", "6", *steps, nproc=1)
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    assert {row["run_id"] for row in resumed} == {run_id} != {row["run_id"] for row in new}
     assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6] and resumed[:4] == first
-    assert checkpoint_names(tmp_path) == (["step-6"] if keep_last == 1 else ["step-4", "step-6"])
-    for name in checkpoint_names(tmp_path):
-        assert json.loads((tmp_path / "checkpoints" / name / "checkpoint.json").read_text())["run_id"] == run_id
+    assert checkpoint_names(run) == ["step-4", "step-6"]
+    for name in checkpoint_names(run):
+        assert json.loads((run / "checkpoints" / name / "checkpoint.json").read_text())["run_id"] == run_id
+    assert json.loads((other / "checkpoints" / "step-4" / "checkpoint.json").read_text())["run_id"] != run_id
