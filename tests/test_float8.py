@@ -1,4 +1,5 @@
-"""--float8: torchao's Float8Linear in the blocks, weights all-gathered in float8, on 2 gloo ranks.
+"""--float8: torchao's Float8Linear in the blocks, weights all-gathered in float8, on 2 gloo ranks (llama; the hf and
+custom families' blocks on one).
 
 Torch's CPU float8 matmul (a reference kernel) runs the real float8 numerics here, ~20x slower than bf16, so
 the runs are tiny. On GPUs below compute capability 8.9 the generated test checks the error instead.
@@ -36,8 +37,12 @@ def test_float8_project_tracks_bf16_and_resumes_exactly(tmp_path: Path, family: 
     project = generate(tmp_path / "run", "--family", family, "--gpus", "2", "--bf16", "--float8", *options)
     assert "float8 = true" in (project / "config.toml").read_text()
     # Float8 vs bf16 within 1% of the loss at every step; resumed from a checkpoint, the same float8 steps. (-s: the
-    # test prints its float8 run's conversion line, between the test's name and PASSED.)
-    stdout = run_own_tests(project, "-vv", "-s", "tests/test_training.py", "-k", "float8")
+    # test prints its float8 run's conversion line, between the test's name and PASSED.) What a family adds is which
+    # layers its blocks convert, and that they train and resume: one rank shows it. The float8 all-gather over 2
+    # ranks is torchao's for every Float8Linear, whatever the family: llama's run proves it (a rank fewer in the
+    # hf and custom runs' 3 launches saves ~25 CPU-s).
+    nproc = 2 if family == "llama" else 1
+    stdout = run_own_tests(project, "-vv", "-s", "tests/test_training.py", "-k", "float8", nproc=nproc)
     passed = r"^tests/test_training.py::test_float8_training_tracks_bf16_and_resumes_exactly float8: .*\nPASSED"
     assert re.search(passed, stdout, flags=re.M), stdout
     if family == "llama":

@@ -1,51 +1,24 @@
 """scripts/generate.py: a tiny model trained until it memorises one sentence continues it from a checkpoint of
-each style (dcp, full), greedily and by seeded sampling; bad input stops with one line; for family hf the
-checkpoint and its exported folder continue a prompt alike.
+each style (dcp, full), greedily and by seeded sampling; bad input stops with one line. (For family hf, that the
+checkpoint and its exported folder continue a prompt alike rides on test_hf.py's qwen2-tied training and export.)
 
-No network: the tokenizers and the hf model are made here.
+No network: the tokenizers are made here.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import TINY, generate, torchrun
+from tests.helpers.scripts import run_scripts
 
 SENTENCE = "the quick brown fox jumps over the lazy dog."
 PROMPT = "the quick brown"
 # A memorised document continues to its end, where the end-of-text token stops generation.
 CONTINUATION = " fox jumps over the lazy dog."
-
-# Runs scripts of a project, one after the other, in one process: torch (and transformers) are imported once, which
-# takes seconds on 2 cores. Prints [exit code, stdout, stderr] of each run, as JSON.
-DRIVER = """
-import contextlib, io, json, runpy, sys
-results = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv = argv
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as exit:
-            code = exit.code
-    results.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
-"""
-
-
-def run_scripts(project: Path, *runs: list[str]) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each run, a script of `project` and its arguments."""
-    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], cwd=project, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [tuple(run) for run in json.loads(result.stdout.splitlines()[-1])]
 
 
 def run_generate(project: Path, *runs: list[str]) -> list[tuple[int, str, str]]:
@@ -170,39 +143,3 @@ def test_bad_input_stops_with_one_line(dcp: tuple[Path, Path], corpus: tuple[Pat
         assert stderr.count("\n") == 1 and stderr.startswith("generate.py: error: " + message), (message, stderr)
         if not message.endswith("("):
             assert stderr == f"generate.py: error: {message}\n"
-
-
-def test_hf_checkpoint_and_its_export_continue_alike(tmp_path: Path) -> None:
-    # A tiny Llama-architecture model with its own tokenizer, trained one step: generate.py finds the tokenizer
-    # through the run's model.path, or in the exported folder, and the two models are the same weights.
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
-    model = tmp_path / "llama-tiny"
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, max_position_embeddings=64, vocab_size=280)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(model)
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([SENTENCE] * 10, vocab_size=280, min_frequency=1, special_tokens=["<|endoftext|>"])
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(model)
-
-    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model), "--gpus", "2", "--fp32")
-    torchrun(project, "train.py", "--job.device", "cpu", "--training.steps", "1", "--training.seq_len", "16",
-             "--training.global_batch_size", "4", "--eval.every", "0",
-             "--job.output_dir", str(tmp_path / "out"))  # fmt: skip
-    checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-1", tmp_path / "exported"
-    prompt = ["--prompt", PROMPT, "--max-new-tokens", "8"]
-    export, from_checkpoint, from_export, sampled = run_scripts(
-        project,
-        ["scripts/export.py", str(checkpoint), "--output", str(exported)],
-        ["scripts/generate.py", str(checkpoint), *prompt],
-        ["scripts/generate.py", "--exported", str(exported), *prompt],
-        ["scripts/generate.py", "--exported", str(exported), *prompt, "--temperature", "1", "--top-k", "10"],
-    )
-    assert export[0] == 0, export
-    # stderr has transformers' progress bars.
-    assert from_checkpoint[0] == 0 and from_checkpoint[1].strip(), from_checkpoint
-    assert from_export[:2] == from_checkpoint[:2]
-    assert sampled[0] == 0, sampled

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, torchrun, torchrun_env
+from tests.helpers.scripts import run_scripts
 
 # hidden 64, 2 layers: each model is a few hundred KB.
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
@@ -80,11 +81,16 @@ def test_sharded_pretrained_models_equal_from_pretrained(project: Path, models: 
 def test_five_steps_then_export_loads_with_from_pretrained(
     project: Path, models: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
+    # qwen2-tied trains on 2 ranks, then its checkpoint and its export continue a prompt alike (generate.py). The
+    # untied and GPT-2 exports do not depend on the ranks: one process trains and exports (run_scripts, one Python
+    # process: an hf train.py's imports cost ~6 CPU-s a process).
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     overrides = ["--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(tmp_path)]
+    checkpoint, exported = tmp_path / "checkpoints" / "step-5", tmp_path / "exported"
+    export = ["scripts/export.py", str(checkpoint), "--output", str(exported)]
     if name == "qwen2-tied":
         # Real text through the model's own tokenizer (data.tokenizer ""): scripts/prepare_data.py writes the
         # shards. The text is too short for a validation split (tests/test_real_data.py has one).
@@ -98,20 +104,35 @@ def test_five_steps_then_export_loads_with_from_pretrained(
         assert np.fromfile(tmp_path / "tokens" / "train-00000.bin", dtype=np.uint16).tolist() == expected
         assert tokenizer.decode(expected[:-1]) == TEXT
         overrides += ["--data.path", str(tmp_path / "tokens"), "--eval.every", "0"]
-    torchrun(project, "train.py", *TRAIN, *overrides)
+        torchrun(project, "train.py", *TRAIN, *overrides)
+        # generate.py finds the tokenizer through the run's model.path, or in the exported folder; the checkpoint
+        # and its export are the same weights, so they continue the prompt alike.
+        prompt = ["--prompt", "the cat", "--max-new-tokens", "8"]
+        exported_run, from_checkpoint, from_export, sampled = run_scripts(
+            project,
+            export,
+            ["scripts/generate.py", str(checkpoint), *prompt],
+            ["scripts/generate.py", "--exported", str(exported), *prompt],
+            ["scripts/generate.py", "--exported", str(exported), *prompt, "--temperature", "1", "--top-k", "10"],
+        )  # fmt: skip
+        assert exported_run[0] == 0, exported_run
+        # stderr has transformers' progress bars.
+        assert from_checkpoint[0] == 0 and from_checkpoint[1].strip(), from_checkpoint
+        assert from_export[:2] == from_checkpoint[:2]
+        assert sampled[0] == 0, sampled
+    else:
+        trained, exported_run = run_scripts(project, ["train.py", *TRAIN, *overrides], export)
+        assert trained[0] == 0, trained[2][-3000:]
+        assert exported_run[0] == 0, exported_run[2][-3000:]
     losses = [record["loss"] for record in metrics(tmp_path)]
     assert len(losses) == 5 and losses[-1] < losses[0], losses
 
-    exported = tmp_path / "exported"
-    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
-                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
-    assert export.returncode == 0, export.stderr
     model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
     assert {key: value for key, value in info.items() if value} == {}, info  # no missing or unexpected weights
     tied = name.endswith("-tied")
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     # The exported weights are the trained ones (not the pretrained ones), bit for bit.
-    dcp_to_torch_save(tmp_path / "checkpoints" / "step-5", tmp_path / "step-5.pt")
+    dcp_to_torch_save(checkpoint, tmp_path / "step-5.pt")
     trained = torch.load(tmp_path / "step-5.pt", weights_only=True)["train"]["model"]
     pretrained = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).state_dict()
     for key, value in model.state_dict().items():
@@ -122,13 +143,13 @@ def test_five_steps_then_export_loads_with_from_pretrained(
     if name == "llama-untied":
         # This model's folder has no tokenizer. A run that named one (data.tokenizer) exports it with the model:
         # the same checkpoint, as a run with --data.tokenizer would have written its checkpoint.json.
-        info = json.loads((tmp_path / "checkpoints" / "step-5" / "checkpoint.json").read_text())
+        info = json.loads((checkpoint / "checkpoint.json").read_text())
         assert not any(path.name.startswith("tokenizer") for path in exported.iterdir())
         info["config"]["data"]["tokenizer"] = str(models["qwen2-tied"])
-        (tmp_path / "checkpoints" / "step-5" / "checkpoint.json").write_text(json.dumps(info))
+        (checkpoint / "checkpoint.json").write_text(json.dumps(info))
         again = tmp_path / "exported-with-tokenizer"
-        export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
-                                 "--output", str(again)], cwd=project, capture_output=True, text=True)  # fmt: skip
+        export = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), "--output", str(again)],
+                                cwd=project, capture_output=True, text=True)  # fmt: skip
         assert export.returncode == 0, export.stderr
         tokenizer, expected = AutoTokenizer.from_pretrained(again), AutoTokenizer.from_pretrained(models["qwen2-tied"])
         assert tokenizer(TEXT)["input_ids"] == expected(TEXT)["input_ids"]
@@ -216,19 +237,18 @@ def test_training_seed_seeds_every_run_of_a_pretrained_model(
     (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
     np.tile(np.arange(16, dtype=np.uint16), 5).tofile(tmp_path / "tokens.bin")  # 4 windows of 16 + 1 tokens
 
-    def losses(seed: int, run: str) -> list[float]:
-        result = subprocess.run(
-            [sys.executable, "train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed),
-             "--model.path", str(model), "--data.path", str(tmp_path / "tokens.bin"), "--eval.every", "0",
-             "--data.document_mask", "false",
-             "--job.output_dir", str(tmp_path / run)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        return [record["loss"] for record in metrics(tmp_path / run)]
-
-    first = losses(0, "seed-0")
-    assert losses(0, "seed-0-again") == first
-    assert losses(1, "seed-1")[0] != first[0]
+    # The three runs one after the other in one Python process (run_scripts): the seed, not a fresh process, must
+    # make a run's dropout masks.
+    runs = {"seed-0": 0, "seed-0-again": 0, "seed-1": 1}
+    results = run_scripts(project, *(
+        ["train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed), "--model.path", str(model),
+         "--data.path", str(tmp_path / "tokens.bin"), "--eval.every", "0", "--data.document_mask", "false",
+         "--job.output_dir", str(tmp_path / run)] for run, seed in runs.items()
+    ))  # fmt: skip
+    assert [code for code, _, _ in results] == [0, 0, 0], results[-1][2][-3000:]
+    first, again, other = ([record["loss"] for record in metrics(tmp_path / run)] for run in runs)
+    assert len(first) == 2 and again == first
+    assert other[0] != first[0]
 
 
 @pytest.fixture(scope="module")
@@ -246,19 +266,18 @@ def bf16_sharded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("blind", [False, True], ids=["every-rank-reads-its-slices", "rank0-broadcasts"])
 def test_bf16_sharded_files_load_bit_identical_to_from_pretrained_by_either_path(
-    project: Path, bf16_sharded_model: Path, blind: bool
+    project: Path, bf16_sharded_model: Path
 ) -> None:
-    # Every rank sees the folder: DCP's HuggingFaceStorageReader, no warning. A rank that does not (--blind gives
-    # rank 1 a folder that does not exist): rank 0 reads and broadcasts, and says so once. bf16 files converted to
-    # the fp32 shards exactly as from_pretrained(dtype=float32) converts them.
+    # One launch, two loads (--both). Every rank sees the folder: DCP's HuggingFaceStorageReader, no warning. A rank
+    # that does not (rank 1 given a folder that does not exist): rank 0 reads and broadcasts, and says so once. bf16
+    # files converted to the fp32 shards exactly as from_pretrained(dtype=float32) converts them.
     probe = Path(__file__).parent / "helpers" / "hf_load_probe.py"
-    result = torchrun(project, str(probe), str(bf16_sharded_model), *(["--blind"] if blind else []),
-                      "--job.device", "cpu")  # fmt: skip
-    assert result.stdout.splitlines().count("equal") == 1, result.stdout
-    warnings = re.findall(r"^warning: rank\(s\) \[1\] do not see the files of .*$", result.stdout, flags=re.M)
-    assert len(warnings) == (1 if blind else 0), result.stdout
+    result = torchrun(project, str(probe), str(bf16_sharded_model), "--both", "--job.device", "cpu")
+    lines = [line for line in result.stdout.splitlines() if line.endswith(": equal") or line.startswith("warning: ")]
+    assert [re.sub(r" do not see the files of .*", "", line) for line in lines] == [
+        "every-rank: equal", "warning: rank(s) [1]", "blind: equal"
+    ], result.stdout  # fmt: skip
 
 
 def test_a_weight_of_another_shape_stops_every_rank_with_one_line(
@@ -280,11 +299,15 @@ def test_op_level_activation_checkpointing_keeps_the_numbers_of_a_model_with_qkv
 ) -> None:
     # Qwen2's q/k/v projections have a bias (aten.addmm, not aten.mm): selective keeps every other one's output
     # like llama's; whatever it keeps, the losses and gradient norms are those of no checkpointing.
+    # Which outputs the policy keeps does not depend on the number of ranks (tests/test_op_level_ac.py runs every
+    # mode on 2 ranks): both runs in one process, one after the other (run_scripts).
     project = generate(tmp_path / "sac", "--family", "hf", "--hf-model", str(models["qwen2-tied"]), "--gpus", "2",
                        "--fp32", "--activation-checkpointing", "selective")  # fmt: skip
-    runs = {}
-    for mode in ("none", "selective"):
-        torchrun(project, "train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
-                 "--job.output_dir", str(tmp_path / mode))  # fmt: skip
-        runs[mode] = [(row["loss"], row["grad_norm"]) for row in metrics(tmp_path / mode)]
+    modes = ("none", "selective")
+    results = run_scripts(project, *(
+        ["train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
+         "--job.output_dir", str(tmp_path / mode)] for mode in modes
+    ))  # fmt: skip
+    assert [code for code, _, _ in results] == [0, 0], results[-1][2][-3000:]
+    runs = {mode: [(row["loss"], row["grad_norm"]) for row in metrics(tmp_path / mode)] for mode in modes}
     assert len(runs["none"]) == 3 and runs["selective"] == runs["none"], runs

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, generate, metrics, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
+from tests.helpers.scripts import run_scripts
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
@@ -74,19 +73,30 @@ def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
                     str(models["qwen3-moe"]), "--gpus", "2", "--fp32")  # fmt: skip
 
 
-def probe(project: Path, folder: Path, *overrides: str) -> list[dict]:
-    """tests/helpers/hf_moe_probe.py on 2 ranks: each rank's report."""
-    result = torchrun(project, str(HELPERS / "hf_moe_probe.py"), str(folder), "--job.device", "cpu", *overrides)
+def probe(project: Path, folders: list[Path], *overrides: str) -> tuple[dict[Path, list[dict]], str]:
+    """tests/helpers/hf_moe_probe.py on 2 ranks, one launch for every folder: (folder -> each rank's report, the
+    launch's stdout)."""
+    result = torchrun(project, str(HELPERS / "hf_moe_probe.py"), *map(str, folders), "--job.device", "cpu",
+                      *overrides)  # fmt: skip
     lines = [line.removeprefix("probe ") for line in result.stdout.splitlines() if line.startswith("probe ")]
-    reports = [json.loads(line) for line in lines]
-    return sorted(reports, key=lambda report: report["rank"])
+    reports = sorted((json.loads(line) for line in lines), key=lambda report: report["rank"])
+    found = {folder: [report for report in reports if report["folder"] == str(folder)] for folder in folders}
+    assert all(len(found[folder]) == 2 for folder in folders) and len(reports) == 2 * len(folders), result.stdout
+    return found, result.stdout
+
+
+@pytest.fixture(scope="module")
+def probed(project: Path, models: dict[str, Path]) -> tuple[dict[Path, list[dict]], str]:
+    """The probe of the three models, then the load of the bf16 one by rank 0 alone (--blind-load), in one 2-rank
+    launch (a launch costs ~12 CPU-s; a model's probe ~1)."""
+    return probe(project, [models[name] for name in EXPERTS], "--blind-load", str(models["qwen3-moe-bf16"]))
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen3-moe-bf16"])
 def test_per_expert_files_load_sharded_equal_to_from_pretrained(
-    project: Path, models: dict[str, Path], name: str
+    probed: tuple[dict[Path, list[dict]], str], models: dict[str, Path], name: str
 ) -> None:
-    reports = probe(project, models[name])
+    reports = probed[0][models[name]]
     print(reports)
     # Each rank read from the files only the experts of its shard (fully_shard splits the experts in halves).
     half = EXPERTS[name] // 2
@@ -108,14 +118,15 @@ def test_per_expert_files_load_sharded_equal_to_from_pretrained(
 
 
 def test_a_folder_only_rank_0_sees_is_converted_by_rank_0_equal_to_from_pretrained(
-    project: Path, models: dict[str, Path]
+    probed: tuple[dict[Path, list[dict]], str], models: dict[str, Path]
 ) -> None:
-    # --blind: rank 1 is given a folder that does not exist, so rank 0 reads every file whole, converts each fused
-    # tensor once it has read all its experts (from several files) and broadcasts it. Every weight bit for bit.
-    result = torchrun(project, str(HELPERS / "hf_load_probe.py"), str(models["qwen3-moe-bf16"]), "--blind",
-                      "--job.device", "cpu")  # fmt: skip
-    assert result.stdout.splitlines().count("equal") == 1, result.stdout
-    assert "warning: rank(s) [1] do not see the files of" in result.stdout
+    # --blind-load (hf_load_probe.py's --blind): rank 1 is given a folder that does not exist, so rank 0 reads every
+    # file whole, converts each fused tensor once it has read all its experts (from several files) and broadcasts
+    # it. Every weight bit for bit.
+    stdout = probed[1]
+    assert stdout.splitlines().count("blind: equal") == 1, stdout
+    folder = models["qwen3-moe-bf16"]
+    assert f"warning: rank(s) [1] do not see the files of {folder} that rank 0 sees" in stdout, stdout
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
@@ -127,8 +138,19 @@ def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_load
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    torchrun(project, "train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5",
-             "--job.output_dir", str(tmp_path))  # fmt: skip
+    # Qwen3-MoE on 2 ranks (each holds half the experts, gathered whole by the export). Mixtral's names and its
+    # 12 experts' order do not depend on the ranks: one process trains and exports (run_scripts: one Python
+    # process, where an hf train.py's imports cost ~6 CPU-s a process).
+    train = ["train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir",
+             str(tmp_path)]  # fmt: skip
+    exported = tmp_path / "exported"
+    export = ["scripts/export.py", str(tmp_path / "checkpoints" / "step-5"), "--output", str(exported)]
+    if name == "qwen3-moe":
+        torchrun(project, *train)
+        results = run_scripts(project, export)
+    else:
+        results = run_scripts(project, train, export)
+    assert [code for code, _, _ in results] == [0] * len(results), results[-1][2][-3000:]
     records = metrics(tmp_path)
     assert len(records) == 5 and records[-1]["loss"] < records[0]["loss"], records
     # How the tokens spread over the experts: the most and least loaded expert over the mean, worst layer.
@@ -139,10 +161,6 @@ def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_load
     else:
         assert all("moe_aux_loss" not in record for record in records)
 
-    exported = tmp_path / "exported"
-    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
-                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
-    assert export.returncode == 0, export.stderr
     # The keys of the original files: per-expert again (transformers' reverse conversion).
     with safe_open(exported / "model.safetensors", framework="pt") as new, \
             safe_open(models[name] / "model.safetensors", framework="pt") as old:  # fmt: skip
@@ -168,20 +186,25 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(models["mixtral"]), "--lora", "--gpus",
                        "2", "--fp32")  # fmt: skip
     targets = ["--lora.target_modules", "q_proj,v_proj,w1,w2,w3", "--lora.rank", "4", "--lora.alpha", "8"]
-    reports = probe(project, models["mixtral"], *targets)
+    reports = probe(project, [models["mixtral"]], *targets)[0][models["mixtral"]]
     print(reports)
     assert [report["logits_diff"] for report in reports] == [0.0, 0.0]
     assert all(report["base_diff"] > 1e-3 for report in reports), reports
 
-    # Trained 3 steps and exported merged: the experts' per-expert weights changed, the routers' did not.
-    result = torchrun(project, "train.py", *TRAIN, *targets, "--training.steps", "3", "--job.output_dir",
-                      str(tmp_path / "out"))  # fmt: skip
-    # Adapters: (32 + 32) x 4 on q; (32 + 16) x 4 on v; on each layer's experts, peft's shapes for the fused tensors.
-    assert re.search(r"model: [\d,]+ parameters, [\d,]+ of them trainable", result.stdout), result.stdout
+    # Trained 3 steps and exported merged: the experts' per-expert weights changed, the routers' did not (one
+    # process: what the sharded adapters compute is the probe's above). Then the experts module itself, which is no
+    # layer peft adapts: one line, exit 2, naming the fix. The three runs in one Python process (run_scripts).
     checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-3", tmp_path / "exported"
-    export = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), "--output", str(exported)],
-                            cwd=project, capture_output=True, text=True)  # fmt: skip
-    assert export.returncode == 0, export.stderr
+    trained, export, refused = run_scripts(
+        project,
+        ["train.py", *TRAIN, *targets, "--training.steps", "3", "--job.output_dir", str(tmp_path / "out")],
+        ["scripts/export.py", str(checkpoint), "--output", str(exported)],
+        ["train.py", *TRAIN, "--lora.target_modules", "q_proj,experts", "--job.output_dir", str(tmp_path / "refused")],
+    )  # fmt: skip
+    assert trained[0] == 0, trained[2][-3000:]
+    # Adapters: (32 + 32) x 4 on q; (32 + 16) x 4 on v; on each layer's experts, peft's shapes for the fused tensors.
+    assert re.search(r"model: [\d,]+ parameters, [\d,]+ of them trainable", trained[1]), trained[1]
+    assert export[0] == 0, export[2][-3000:]
     with safe_open(exported / "model.safetensors", framework="pt") as new, \
             safe_open(models["mixtral"] / "model.safetensors", framework="pt") as old:  # fmt: skip
         assert set(new.keys()) == set(old.keys())
@@ -189,12 +212,8 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
     assert PER_EXPERT["mixtral"] in changed and "model.layers.0.block_sparse_moe.experts.11.w2.weight" in changed
     assert "model.layers.0.block_sparse_moe.gate.weight" not in changed and "model.norm.weight" not in changed
 
-    # The experts module itself is no layer peft adapts: one line, exit 2, naming the fix.
-    command = [sys.executable, "train.py", *TRAIN, "--lora.target_modules", "q_proj,experts", "--job.output_dir",
-               str(tmp_path / "refused")]  # fmt: skip
-    result = subprocess.run(command, cwd=project, env=torchrun_env(), capture_output=True, text=True)
-    assert result.returncode == 2 and not (tmp_path / "refused").exists()
-    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+    assert refused[0] == 2 and not (tmp_path / "refused").exists()
+    assert re.findall(r"^train\.py: error: .*$", refused[2], flags=re.M) == [
         "train.py: error: lora.target_modules ['q_proj', 'experts']: peft cannot adapt them (they name "
         "['MixtralExperts']); its linear layers are ['k_proj', 'lm_head', 'o_proj', 'q_proj', 'v_proj'], and fused "
         "experts are adapted through the names of their projections in the checkpoint (e.g. gate_proj, up_proj and "
@@ -202,51 +221,53 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
     ]
 
 
-def run_train(project: Path, folder: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """One process (no torchrun), as a user's first try: train.py on the model in `folder`."""
-    command = [sys.executable, "train.py", *TRAIN, "--model.path", str(folder), "--job.output_dir",
-               str(tmp_path / "out")]  # fmt: skip
-    return subprocess.run(command, cwd=project, env=torchrun_env(), capture_output=True, text=True)
-
-
-def test_an_expert_missing_from_the_files_stops_with_one_line(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def refused(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Two models train.py must refuse, each run as a user's first try (one process, no torchrun), the two runs in
+    one Python process (run_scripts): name -> (model folder, output folder, (exit code, stdout, stderr))."""
     from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
 
-    folder = tmp_path / "model"
-    shutil.copytree(models["qwen3-moe"], folder)
-    weights = load_file(folder / "model.safetensors")
+    root = tmp_path_factory.mktemp("hf-moe-refused")
+    # Qwen3-MoE without one expert's up_proj in layer 1.
+    missing = root / "model"
+    shutil.copytree(models["qwen3-moe"], missing)
+    weights = load_file(missing / "model.safetensors")
     del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    result = run_train(project, folder, tmp_path)
-    assert result.returncode == 2
-    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+    save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
+    # A dense Llama whose config.json asks for router logits: transformers' Llama has no router, nor a balance loss.
+    router = root / "llama"
+    LlamaConfig(**{key: value for key, value in SIZES.items() if key != "num_experts_per_tok"}, intermediate_size=64,
+                output_router_logits=True).save_pretrained(router)  # fmt: skip
+    runs = {"missing-expert": (missing, []), "router-logits": (router, ["--model.pretrained", "false"])}
+    results = run_scripts(project, *(
+        ["train.py", *TRAIN, "--model.path", str(folder), *options, "--job.output_dir", str(root / name)]
+        for name, (folder, options) in runs.items()
+    ))  # fmt: skip
+    return {
+        name: (folder, root / name, result) for (name, (folder, _)), result in zip(runs.items(), results, strict=True)
+    }
+
+
+def test_an_expert_missing_from_the_files_stops_with_one_line(refused: dict[str, tuple]) -> None:
+    folder, _, (code, _, stderr) = refused["missing-expert"]
+    assert code == 2, stderr[-2000:]
+    assert re.findall(r"^train\.py: error: .*$", stderr, flags=re.M) == [
         f"train.py: error: {folder} has 3 tensors mlp.experts.*.up_proj.weight for the model's "
         "model.layers.1.mlp.experts.gate_up_proj of 4 experts; its config.json must be the one the weights were "
         "saved with"
-    ], result.stderr[-2000:]
+    ], stderr[-2000:]
 
 
-def test_router_logits_on_a_model_without_a_balance_loss_stop_with_one_line(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
-    # A dense Llama whose config.json asks for router logits: transformers' Llama has no router, nor a balance loss.
-    from transformers import LlamaConfig
-
-    folder = tmp_path / "llama"
-    LlamaConfig(**{key: value for key, value in SIZES.items() if key != "num_experts_per_tok"}, intermediate_size=64,
-                output_router_logits=True).save_pretrained(folder)  # fmt: skip
-    result = subprocess.run([sys.executable, "train.py", *TRAIN, "--model.path", str(folder), "--model.pretrained",
-                             "false", "--job.output_dir", str(tmp_path / "out")], cwd=project, env=torchrun_env(),
-                            capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_router_logits_on_a_model_without_a_balance_loss_stop_with_one_line(refused: dict[str, tuple]) -> None:
+    _, out, (code, _, stderr) = refused["router-logits"]
+    assert code == 2, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (
         "train.py: error: LlamaForCausalLM: its config.json sets output_router_logits, but the model has no "
         "load-balancing loss that this project adds (transformers' load_balancing_loss_func, num_experts, "
         "num_experts_per_tok, router_aux_loss_coef); set output_router_logits to false in its config.json"
     )
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
 
 
 def test_mfu_counts_the_active_experts_only(project: Path, models: dict[str, Path]) -> None:
@@ -255,7 +276,7 @@ def test_mfu_counts_the_active_experts_only(project: Path, models: dict[str, Pat
     # head_dim x seq_len (16).
     per_layer = 2 * 32 * 32 + 2 * 16 * 32 + 4 * 32 + 2 * 3 * 16 * 32
     expected = 6 * (2 * per_layer + 128 * 32) + 12 * 2 * 4 * 8 * 16
-    code = f"from model_args import ModelArgs; print(ModelArgs(path={str(models['qwen3-moe'])!r}).flops_per_token(16))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert int(result.stdout.split()[-1]) == expected
+    with project_modules(project):  # in this process: the models fixture imported transformers already
+        from model_args import ModelArgs
+
+        assert ModelArgs(path=str(models["qwen3-moe"])).flops_per_token(16) == expected

@@ -6,13 +6,12 @@ classes, fp32, in rendered projects (the model.py of pretraining, and of SFT wit
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import generate, save_tiny_llama, torchrun_env
+from tests.conftest import generate, save_tiny_llama
+from tests.helpers.scripts import run_scripts
 
 # Run inside a project: one packed batch against its documents one by one, for sdpa and eager, loss chunks 1 and 4.
 PACKED = """
@@ -92,23 +91,35 @@ def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def outputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The stdout of PACKED in each project and of PROBE in the pretraining one: the pretraining project's two in
+    one Python process (run_scripts)."""
+    root = tmp_path_factory.mktemp("hf_packing_scripts")
+    (root / "packed.py").write_text(PACKED)
+    (root / "probe.py").write_text(PROBE)
+    runs = {"pretrain": [str(root / "packed.py"), "pretrain"], "probe": [str(root / "probe.py")]}
+    results = dict(zip(runs, run_scripts(projects["pretrain"], *runs.values()), strict=True))
+    [results["lora"]] = run_scripts(projects["lora"], [str(root / "packed.py"), "lora"])
+    for name, (code, _, stderr) in results.items():
+        assert code == 0, (name, stderr[-3000:])
+    return {name: stdout for name, (_, stdout, _) in results.items()}
+
+
 @pytest.mark.parametrize("kind", ["pretrain", "lora"])
-def test_packed_loss_equals_its_documents_one_by_one(kind: str, projects: dict[str, Path]) -> None:
+def test_packed_loss_equals_its_documents_one_by_one(kind: str, outputs: dict[str, str]) -> None:
     # Pretraining, and SFT with LoRA adapters (prompt tokens IGNORE): the packed batch's mean loss is the
     # token-weighted mean of its documents' losses, each run alone (positions from 0, nothing before it).
-    result = subprocess.run([sys.executable, "-c", PACKED, kind], cwd=projects[kind], capture_output=True, text=True,
-                            env={**torchrun_env(), "PYTHONPATH": str(projects[kind])}, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()]
+    rows = [line.split() for line in outputs[kind].splitlines()]
     losses = [row for row in rows if row[1] == "loss"]
     assert [row[0] + row[2] for row in losses] == ["sdpa1", "sdpa4", "eager1", "eager4", "gemma21", "gemma24"]
     for _, _, _, packed, alone in losses:
-        assert float(packed) == pytest.approx(float(alone), rel=1e-5, abs=1e-5), result.stdout
+        assert float(packed) == pytest.approx(float(alone), rel=1e-5, abs=1e-5), outputs[kind]
     # A token's logits do not depend on the previous document in its window; without positions they do.
     logits = {(row[0], row[2]): float(row[3]) for row in rows if row[1] == "logits"}
     for attention in ("sdpa", "eager", "gemma2"):
-        assert logits[attention, "positions"] <= 1e-5, result.stdout
-        assert logits[attention, "none"] > 1e-3, result.stdout
+        assert logits[attention, "positions"] <= 1e-5, outputs[kind]
+        assert logits[attention, "none"] > 1e-3, outputs[kind]
 
 
 # Run inside a project: document_mask_error for models and implementations made here on the meta device.
@@ -144,12 +155,9 @@ FIX = ('use --data.document_mask false, or an attention implementation that mask
        '"sdpa", "eager" or "flex_attention" in the model\'s config.json)')  # fmt: skip
 
 
-def test_the_probe_accepts_only_models_and_implementations_that_mask_documents(projects: dict[str, Path]) -> None:
-    project = projects["pretrain"]
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=project, capture_output=True, text=True,
-                            env={**torchrun_env(), "PYTHONPATH": str(project)}, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    verdicts = {tuple(line.split("\t")[:3]): line.split("\t")[3] for line in result.stdout.splitlines()}
+def test_the_probe_accepts_only_models_and_implementations_that_mask_documents(outputs: dict[str, str]) -> None:
+    lines = [line for line in outputs["probe"].splitlines() if line.count("\t") == 3]
+    verdicts = {tuple(line.split("\t")[:3]): line.split("\t")[3] for line in lines}
     for accepted in [("llama", "sdpa"), ("llama", "eager"), ("llama", "flex_attention"), ("mistral", "sdpa"),
                      ("gpt2", "eager")]:  # fmt: skip
         assert verdicts[(*accepted, "2")] == "None", verdicts
@@ -184,20 +192,22 @@ def test_preflight_refuses_a_model_that_does_not_mask_documents(projects: dict[s
     llama = save_tiny_llama(tmp_path / "llama", "the cat sat on the mat " * 20)
     project = projects["pretrain"]
 
-    def preflight(model: Path, *options: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "preflight.py", "--world-size", "1", "--config", "config.toml", "--model.path",
-                   str(model), "--data.path", str(tmp_path / "data"), "--job.output_dir", str(tmp_path / "out"),
-                   "--training.seq_len", "32", *options]  # fmt: skip
-        return subprocess.run(command, cwd=project, capture_output=True, text=True, env=torchrun_env(), timeout=300)
+    def preflight(model: Path, *options: str) -> list[str]:
+        return ["preflight.py", "--world-size", "1", "--config", "config.toml", "--model.path", str(model),
+                "--data.path", str(tmp_path / "data"), "--job.output_dir", str(tmp_path / "out"),
+                "--training.seq_len", "32", *options]  # fmt: skip
 
-    refused = preflight(opt)
-    assert refused.returncode == 2, refused.stderr
-    assert refused.stderr.count("error:") == 1 and refused.stderr.strip().splitlines()[-1] == (
+    # The three runs one after the other in one Python process (run_scripts).
+    passing = [(opt, ["--data.document_mask", "false"]), (llama, [])]
+    (code, _, stderr), *others = run_scripts(
+        project, preflight(opt), *(preflight(model, *options) for model, options in passing)
+    )
+    assert code == 2, stderr
+    assert stderr.count("error:") == 1 and stderr.strip().splitlines()[-1] == (
         "preflight.py: error: data.document_mask: OPTForCausalLM with attn_implementation sdpa does not build "
         f"transformers' packed-sequence mask from position_ids, so packed documents would attend to each other; {FIX}"
     )
     assert not (tmp_path / "out").exists()
-    for model, options in [(opt, ["--data.document_mask", "false"]), (llama, [])]:
-        result = preflight(model, *options)
-        assert result.returncode == 2 and "document_mask" not in result.stderr, result.stderr
-        assert str(tmp_path / "data") in result.stderr, result.stderr
+    for code, _, stderr in others:
+        assert code == 2 and "document_mask" not in stderr, stderr
+        assert str(tmp_path / "data") in stderr, stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.scripts import run_scripts
 
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "0",
          "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0",
@@ -36,11 +37,18 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "project": project, "model": root / "model", "out": out}
 
 
-def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, tmp_path: Path) -> None:
-    env = {"PROBE_OUT": str(tmp_path / "probe.json")}
+@pytest.fixture(scope="module")
+def probed(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/helpers/lora_probe.py on the run's step-4 checkpoint, 2 ranks: the folder of its probe.json and
+    model_output.pt (the sharded model's logits on a fixed input)."""
+    folder = tmp_path_factory.mktemp("lora-probe")
     torchrun(lora["project"], str(HELPERS / "lora_probe.py"), *TRAIN, "--job.output_dir", str(lora["out"]),
-             env=env)  # fmt: skip
-    report = json.loads((tmp_path / "probe.json").read_text())
+             env={"PROBE_OUT": str(folder / "probe.json")})  # fmt: skip
+    return folder
+
+
+def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, probed: Path) -> None:
+    report = json.loads((probed / "probe.json").read_text())
     # Every pretrained weight is still the file's, bit for bit.
     assert report["frozen_equal"] == report["frozen_names"] and len(report["frozen_names"]) == 21
     # 7 target layers x 2 blocks x (A, B); B starts at zero, so a nonzero B has been trained.
@@ -62,8 +70,11 @@ def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, tmp_path: 
 
 def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: Path) -> None:
     two = [r["loss"] for r in metrics(lora["out"])]
-    torchrun(lora["project"], "train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(tmp_path / "one"),
-             nproc=1)  # fmt: skip
+    # One process: train.py without torchrun, in run_scripts' Python process.
+    [(code, _, stderr)] = run_scripts(
+        lora["project"], ["train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(tmp_path / "one")]
+    )
+    assert code == 0, stderr[-3000:]
     one = [r["loss"] for r in metrics(tmp_path / "one")]
     assert len(two) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, two, strict=True)), (one, two)
     # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files).
@@ -77,24 +88,23 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: P
 
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
-    """scripts/export.py of `checkpoint` twice: the merged model into dest/merged, the PEFT adapter into
-    dest/adapter."""
-    for kind, args in {"merged": [], "adapter": ["--adapter"]}.items():
-        command = [sys.executable, "scripts/export.py", str(checkpoint), "--output", str(dest / kind), *args]
-        result = subprocess.run(command, cwd=project, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+    """scripts/export.py of `checkpoint` twice, in one Python process (run_scripts): the merged model into
+    dest/merged, the PEFT adapter into dest/adapter."""
+    runs = [["scripts/export.py", str(checkpoint), "--output", str(dest / kind), *args]
+            for kind, args in {"merged": [], "adapter": ["--adapter"]}.items()]  # fmt: skip
+    for code, _, stderr in run_scripts(project, *runs):
+        assert code == 0, stderr[-3000:]
 
 
-def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(lora: dict, tmp_path: Path) -> None:
+def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(
+    lora: dict, probed: Path, tmp_path: Path
+) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    shutil.copytree(lora["out"], out)
-    torchrun(lora["project"], "tests/model_output.py", *TRAIN, "--job.output_dir", str(out))
-    expected = torch.load(out / "model_output.pt")
-    export_merged_and_adapter(lora["project"], out / "checkpoints" / "step-4", tmp_path)
+    expected = torch.load(probed / "model_output.pt")  # the sharded model's, from the step-4 checkpoint
+    export_merged_and_adapter(lora["project"], lora["out"] / "checkpoints" / "step-4", tmp_path)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(lora["model"], dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")

@@ -234,7 +234,7 @@ def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
 ) -> None:
     from safetensors.torch import load_file
 
-    from tests.test_generate_script import run_scripts
+    from tests.helpers.scripts import run_scripts
 
     runs = []
     for name, output_dir in (("pp", uneven[0]), ("one", one_process)):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.scripts import run_scripts
 
 WORDS = "the a cat dog bird sat ran flew on under over mat log tree house quickly slowly red blue big small".split()
 # A tiny llama: a step takes well under a second on 2 CPU ranks.
@@ -234,22 +235,25 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
     # steps 5-8 (when `wandb sync` uploads these offline runs), so each step shows once.
     assert runs[1][2] == (run_id, 4.0)
 
-    # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses.
-    resharded = tmp_path / "resharded"
+    # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses. And
+    # one process trains the same model on the same samples from the start. (Both one process without torchrun,
+    # one after the other in run_scripts' Python process.)
+    resharded, single = tmp_path / "resharded", tmp_path / "single"
     shutil.copytree(resumed, resharded)
     shutil.rmtree(resharded / "checkpoints" / "step-8")
     (resharded / "metrics.jsonl").write_text("".join(lines[:4]))
-    torchrun(project, "train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8",
-             "--checkpoint.interval", "4", "--job.wandb", "false", nproc=1)  # fmt: skip
+    results = run_scripts(
+        project,
+        ["train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8", "--checkpoint.interval",
+         "4", "--job.wandb", "false"],
+        ["train.py", *common, "--job.output_dir", str(single), "--training.steps", "8", "--job.wandb", "false"],
+    )  # fmt: skip
+    assert [code for code, _, _ in results] == [0, 0], [stderr[-2000:] for _, _, stderr in results]
     one = [(r["step"], r["loss"]) for r in metrics(resharded)][4:]
     assert [step for step, _ in one] == [5, 6, 7, 8]
     assert all(abs(loss - r["loss"]) <= 1e-5 for (_, loss), r in zip(one, records[4:], strict=True)), one
 
-    # One process trains the same model on the same samples and evaluates the same validation samples: the same
-    # validation losses (up to summation order).
-    single = tmp_path / "single"
-    torchrun(project, "train.py", *common, "--job.output_dir", str(single), "--training.steps", "8", "--job.wandb",
-             "false", nproc=1)  # fmt: skip
+    # The single process evaluates the same validation samples: the same validation losses (up to summation order).
     one_rank = [r["val_loss"] for r in metrics(single) if "val_loss" in r]
     assert np.allclose(one_rank, validation, rtol=0, atol=1e-5), (one_rank, validation)
 
@@ -260,14 +264,19 @@ def test_hf_trains_on_text_prepared_with_its_own_tokenizer(tmp_path: Path) -> No
     (tmp_path / "corpus.txt").write_text(text)
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model_dir), "--gpus", "2", "--fp32")
     data = tmp_path / "data"
-    result = prepare(project, str(tmp_path / "corpus.txt"), "--output", str(data), "--val-fraction", "0.2")
-    assert result.returncode == 0, result.stderr
-    assert json.loads((data / "index.json").read_text())["tokenizer"] == str(model_dir)
     common = [*TRAIN, "--data.path", str(data), "--eval.every", "4", "--training.steps", "8"]
+    # The preparation, then one process's training (no torchrun), in one Python process (run_scripts).
+    prepared, one = run_scripts(
+        project,
+        ["scripts/prepare_data.py", str(tmp_path / "corpus.txt"), "--output", str(data), "--val-fraction", "0.2"],
+        ["train.py", *common, "--job.output_dir", str(tmp_path / "one")],
+    )  # fmt: skip
+    assert prepared[0] == 0, prepared[2]
+    assert one[0] == 0, one[2][-3000:]
+    assert json.loads((data / "index.json").read_text())["tokenizer"] == str(model_dir)
     torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "two"))
     validation = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
     assert len(validation) == 2 and validation[1] < validation[0] - 0.3, validation
-    torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "one"), nproc=1)
     one_rank = [r["val_loss"] for r in metrics(tmp_path / "one") if "val_loss" in r]
     assert np.allclose(one_rank, validation, rtol=0, atol=1e-5), (one_rank, validation)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.scripts import run_scripts
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -77,21 +78,28 @@ def test_only_the_assistants_tokens_are_targets(chat: dict) -> None:
     assert targets == [response + "<|end|>" for response in responses]
 
 
-def test_masked_loss_on_2_ranks_with_accumulation_equals_plain_pytorch(chat: dict, tmp_path: Path) -> None:
-    # Step 1's loss and gradient norm against a one-process computation over the same 8 samples: the mean
-    # cross-entropy over all assistant tokens of the step, not a mean of per-rank or per-micro-batch means
-    # (the samples hold different numbers of targets, so those would differ).
+@pytest.fixture(scope="module")
+def trained(chat: dict) -> list[dict]:
+    """One 2-rank run for both training tests: 12 steps of 2 micro-batches, validated at steps 6 and 12; its
+    metrics. Plain causal attention over the packed windows, as test_masked_loss's reference computes it
+    (document masking: tests/test_document_masking.py, and test_qlora.py's sft run)."""
+    out = chat["root"] / "trained"
+    torchrun(chat["project"], "train.py", *TRAIN, "--data.path", str(chat["data"]), "--training.steps", "12",
+             "--training.grad_accum_steps", "2", "--data.document_mask", "false", "--eval.every", "6",
+             "--eval.batches", "1", "--training.lr", "3e-3", "--job.output_dir", str(out))  # fmt: skip
+    return metrics(out)
+
+
+def test_masked_loss_on_2_ranks_with_accumulation_equals_plain_pytorch(chat: dict, trained: list[dict]) -> None:
+    # Step 1's loss and gradient norm (before any update: the learning rate plays no part) against a one-process
+    # computation over the same 8 samples: the mean cross-entropy over all assistant tokens of the step, not a mean
+    # of per-rank or per-micro-batch means (the samples hold different numbers of targets, so those would differ).
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    # Plain causal attention over the packed windows, as the reference below computes it (document masking:
-    # tests/test_document_masking.py).
-    torchrun(chat["project"], "train.py", *TRAIN, "--data.path", str(chat["data"]), "--training.steps", "1",
-             "--training.grad_accum_steps", "2", "--data.document_mask", "false",
-             "--job.output_dir", str(out))  # fmt: skip
-    [record] = metrics(out)
+    record = trained[0]
+    assert record["step"] == 1
 
     seq_len, batch, seed = 32, 8, 0
     tokens, mask = shards(chat["data"], "train")
@@ -132,12 +140,8 @@ def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
     assert 'checkpoint(cross_entropy, output_layer, h, t, "sum", use_reentrant=False)' in loss
 
 
-def test_sft_trains_and_the_validation_loss_falls(chat: dict, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    args = [*TRAIN, "--data.path", str(chat["data"]), "--training.steps", "12", "--eval.every", "6",
-            "--eval.batches", "1", "--training.lr", "3e-3", "--job.output_dir", str(out)]  # fmt: skip
-    torchrun(chat["project"], "train.py", *args)
-    validation = [r["val_loss"] for r in metrics(out) if "val_loss" in r]
+def test_sft_trains_and_the_validation_loss_falls(trained: list[dict]) -> None:
+    validation = [r["val_loss"] for r in trained if "val_loss" in r]
     assert len(validation) == 2 and validation[1] < validation[0], validation
 
 
@@ -149,16 +153,30 @@ BAD_CHATS = {
 }
 
 
+@pytest.fixture(scope="module")
+def bad_chats(chat: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tuple]]:
+    """Each case's file and scripts/prepare_chat.py's (exit code, stdout, stderr) on it; the cases run one after
+    the other in one Python process (run_scripts)."""
+    root = tmp_path_factory.mktemp("bad-chats")
+    for case, (line, _) in BAD_CHATS.items():
+        (root / case).mkdir()
+        (root / case / "chats.jsonl").write_text(line)
+    results = run_scripts(chat["project"], *(
+        ["scripts/prepare_chat.py", str(root / case / "chats.jsonl"), "--output", str(root / case / "data")]
+        for case in BAD_CHATS
+    ))  # fmt: skip
+    return {case: (root / case, result) for case, result in zip(BAD_CHATS, results, strict=True)}
+
+
 @pytest.mark.parametrize("case", BAD_CHATS)
-def test_bad_chat_lines_are_one_line_and_exit_2(case: str, chat: dict, tmp_path: Path) -> None:
-    line, expected = BAD_CHATS[case]
-    path = tmp_path / "chats.jsonl"
-    path.write_text(line)
-    result = prepare(chat["project"], str(path), "--output", str(tmp_path / "data"))
-    assert result.returncode == 2
-    [message] = [line for line in result.stderr.splitlines() if line.startswith("prepare_chat.py: error: ")]
+def test_bad_chat_lines_are_one_line_and_exit_2(case: str, bad_chats: dict) -> None:
+    _, expected = BAD_CHATS[case]
+    folder, (code, _, stderr) = bad_chats[case]
+    path = folder / "chats.jsonl"
+    assert code == 2, stderr
+    [message] = [line for line in stderr.splitlines() if line.startswith("prepare_chat.py: error: ")]
     assert message.startswith("prepare_chat.py: error: " + expected.format(path=path)), message
-    assert not (tmp_path / "data").exists()
+    assert not (folder / "data").exists()
 
 
 def test_a_tokenizer_without_chat_template_is_refused(chat: dict, tmp_path: Path) -> None:
@@ -202,13 +220,17 @@ def test_the_data_line_says_plain_text_and_names_prepare_chat(chat: dict, tmp_pa
     """Plain-text shards (scripts/prepare_data.py) train every token: allowed in an sft project, never silently. And
     the hint of a run on synthetic tokens names the chat preparation, not scripts/prepare_data.py."""
     (tmp_path / "text.txt").write_text(" ".join(WORDS) * 50)
-    command = [sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
-               str(tmp_path / "plain"), "--val-fraction", "0"]  # fmt: skip
-    subprocess.run(command, cwd=chat["project"], check=True, capture_output=True)
-    result = subprocess.run([sys.executable, "-c", DATA_LINES, str(tmp_path / "plain"), str(chat["data"]), ""],
-                            cwd=chat["project"], capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    (tmp_path / "data_lines.py").write_text(DATA_LINES)
+    # The preparation, then the data lines, in one Python process (run_scripts).
+    prepared, result = run_scripts(
+        chat["project"],
+        ["scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output", str(tmp_path / "plain"), "--val-fraction",
+         "0"],
+        [str(tmp_path / "data_lines.py"), str(tmp_path / "plain"), str(chat["data"]), ""],
+    )  # fmt: skip
+    assert prepared[0] == 0, prepared[2]
+    assert result[0] == 0, result[2]
+    lines = result[1].splitlines()
     assert lines[0].startswith(
         f"data: {tmp_path / 'plain'} is PLAIN TEXT (no loss mask: scripts/prepare_data.py or a token file), so every "
         "token is a target, as in pretraining; chats to fine-tune on are prepared by scripts/prepare_chat.py: "

@@ -1,11 +1,12 @@
 """Run under torchrun in a generated hf project (test_hf.py): the sharded model filled by model.load_pretrained
 from FOLDER must equal transformers' from_pretrained(FOLDER, dtype=float32) bit for bit, every tensor.
 
-    torchrun ... hf_load_probe.py FOLDER [--blind] [--section.key VALUE ...]
+    torchrun ... hf_load_probe.py FOLDER [--blind | --both] [--section.key VALUE ...]
 
 --blind: every rank but 0 is given a folder that does not exist, as a rank on a node that does not see rank 0's
-folder would, so that load_pretrained must take its rank-0 broadcast path. Rank 0 prints "equal" or the names
-of the tensors that differ.
+folder would, so that load_pretrained must take its rank-0 broadcast path. --both: first every rank sees FOLDER,
+then the same with --blind, in one launch. Rank 0 prints, for each load, "every-rank: equal" or "blind: equal"
+(or "...: differ: " and the names of the tensors that differ).
 """
 
 import sys
@@ -20,26 +21,33 @@ from train import build_model_meta, run_on_every_rank
 from transformers import AutoModelForCausalLM
 
 
+def check(config, device, mesh, folder: Path, blind: bool) -> None:
+    """One load of FOLDER (blind: rank 0's broadcast path) and rank 0's line. hf_moe_probe.py calls it too."""
+    # Built from scratch (random weights), then loaded: every weight must change to the files' values.
+    config.model = ModelArgs(path=str(folder), pretrained=False)
+    model = build_model_meta(config, mesh, device)
+    seen = folder if not blind or dist.get_rank() == 0 else folder.parent / "not-on-this-node"
+    model_module.load_pretrained(model, seen)
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        differ = [name for name, tensor in reference.state_dict().items()
+                  if name not in gathered or not torch.equal(gathered[name], tensor)]  # fmt: skip
+        mode = "blind" if blind else "every-rank"
+        print(f"{mode}: differ: " + " ".join(differ) if differ else f"{mode}: equal", flush=True)
+
+
 def main() -> None:
     folder, args = Path(sys.argv[1]), sys.argv[2:]
-    blind = "--blind" in args
-    args = [arg for arg in args if arg != "--blind"]
+    modes = [False, True] if "--both" in args else ["--blind" in args]
+    args = [arg for arg in args if arg not in ("--blind", "--both")]
 
-    def check(config, device, mesh) -> int:
-        # Built from scratch (random weights), then loaded: every weight must change to the files' values.
-        config.model = ModelArgs(path=str(folder), pretrained=False)
-        model = build_model_meta(config, mesh, device)
-        seen = folder if not blind or dist.get_rank() == 0 else folder.parent / "not-on-this-node"
-        model_module.load_pretrained(model, seen)
-        gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            differ = [name for name, tensor in reference.state_dict().items()
-                      if name not in gathered or not torch.equal(gathered[name], tensor)]  # fmt: skip
-            print("differ: " + " ".join(differ) if differ else "equal", flush=True)
+    def check_every_mode(config, device, mesh) -> int:
+        for blind in modes:
+            check(config, device, mesh, folder, blind)
         return 0
 
-    run_on_every_rank(check, args)
+    run_on_every_rank(check_every_mode, args)
 
 
 if __name__ == "__main__":

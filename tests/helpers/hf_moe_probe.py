@@ -1,9 +1,10 @@
 """Run under torchrun in a generated hf project (test_hf_moe.py), with a mixture-of-experts model folder:
 
-    torchrun ... hf_moe_probe.py FOLDER [--section.key VALUE ...]
+    torchrun ... hf_moe_probe.py FOLDER [FOLDER ...] [--blind-load FOLDER] [--section.key VALUE ...]
 
-The sharded model built by train.py from FOLDER (pretrained weights) against transformers' from_pretrained(FOLDER)
-in one process, on the same tokens, fp32. Each rank prints one JSON line ("probe {...}"):
+For each FOLDER in turn (one launch for several models): the sharded model built by train.py from FOLDER
+(pretrained weights) against transformers' from_pretrained(FOLDER) in one process, on the same tokens, fp32. Each
+rank prints one JSON line per folder ("probe {...}", its "folder" named):
 - experts_read: the experts each per-expert checkpoint tensor this rank read from the files came from (by
   model.read_part, which returns None for an expert of another rank's shard), as {layer: sorted experts};
 - weights_differ: the weights of from_pretrained's model that the sharded model's (gathered) differ from (rank 0);
@@ -14,6 +15,8 @@ in one process, on the same tokens, fp32. Each rank prints one JSON line ("probe
   transformers' own loss with the labels (cross-entropy + router_aux_loss_coef x its balance loss), and
   sum_diff: reduction "sum" against the mean x the targets; load_max_mean, load_min_mean: balance_experts'
   figures after those forwards and the reference's (from its router logits).
+--blind-load FOLDER: then hf_load_probe.py's --blind check of FOLDER in the same launch (rank 1 does not see it:
+rank 0 reads, converts and broadcasts), its lines ("warning: ...", "blind: equal") as that probe prints them.
 """
 
 import json
@@ -31,9 +34,23 @@ from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    folder, args = Path(sys.argv[1]), sys.argv[2:]
+    count = next((i for i, arg in enumerate(sys.argv[1:]) if arg.startswith("--")), len(sys.argv) - 1)
+    folders, args = [Path(arg) for arg in sys.argv[1 : 1 + count]], sys.argv[1 + count :]
+    blind = None
+    if "--blind-load" in args:
+        at = args.index("--blind-load")
+        blind, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
 
-    def probe(config, device, mesh) -> int:
+    def probe_all(config, device, mesh) -> int:
+        for folder in folders:
+            probe(config, device, mesh, folder)
+        if blind is not None:
+            import hf_load_probe  # beside this file (sys.path[0])
+
+            hf_load_probe.check(config, device, mesh, blind, blind=True)
+        return 0
+
+    def probe(config, device, mesh, folder: Path) -> None:
         config.model = ModelArgs(path=str(folder), pretrained=True)
         experts_read: dict[str, set[int]] = {}
         read_part = model_module.read_part
@@ -104,7 +121,8 @@ def main() -> None:
             assert not missing.unexpected_keys, missing.unexpected_keys
         targets = torch.roll(tokens, -1, dims=1)
         targets[0, :3] = -100  # some targets not counted (IGNORE), as a chat prompt's
-        report = {"rank": dist.get_rank(), "experts_read": {k: sorted(v) for k, v in experts_read.items()},
+        report = {"folder": str(folder), "rank": dist.get_rank(),
+                  "experts_read": {k: sorted(v) for k, v in experts_read.items()},
                   "weights_differ": weights_differ}  # fmt: skip
         model.eval()
         reference.eval()
@@ -145,9 +163,8 @@ def main() -> None:
             report["loss"] = mean.item()
         sys.stdout.write("probe " + json.dumps(report) + "\n")
         sys.stdout.flush()
-        return 0
 
-    run_on_every_rank(probe, args)
+    run_on_every_rank(probe_all, args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Loads the newest checkpoint with train.py's own blocks, then rank 0 writes $PROBE_OUT (JSON): whether every frozen
 weight equals the pretrained file's bit for bit, the norm of each adapter, and per rank the optimizer state's size
-next to the adapters' and the frozen weights' local sizes.
+next to the adapters' and the frozen weights' local sizes; and, beside it, model_output.pt: the sharded model's
+output on a fixed input, as the project's tests/model_output.py writes it (the same launch, not another).
 """
 
 import json
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from checkpoint import Checkpointer, TrainState
 from config import parse_args
+from model import output_logits
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from train import build_model_meta, build_optimizer, checkpoint_load, close_process_group, init_distributed
@@ -38,7 +40,15 @@ frozen = sum(local_numel(p) for p in model.parameters() if not p.requires_grad)
 sizes = [None] * dist.get_world_size()
 dist.all_gather_object(sizes, {"optimizer_state": optimizer_state, "adapters": adapters, "frozen": frozen})
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+# tests/model_output.py's input and output: every rank computes the whole output with the all-gathered weights.
+tokens = torch.randint(
+    config.model.vocab_size, (2, config.training.seq_len), generator=torch.Generator().manual_seed(0)
+)
+model.eval()
+with torch.no_grad():
+    logits = output_logits(model(tokens.to(device))).float().cpu()
 if dist.get_rank() == 0:
+    torch.save({"tokens": tokens, "logits": logits}, Path(os.environ["PROBE_OUT"]).with_name("model_output.pt"))
     pretrained = load_file(config.model.folder / "model.safetensors")
     base = {name.replace(".base_layer.", "."): tensor for name, tensor in full.items() if ".lora_" not in name}
     report = {
