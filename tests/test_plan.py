@@ -141,20 +141,71 @@ def test_llama_presets_match_published_parameter_counts(size: str, published: in
     assert parameter_count(shape) == published + untied_extra
 
 
-def measure(project: Path, config: Path, ranks: int, out: Path) -> dict:
-    """Run tests/helpers/plan_measure.py under torchrun with `ranks` gloo processes; its per-rank measurements."""
+def measure(project: Path, configs: list[Path], ranks: int, out: Path) -> list[dict]:
+    """Run tests/helpers/plan_measure.py under torchrun with `ranks` gloo processes: each config's per-rank
+    measurements, all in one launch (the configs of one project and layout)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [str(HELPERS / "plan_measure.py"), str(project), str(config), str(out)]
+    command += [str(HELPERS / "plan_measure.py"), str(project), str(out), *map(str, configs)]
     result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("ranks,precision", [(2, "fp32"), (4, "bf16")])
-def test_plan_matches_a_real_sharded_run(projects: dict[str, Path], tmp_path: Path, ranks: int, precision: str) -> None:
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_CONFIG)
-    measured = measure(projects[precision], config, ranks, tmp_path / "measured.json")
+# Blocks outweigh the root (small vocabulary), and parameters outweigh activations: the gradients that
+# accumulation keeps are a large part of the peak. Micro-batches of 1 sample of 16 tokens.
+ACCUMULATION_CONFIG = """
+[model]
+dim = 128
+n_layers = 8
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 256
+ffn_dim = 344
+max_seq_len = 64
+
+[training]
+seq_len = 16
+global_batch_size = {batch}
+grad_accum_steps = {accum}
+grad_sync = "{sync}"
+"""
+RANKS = 4
+# test_plan_matches_the_measured_peak_with_and_without_accumulation's cases: name -> (grad_accum_steps, grad_sync).
+ACCUMULATION = {
+    "no-accumulation": (1, "every_micro_batch"),
+    "every-micro-batch": (2, "every_micro_batch"),
+    "last-micro-batch": (2, "last_micro_batch"),
+}
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """name -> (config, measured) of every fp32 config on RANKS ranks, measured in ONE launch: the tiny model
+    ("tiny": test_plan_matches_a_real_sharded_run's) and the accumulation configs (ACCUMULATION)."""
+    root = tmp_path_factory.mktemp("plan-fp32")
+    texts = {"tiny": TINY_CONFIG} | {
+        name: ACCUMULATION_CONFIG.format(batch=RANKS * accum, accum=accum, sync=sync)
+        for name, (accum, sync) in ACCUMULATION.items()
+    }
+    configs = {name: root / f"{name}.toml" for name in texts}
+    for name, text in texts.items():
+        configs[name].write_text(text)
+    runs = measure(projects["fp32"], list(configs.values()), RANKS, root / "measured.json")
+    return {name: (config, run) for (name, config), run in zip(configs.items(), runs, strict=True)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_matches_a_real_sharded_run(
+    projects: dict[str, Path], fp32_runs: dict[str, tuple[Path, dict]], tmp_path: Path, precision: str
+) -> None:
+    """The tiny model on 4 ranks (vocab_size 130: FSDP2 pads the last shards), fp32 and bf16 (mixed precision)."""
+    ranks = RANKS
+    if precision == "fp32":
+        config, measured = fp32_runs["tiny"]  # measured in the one launch of the fp32 configs
+    else:
+        config = tmp_path / "tiny.toml"
+        config.write_text(TINY_CONFIG)
+        (measured,) = measure(projects[precision], [config], ranks, tmp_path / "measured.json")
     result = invoke("plan", "--config", str(config), "--gpus", str(ranks), "--precision", precision, "--json")
     assert result.exit_code == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -192,7 +243,7 @@ def test_plan_matches_a_measured_tensor_parallel_run(
     config = tmp_path / "tiny.toml"
     config.write_text(TINY_CONFIG.replace("[training]", f"tie_embeddings = {str(tied).lower()}\n\n[training]")
                       + "\n[parallel]\ntp = 2\n")  # fmt: skip
-    measured = measure(tp_projects[precision], config, 4, tmp_path / "measured.json")
+    (measured,) = measure(tp_projects[precision], [config], 4, tmp_path / "measured.json")
     # No --tp: plan reads the project's parallel.tp from its config.toml.
     plan = plan_json("--config", str(config), "--gpus", "4", "--precision", precision)
     per_gpu, ranks = plan["per_gpu_bytes"], measured["ranks"]
@@ -214,38 +265,14 @@ def test_plan_matches_a_measured_tensor_parallel_run(
     print(f"\ntp 2 x dp 2 {precision} tied={tied}: plan {per_gpu} vs measured {ranks}")
 
 
-# Blocks outweigh the root (small vocabulary), and parameters outweigh activations: the gradients that
-# accumulation keeps are a large part of the peak. Micro-batches of 1 sample of 16 tokens.
-ACCUMULATION_CONFIG = """
-[model]
-dim = 128
-n_layers = 8
-n_heads = 4
-n_kv_heads = 2
-vocab_size = 256
-ffn_dim = 344
-max_seq_len = 64
-
-[training]
-seq_len = 16
-global_batch_size = {batch}
-grad_accum_steps = {accum}
-grad_sync = "{sync}"
-"""
-
-
-@pytest.mark.parametrize(
-    "ranks,accum,sync",
-    [(4, 1, "every_micro_batch"), (4, 2, "every_micro_batch"), (4, 2, "last_micro_batch")],
-    ids=["no-accumulation", "every-micro-batch", "last-micro-batch"],
-)
+@pytest.mark.parametrize("case", list(ACCUMULATION))
 def test_plan_matches_the_measured_peak_with_and_without_accumulation(
-    projects: dict[str, Path], tmp_path: Path, ranks: int, accum: int, sync: str
+    fp32_runs: dict[str, tuple[Path, dict]], case: str
 ) -> None:
     """The generated train_step over grad_accum_steps micro-batches, measured tensor by tensor (plan_measure.py)."""
-    config = tmp_path / "config.toml"
-    config.write_text(ACCUMULATION_CONFIG.format(batch=ranks * accum, accum=accum, sync=sync))
-    measured = measure(projects["fp32"], config, ranks, tmp_path / "measured.json")["ranks"]
+    ranks, (accum, sync) = RANKS, ACCUMULATION[case]
+    config, run = fp32_runs[case]
+    measured = run["ranks"]
     assert {(rank["grad_accum_steps"], rank["grad_sync"]) for rank in measured} == {(accum, sync)}
     plan = plan_json("--config", str(config), "--gpus", str(ranks), "--precision", "fp32")
     per_gpu = plan["per_gpu_bytes"]

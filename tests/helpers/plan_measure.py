@@ -1,7 +1,7 @@
 """Measure what `fsdp2gen plan` estimates, in a real FSDP2 run of a generated project (torchrun, gloo on CPU).
 
     python -m torch.distributed.run --standalone --nproc-per-node N \
-        tests/helpers/plan_measure.py PROJECT CONFIG OUT.json
+        tests/helpers/plan_measure.py PROJECT OUT.json CONFIG [CONFIG ...]
 
 Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
 then the root, to_empty, init_weights, AdamW), runs its train_step on one micro-batch, and writes per
@@ -17,6 +17,10 @@ the config's training.grad_sync, under `LiveTensorBytes` (every tensor storage a
 is freed), and writes: the bytes held between micro-batches (at the start of the last one's forward: the
 gradients, sharded or not), and the peak of forward and backward (before optimizer.step; on CPU the project
 uses foreach AdamW, whose temporaries of the size of the shards the plan leaves out: CUDA uses fused AdamW).
+
+Each CONFIG is measured in turn in the same launch (one torchrun, torch imported once), each with a model and an
+optimizer of its own: the configs share the project and the parallel layout (the mesh is laid out once, by the
+first) and differ in model and training keys. OUT.json holds one entry per CONFIG, in order.
 """
 
 from __future__ import annotations
@@ -121,16 +125,11 @@ def measure_train_step(state, config, batches) -> dict[str, int]:
     return marks
 
 
-def main() -> None:
-    gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
-    project, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    sys.path.insert(0, str(project))
-    from config import parse_args
-    from train import MicroBatch, TrainState, build_model_meta, build_optimizer, init_distributed, train_step
+def measure_config(config, mesh, device) -> dict:
+    """This rank's measurements of `config`: a model and optimizer of its own, one step, then one train_step."""
+    from train import MicroBatch, TrainState, build_model_meta, build_optimizer, train_step
 
-    config = parse_args(["--config", config_path, "--job.device", "cpu"])
     training = config.training
-    device, mesh = init_distributed(config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model_meta(config, mesh, device)
     optimizer, scheduler = build_optimizer(model, training, device)
@@ -188,10 +187,29 @@ def main() -> None:
     batches = [MicroBatch(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     measured |= measure_train_step(state, config, batches)
     measured["grad_accum_steps"], measured["grad_sync"] = training.grad_accum_steps, training.grad_sync
-    gathered: list[dict] = [{} for _ in range(world_size)]
-    dist.all_gather_object(gathered, measured)
-    if rank == 0:
-        out.write_text(json.dumps({"world_size": world_size, "ranks": gathered}, indent=2))
+    return measured
+
+
+def main() -> None:
+    gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
+    project, out, config_paths = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    sys.path.insert(0, str(project))
+    from config import parse_args
+    from train import init_distributed
+
+    configs = [parse_args(["--config", path, "--job.device", "cpu"]) for path in config_paths]
+    # One mesh for every config: each would lay out the same one (same ranks, same parallel keys).
+    assert all(config.parallel == configs[0].parallel for config in configs), "configs with different layouts"
+    device, mesh = init_distributed(configs[0])
+    runs = []
+    for config in configs:
+        measured = measure_config(config, mesh, device)
+        gc.collect()  # the config's model and optimizer, before the next one's
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, measured)
+        runs.append({"world_size": dist.get_world_size(), "ranks": gathered})
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(runs, indent=2))
 
 
 if __name__ == "__main__":

@@ -175,16 +175,18 @@ def simulate(project: Path, config: Path, gpus: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def simulate_rows(project: Path, configs: list[Path], gpus: list[int]) -> list[dict]:
-    """simulate() of each config in one process (simulate_rows.py): the same JSON, torch and the model's modules
-    imported once, and the fake tensors' dispatch cache shared by rows of the same shapes."""
-    pairs = [str(value) for config, count in zip(configs, gpus, strict=True) for value in (config, count)]
+def simulate_rows(projects: Path | list[Path], configs: list[Path], gpus: list[int]) -> list[dict]:
+    """simulate() of each config in one process (simulate_rows.py): the same JSON, torch and transformers imported
+    once, and the fake tensors' dispatch cache shared by rows of the same shapes. `projects`: the project of every
+    config, or one project per config (keep a project's configs together: its modules are imported once a run)."""
+    if isinstance(projects, Path):
+        projects = [projects] * len(configs)
+    triples = [str(value) for row in zip(projects, configs, gpus, strict=True) for value in row]
     result = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "simulate_rows.py"), *pairs],
-        cwd=project,
+        [sys.executable, str(Path(__file__).parent / "simulate_rows.py"), *triples],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=3600,  # every row of the matrix: minutes on 2 cores, many more on a loaded machine
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()[-len(configs) :]

@@ -1,25 +1,46 @@
-"""Run inside a generated project (its folder first on sys.path): scripts/plan_memory.py's simulate() for several
-configs in one process, one JSON line each, as `plan_memory.py --config C --gpus N --json` prints it.
+"""scripts/plan_memory.py's simulate() for several configs of one or more generated projects, in one process, one
+JSON line each, as `plan_memory.py --config C --gpus N --json` prints it.
 
-    python simulate_rows.py CONFIG GPUS [CONFIG GPUS ...]
+    python simulate_rows.py PROJECT CONFIG GPUS [PROJECT CONFIG GPUS ...]
 
-One process for a project's rows instead of one per row: torch, transformers and FSDPMemTracker are imported
-once, and fake tensors' dispatch cache (FakeTensorMode's, shared by every mode in a process) serves the ops that
-rows of the same shapes repeat. Each simulate() has its own fake process group, model and tracker.
+One process for every row instead of one per row (or per project): torch, transformers and FSDPMemTracker are
+imported once, and fake tensors' dispatch cache (FakeTensorMode's, shared by every mode in a process) serves the
+ops that rows of the same shapes repeat. Each simulate() has its own fake process group, model and tracker. Each
+project's modules (train.py, config.py, scripts/plan_memory.py, ...) are imported from its own folder, the previous
+project's set aside first (the projects' modules have the same names), with that project as the working directory.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path.cwd() / "scripts"))
-import plan_memory  # noqa: E402
-from config import parse_args  # noqa: E402
 
-gc.freeze()  # torch and the project, imported once, outlive every row: the collector's full passes skip them
-pairs = sys.argv[1:]
-for config, gpus in zip(pairs[::2], pairs[1::2], strict=True):
+def load(project: Path, previous: Path | None):
+    """`project`'s plan_memory and parse_args, imported fresh: the modules and sys.path entries of `previous` gone."""
+    if previous is not None:
+        for name, module in list(sys.modules.items()):
+            if Path(getattr(module, "__file__", None) or "/").is_relative_to(previous):
+                del sys.modules[name]
+        sys.path[:] = [entry for entry in sys.path if not Path(entry or ".").resolve().is_relative_to(previous)]
+    os.chdir(project)
+    sys.path[:0] = [str(project / "scripts"), str(project)]
+    plan_memory = importlib.import_module("plan_memory")
+    parse_args = importlib.import_module("config").parse_args
+    gc.collect()
+    gc.freeze()  # torch and the project, imported once, outlive its rows: the collector's full passes skip them
+    return plan_memory, parse_args
+
+
+triples = sys.argv[1:]
+previous = None
+for project, config, gpus in zip(triples[::3], triples[1::3], triples[2::3], strict=True):
+    project = Path(project).resolve()
+    if project != previous:
+        plan_memory, parse_args = load(project, previous)
+        previous = project
     print(json.dumps(plan_memory.simulate(parse_args(["--config", config]), int(gpus))), flush=True)
