@@ -173,17 +173,20 @@ def race(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Two launches at once into one folder; once the winner trains and the loser has stopped, the winner's launcher
     is killed (SIGKILL); then a relaunch continues the run. What each step left, for the two tests below."""
     tmp = tmp_path_factory.mktemp("race")
-    out, steps = tmp / "out", 30
+    out, steps = tmp / "out", 40
     args = ["--training.steps", str(steps), "--checkpoint.interval", "4"]
     launches = [launch(project, out, tmp / f"launch{i}", *args) for i in (0, 1)]
     # The loser stops within moments (refused by preflight, or by its rank 0 if both passed preflight at once);
     # the winner is killed between its checkpoints of steps 4 and 8 (usually), far from its end, so that the
     # relaunch has rows to set aside.
-    wait_for(lambda: any(p.poll() is not None for p in launches), 300, "the loser's end")
+    # (Its line, printed as it is refused, marks it: its exit may come a moment later, once torchrun has ended.)
+    errors = [tmp / f"launch{i}.err" for i in (0, 1)]
+    wait_for(lambda: any("error: " in path.read_text() for path in errors), 300, "one launch refused")
     wait_for(lambda: steps_logged(out) >= 6, 300, "6 steps", poll=0.02)
-    codes = [p.poll() for p in launches]
-    assert sorted(codes, key=str) == [2, None], codes  # one refused, the other still training
-    winner, loser = (0, 1) if codes[0] is None else (1, 0)
+    loser = next(i for i in (0, 1) if "error: " in errors[i].read_text())
+    winner = 1 - loser
+    assert launches[winner].poll() is None, "the winner ended before the kill: nothing was tested"
+    assert launches[loser].wait(timeout=300) == 2
     holder = json.loads((out / "run.lock").read_text())
     os.kill(launches[winner].pid, signal.SIGKILL)
     launches[winner].wait()
