@@ -501,10 +501,10 @@ def test_each_mistake_is_one_line_and_exit_code_2(case: str, inputs: dict, resul
     assert results[case] == [2, "", f"preflight.py: error: {expected}\n"]
 
 
+# Through the real scripts/launch_local.sh: what the script does with preflight.py's refusal (stop, exit code 2,
+# nothing else) is the same for every case, whose line test_each_mistake_is_one_line_and_exit_code_2 checks; these
+# two are about the launch itself (torchrun's option among the run's, a new launch inside a requeued SLURM job).
 LAUNCHER_CASES = [
-    "unknown-key",
-    "steps-0",
-    "data-id-above-vocab-after-1M-tokens",
     "new-run-in-a-folder-with-a-run",
     "world-size-among-run-arguments",
 ]
@@ -517,10 +517,12 @@ def test_launch_script_stops_before_torchrun_starts(case: str, inputs: dict, tmp
         shutil.copytree(inputs["finished"], out)
     before = sorted(out.rglob("*")) if out.exists() else []
     args = [arg.format(out=out, tmp=tmp) for arg in CASES[case][0]]
+    # SLURM_RESTART_COUNT, as a shell inside a requeued SLURM job has it: a new launch there is still a new run (the
+    # case new-run-in-a-folder-with-a-run is refused, not taken for a restart of the run in the folder).
+    env = {**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1", "SLURM_RESTART_COUNT": "1"}
     result = subprocess.run(
         ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
-        cwd=inputs["project"], env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu", "MAX_RESTARTS": "1"},
-        capture_output=True, text=True,
+        cwd=inputs["project"], env=env, capture_output=True, text=True,
     )  # fmt: skip
     expected = CASES[case][1].format(out=out, tmp=tmp)
     # One line from one process, and nothing else: torchrun (which would print its own lines, and retry) never ran.
@@ -559,7 +561,10 @@ def test_multinode_launcher_checks_the_world_of_all_nodes(tmp_path: Path) -> Non
 @pytest.mark.parametrize("case", ["unknown-key", "data-missing"])
 def test_torchrun_without_the_launcher_prints_the_error_once(case: str, inputs: dict, tmp_path: Path) -> None:
     # Started without the launch script, train.py still finds the mistake before building the model, and only
-    # rank 0 reports it (config errors while parsing, the rest in train.py's own preflight on rank 0).
+    # rank 0 reports it (config errors while parsing, the rest in train.py's own preflight on rank 0). One case of
+    # each of the two ways: every other case is found by the same parser (config.parse_args, every rank) or the
+    # same checks (preflight.preflight, rank 0) as preflight.py's, which the cases above run, and
+    # tests/test_launch_scripts.py proves that train.py's start and preflight.py give the same outcome.
     args = [arg.format(out=tmp_path, tmp=inputs["tmp"]) for arg in CASES[case][0]]
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
@@ -683,19 +688,62 @@ def schema_inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     return tmp
 
 
-@pytest.mark.parametrize("case", SCHEMA_CASES)
-def test_launch_script_refuses_what_the_schema_and_the_paths_rule_out(
-    case: str, projects: dict[str, Path], schema_inputs: Path, tmp_path: Path
-) -> None:
-    tmp, out = schema_inputs, tmp_path / "out"
+def schema_case_folder(case: str, out: Path) -> None:
+    """The output folder `out` as the case `case` of SCHEMA_CASES leaves it (none: not made)."""
     if case == "checkpoints-is-a-file":
-        out.mkdir()
+        out.mkdir(parents=True)
         (out / "checkpoints").write_text("not a folder")
     elif case == "metrics-jsonl-is-a-folder":
         (out / "metrics.jsonl").mkdir(parents=True)
     elif case == "run-json-is-a-folder":
         (out / "run.json").mkdir(parents=True)
-    before = sorted(out.rglob("*")) if out.exists() else []
+
+
+def folder_listing(out: Path) -> list[Path]:
+    return sorted(out.rglob("*")) if out.exists() else []
+
+
+@pytest.fixture(scope="module")
+def schema_results(projects: dict[str, Path], schema_inputs: Path) -> dict[str, list]:
+    """Every case of SCHEMA_CASES, run by the project's own preflight.py as launch_local.sh runs it (NPROC=2,
+    DEVICE=cpu), all in one process (preflight_driver.py); and each case's output folder before and after."""
+    tmp, argvs, before = schema_inputs, {}, {}
+    for case, (args, _) in SCHEMA_CASES.items():
+        out = tmp / "out" / case
+        schema_case_folder(case, out)
+        before[case] = folder_listing(out)
+        argv = ["--world-size", "2", "--config", "config.toml", "--job.device", "cpu", *TINY, "--job.output_dir",
+                str(out), *args]  # fmt: skip
+        argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
+    (tmp / "cases.json").write_text(json.dumps(argvs))
+    driver = subprocess.run(
+        [sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp / "cases.json")],
+        cwd=projects["fp32"], env={**torchrun_env(), "PYTHONPATH": str(projects["fp32"])},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    results = json.loads(driver.stdout)
+    return {case: [*results[case], before[case] == folder_listing(tmp / "out" / case)] for case in SCHEMA_CASES}
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES)
+def test_each_schema_or_path_mistake_is_one_line_and_exit_code_2(
+    case: str, schema_inputs: Path, schema_results: dict[str, list]
+) -> None:
+    expected = SCHEMA_CASES[case][1].format(out=schema_inputs / "out" / case, tmp=schema_inputs)
+    # The line, exit code 2, nothing on stdout, and the output folder as it was.
+    assert schema_results[case] == [2, "", f"preflight.py: error: {expected}\n", True]
+
+
+@pytest.mark.parametrize("case", ["run-json-is-a-folder"])
+def test_launch_script_refuses_what_the_schema_and_the_paths_rule_out(
+    case: str, projects: dict[str, Path], schema_inputs: Path, tmp_path: Path
+) -> None:
+    # Through the real scripts/launch_local.sh (issue 40: run.json's kind was found only by rank 0, after torchrun
+    # started): one line from one process, torchrun never started, the folder unchanged.
+    tmp, out = schema_inputs, tmp_path / "out"
+    schema_case_folder(case, out)
+    before = folder_listing(out)
     args = [arg.format(out=out, tmp=tmp) for arg in SCHEMA_CASES[case][0]]
     result = subprocess.run(
         ["scripts/launch_local.sh", *TINY, "--job.output_dir", str(out), *args],
@@ -704,27 +752,7 @@ def test_launch_script_refuses_what_the_schema_and_the_paths_rule_out(
     )  # fmt: skip
     expected = SCHEMA_CASES[case][1].format(out=out, tmp=tmp)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {expected}\n")
-    assert (sorted(out.rglob("*")) if out.exists() else []) == before
-
-
-@pytest.mark.parametrize("case", ["head-size-odd", "checkpoints-is-a-file"])
-def test_torchrun_without_the_launcher_refuses_them_too(
-    case: str, projects: dict[str, Path], schema_inputs: Path, tmp_path: Path
-) -> None:
-    # train.py's own checks (config.py's schema while parsing, preflight on rank 0) for runs started otherwise.
-    out = tmp_path / "out"
-    if case == "checkpoints-is-a-file":
-        out.mkdir()
-        (out / "checkpoints").write_text("not a folder")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
-         "--job.device", "cpu", "--job.output_dir", str(out), *SCHEMA_CASES[case][0]],
-        cwd=projects["fp32"], env=torchrun_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    expected = SCHEMA_CASES[case][1].format(out=out, tmp=schema_inputs)
-    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {expected}"]
-    assert "exitcode  : 2" in result.stderr
-    assert "parameters" not in result.stdout
+    assert folder_listing(out) == before
 
 
 REPORT = REPO / "docs" / "bad-inputs.md"
@@ -749,13 +777,13 @@ def test_the_report_is_made_from_the_cases() -> None:
     report = REPORT.read_text()
     tables = re.findall(TABLE, report, flags=re.M)
     made = [report_table(CASES), report_table(SCHEMA_CASES)]
-    counts = [f"{len(CASES)} cases", f"{len(SCHEMA_CASES)} cases"]
+    counts = [f"{len(CASES)} cases", f"{len(SCHEMA_CASES)} schema and path cases"]
     if os.environ.get("FSDP2GEN_UPDATE_DOCS") == "1":
         assert len(tables) == len(made)
         report = re.sub(TABLE, lambda _: made.pop(0), report, flags=re.M)
         report = re.sub(r"\d+ cases( through `preflight.py`)", rf"{counts[0]}\1", report)
-        report = re.sub(r"\d+ cases( through `launch_local.sh`)", rf"{counts[1]}\1", report)
+        report = re.sub(r"\d+ schema and path cases( through `preflight.py`)", rf"{counts[1]}\1", report)
         REPORT.write_text(report)
         return
     assert tables == made
-    assert f"{counts[0]} through `preflight.py`" in report and f"{counts[1]} through `launch_local.sh`" in report
+    assert f"{counts[0]} through `preflight.py`" in report and f"{counts[1]} through `preflight.py`" in report

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,18 @@ def edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh `new run --gpus 2`, rendered once: the tests edit copies of it (copy_of) or compare with it."""
+    return generate(tmp_path_factory.mktemp("clean") / "run", "--gpus", "2")
+
+
+def copy_of(project: Path, dest: Path) -> Path:
+    """A copy of `project` at `dest` (same name: the project's name), files, modes and all, as `new` left it."""
+    assert dest.name == project.name
+    return shutil.copytree(project, dest, symlinks=True)
+
+
 def clean_render(tmp_path: Path, name: str, *options: str) -> dict[str, bytes]:
     """The files of a fresh `new` with these options, into a folder of the same name (the project's name)."""
     return tree(generate(tmp_path / "clean" / name, *options))
@@ -50,8 +63,8 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     }
 
 
-def test_force_keeps_edited_train_and_config(tmp_path: Path) -> None:
-    project = generate(tmp_path / "run", "--gpus", "2")
+def test_force_keeps_edited_train_and_config(two_gpus: Path, tmp_path: Path) -> None:
+    project = copy_of(two_gpus, tmp_path / "run")
     edit(project / "train.py", TRAIN_ANCHOR, USER_NOTE + TRAIN_ANCHOR)
     edit(project / "config.toml", "log_every = 10 ", "log_every = 5  ")
     readme = (project / "README.md").read_bytes()
@@ -78,8 +91,8 @@ def test_force_keeps_edited_train_and_config(tmp_path: Path) -> None:
     assert [path for path in clean if tree(project)[path] != clean[path]] == ["config.toml", "train.py"]
 
 
-def test_force_conflicting_edit_is_marked_not_lost(tmp_path: Path) -> None:
-    project = generate(tmp_path / "run", "--gpus", "2")
+def test_force_conflicting_edit_is_marked_not_lost(two_gpus: Path, tmp_path: Path) -> None:
+    project = copy_of(two_gpus, tmp_path / "run")
     edit(project / "config.toml", "# 2 GPU(s) shard one FSDP group.", "# our 2 GPUs: mine")
     result = fsdp2gen("new", str(project), "-y", "--gpus", "4", "--force")
     assert result.returncode == 0, result.stderr
@@ -88,7 +101,7 @@ def test_force_conflicting_edit_is_marked_not_lost(tmp_path: Path) -> None:
     assert "<<<<<<< yours\n# our 2 GPUs: mine" in config and "\n# 4 GPU(s) shard one FSDP group." in config
 
 
-def test_force_removes_stale_files_only_when_unedited(tmp_path: Path) -> None:
+def test_force_removes_stale_files_only_when_unedited(two_gpus: Path, tmp_path: Path) -> None:
     project = generate(tmp_path / "run", "--gpus", "2", "--tp", "2", "--launcher", "slurm")
     edit(project / "tensor_parallel.py", "import", "# mine\nimport")
     edited_tp = (project / "tensor_parallel.py").read_bytes()
@@ -100,7 +113,7 @@ def test_force_removes_stale_files_only_when_unedited(tmp_path: Path) -> None:
     assert "  kept, edited, no longer generated: tensor_parallel.py\n" in result.stdout
     assert not (project / "scripts" / "slurm.sbatch").exists() and not (project / "logs").exists()
     assert (project / "tensor_parallel.py").read_bytes() == edited_tp
-    clean = clean_render(tmp_path, "run", "--gpus", "2")
+    clean = tree(two_gpus)
     assert sorted(tree(project)) == sorted([*clean, "tensor_parallel.py"])
 
 
@@ -114,8 +127,8 @@ def test_force_refuses_a_folder_that_fsdp2gen_did_not_make(tmp_path: Path) -> No
     assert tree(dest) == {"train.py": b"my own training script\n"}
 
 
-def test_force_over_a_colliding_file_writes_nothing(tmp_path: Path) -> None:
-    project = generate(tmp_path / "run", "--gpus", "2")
+def test_force_over_a_colliding_file_writes_nothing(two_gpus: Path, tmp_path: Path) -> None:
+    project = copy_of(two_gpus, tmp_path / "run")
     shutil.rmtree(project / "scripts")
     (project / "scripts").write_text("a file where the project has a folder\n")
     before = snapshot(project)
@@ -135,9 +148,9 @@ def _race(tmp_path: Path, dest: Path, *extra: str) -> list[subprocess.CompletedP
     return [subprocess.CompletedProcess(run.args, run.wait(120), *run.communicate()) for run in runs]
 
 
-def test_two_concurrent_new_into_one_dest(tmp_path: Path) -> None:
+def test_two_concurrent_new_into_one_dest(two_gpus: Path, tmp_path: Path) -> None:
     """Exactly one creates the project; the other exits 2 with one line; the project is one run's."""
-    clean = clean_render(tmp_path, "run", "--gpus", "2")
+    clean = tree(two_gpus)
     for round_, existing_empty in enumerate((False, True, False, True)):
         dest = tmp_path / f"race{round_}" / "run"
         if existing_empty:
@@ -164,9 +177,9 @@ def _new_with_a_full_disk(*args: str) -> subprocess.CompletedProcess:
                           env=env, preexec_fn=_limit_file_size, timeout=120)  # fmt: skip
 
 
-def test_a_write_failing_mid_render_leaves_nothing(tmp_path: Path) -> None:
+def test_a_write_failing_mid_render_leaves_nothing(two_gpus: Path, tmp_path: Path) -> None:
     # The template renders a file over 16 KiB (train.py): the failure comes after other files were written.
-    assert max(len(content) for content in clean_render(tmp_path, "run", "--gpus", "2").values()) > 16 * 2**10
+    assert max(len(content) for content in tree(two_gpus).values()) > 16 * 2**10
     for dest in (tmp_path / "new" / "run", tmp_path / "empty"):
         if dest.name == "empty":
             dest.mkdir()
@@ -177,7 +190,7 @@ def test_a_write_failing_mid_render_leaves_nothing(tmp_path: Path) -> None:
         assert not (tmp_path / "new").exists() and (not dest.exists() or list(dest.iterdir()) == [])
 
     # --force over a project: the failure leaves the previous project as it was.
-    project = generate(tmp_path / "run", "--gpus", "2")
+    project = copy_of(two_gpus, tmp_path / "run")
     edit(project / "config.toml", "log_every = 10 ", "log_every = 5  ")
     before = snapshot(project)
     result = _new_with_a_full_disk(str(project), "-y", "--gpus", "4", "--force")
@@ -185,10 +198,10 @@ def test_a_write_failing_mid_render_leaves_nothing(tmp_path: Path) -> None:
     assert snapshot(project) == before
 
 
-def test_a_run_holding_dest_refuses_a_second(tmp_path: Path) -> None:
+def test_a_run_holding_dest_refuses_a_second(two_gpus: Path, tmp_path: Path) -> None:
     """While one run holds DEST's lock (flock on the folder), another `new --force` (or `new` into the empty
     folder) is refused in one line and changes nothing."""
-    project = generate(tmp_path / "run", "--gpus", "2")
+    project = copy_of(two_gpus, tmp_path / "run")
     empty = tmp_path / "empty"
     empty.mkdir()
     for dest, force in ((project, ["--force"]), (empty, [])):

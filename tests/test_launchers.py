@@ -43,10 +43,15 @@ def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, 
     return [(node.wait(timeout=600), node.communicate()[0]) for node in nodes]
 
 
-def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) -> None:
-    # 2 "nodes" x 4 ranks, as 2 small GPU nodes would run; a 2-node project defaults to HSDP: sharded within a
-    # node, replicated across nodes.
-    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "4", "--fp32")
+@pytest.fixture(scope="module")
+def two_node_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("two-nodes") / "run", "--nodes", "2", "--gpus", "2", "--fp32")
+
+
+def test_two_node_hsdp_launch_on_localhost_equals_one_process(two_node_project: Path, tmp_path: Path) -> None:
+    # 2 "nodes" x 2 ranks, as 2 small GPU nodes would run; a 2-node project defaults to HSDP: sharded within a
+    # node, replicated across nodes. (8 ranks on one node: tests/test_context_parallel.py, test_expert_parallel.py.)
+    project = two_node_project
     assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
     reference = subprocess.run(
         [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
@@ -54,25 +59,25 @@ def test_two_node_hsdp_launch_on_localhost_equals_one_process(tmp_path: Path) ->
         cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert reference.returncode == 0, reference.stderr
-    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 4, "--training.steps", "4")
+    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 2, "--training.steps", "4")
     assert [code for code, _ in nodes] == [0, 0], nodes
     info = json.loads(next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text())
-    assert info["world_size"] == 8 and info["config"]["parallel"]["dp_replicate"] == 2
+    assert info["world_size"] == 4 and info["config"]["parallel"]["dp_replicate"] == 2
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
 
 
-def test_a_node_local_output_dir_stops_the_run(tmp_path: Path) -> None:
+def test_a_node_local_output_dir_stops_the_run(two_node_project: Path, tmp_path: Path) -> None:
     # Node 1 writes to a folder node 0 does not see (as a node-local disk would): the run stops before training.
-    project = generate(tmp_path / "run", "--nodes", "2", "--gpus", "2", "--fp32")
+    # One rank per node: the check counts the ranks that do not see rank 0's file, wherever they are.
     node0, node1 = tmp_path / "node0-outputs", tmp_path / "node1-outputs"
-    nodes = launch_two_nodes(project, (node0, node1), 2, "--training.steps", "2")
+    nodes = launch_two_nodes(two_node_project, (node0, node1), 1, "--training.steps", "2")
     assert all(code != 0 for code, _ in nodes), nodes
     # The c10d rendezvous numbers the nodes in the order they join, so rank 0 may be on either launcher: the one
     # line comes from the node of rank 0 and names its folder.
     lines = [line for _, output in nodes for line in re.findall(r"^train\.py: error: .*$", output, flags=re.M)]
     messages = [
-        f"train.py: error: job.output_dir {folder} is not shared by all nodes: 2 rank(s) do not see the file rank 0 "
+        f"train.py: error: job.output_dir {folder} is not shared by all nodes: 1 rank(s) do not see the file rank 0 "
         "wrote there; put it on a filesystem every node mounts (NFS, Lustre, ...)"
         for folder in (node0, node1)
     ]

@@ -8,25 +8,27 @@ most 1e-6 relative, 200x below the tolerance.
 
 Reduced precision (bf16, fp16, float8) is never compared with numbers recorded on another CPU: bf16 kernels differ
 between CPUs with and without AVX512-BF16/AMX (1.5e-2 relative after 4 steps). Their reference is computed here, on
-this machine, by tests/helpers/mixed_precision_reference.py: plain PyTorch in one process doing by hand what FSDP2's
-mixed precision does on 2 ranks (measured: within 3e-7 of the projects). The tolerance still catches a precision
-change: each test measures, in the same run, the reference with the next precision (fp32 instead of bf16/fp16, bf16
-instead of float8; 4e-3 to 3e-2 apart here) and requires it to be at least 10x the tolerance away.
+this machine, by tests/helpers/mixed_precision_reference.py: plain PyTorch, in the test's own process, doing by hand
+what FSDP2's mixed precision does on 2 ranks (measured: within 3e-7 of the projects). The tolerance still catches a
+precision change: each test measures, in the same run, the reference with the next precision (fp32 instead of
+bf16/fp16, bf16 instead of float8; 4e-3 to 3e-2 apart here) and requires it to be at least 10x the tolerance away.
 FSDP2GEN_RECORD_LOSSES=1 rewrites the fp32 records (only ever from a template known to be right).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun
 
 HISTORY = Path(__file__).parent / "data" / "loss_history.json"
 RECORD = os.environ.get("FSDP2GEN_RECORD_LOSSES") == "1"
@@ -65,11 +67,21 @@ REDUCED = {
 STEPS = ["--job.device", "cpu", "--training.steps", "4"]
 
 
-def losses_of(name: str, root: Path, tiny_llama: Path) -> list[list[float]]:
+@pytest.fixture(scope="module")
+def rendered() -> dict[tuple[str, ...], Path]:
+    """The projects rendered so far, by their `fsdp2gen new` options: projects that differ only in train.py's
+    overrides (llama-fp32 and llama-fp32-hsdp) train in one rendering, each into its own output folder."""
+    return {}
+
+
+def losses_of(name: str, root: Path, tiny_llama: Path, rendered: dict[tuple[str, ...], Path]) -> list[list[float]]:
     options, overrides = PROJECTS[name]
     family = options[options.index("--family") + 1] if "--family" in options else "llama"
     model_options = ["--hf-model", str(tiny_llama)] if family == "hf" else []
-    project = generate(root / "run", *options, *model_options)
+    key = (*options, *model_options)
+    if key not in rendered:
+        rendered[key] = generate(root / "run", *key)
+    project = rendered[key]
     sizes = {"llama": TINY, "custom": CUSTOM_TINY, "hf": HF_TINY}[family]
     return train(project, root / "out", *sizes, *overrides)
 
@@ -80,12 +92,19 @@ def train(project: Path, output_dir: Path, *overrides: str) -> list[list[float]]
 
 
 def reference(project: Path, out: Path, compute: str, *overrides: str) -> list[list[float]]:
-    """tests/helpers/mixed_precision_reference.py in `project`: 2 ranks emulated in one plain PyTorch process."""
+    """tests/helpers/mixed_precision_reference.py in `project`: 2 ranks emulated in plain PyTorch, in this process
+    (nothing distributed: no process of its own needed), on one thread as a subprocess under torchrun_env would
+    run. What it changes is set back after: the project's modules, the folder, sys.argv, the RNG, the threads."""
     script = str(HELPERS / "mixed_precision_reference.py")
-    result = subprocess.run([sys.executable, script, str(out), compute, "2", *TINY, *overrides, *STEPS],
-                            cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv, threads = sys.argv, torch.get_num_threads()
+    try:
+        with project_modules(project), contextlib.chdir(project), torch.random.fork_rng():
+            torch.set_num_threads(1)
+            sys.argv = [script, str(out), compute, "2", *TINY, *overrides, *STEPS]
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
     return [[record["loss"], record["grad_norm"]] for record in metrics(out)]
 
 
@@ -109,8 +128,10 @@ def test_reduced_precision_matches_the_reference_computed_on_this_machine(name: 
 
 
 @pytest.mark.parametrize("name", PROJECTS)
-def test_losses_and_grad_norms_are_those_recorded(name: str, tmp_path: Path, tiny_llama: Path) -> None:
-    got = losses_of(name, tmp_path, tiny_llama)
+def test_losses_and_grad_norms_are_those_recorded(
+    name: str, tmp_path: Path, tiny_llama: Path, rendered: dict[tuple[str, ...], Path]
+) -> None:
+    got = losses_of(name, tmp_path, tiny_llama, rendered)
     assert len(got) == 4 and all(math.isfinite(value) for step in got for value in step), got
     if RECORD:
         history = json.loads(HISTORY.read_text()) if HISTORY.exists() else {}

@@ -17,17 +17,22 @@ HYPOTHESIS_PROFILE=nightly draws more.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun_env
 
 BASE = [*TINY, "--job.device", "cpu", "--training.steps", "4", "--checkpoint.interval", "2"]
 FRESH = "start a new run in another --job.output_dir"
@@ -117,19 +122,17 @@ def record(path: Path) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-# Rewrites step-4 with one weight of another shape (the output layer's rows halved), through DCP's own converters,
-# and records the new files' checksums: intact files that do not fit the model checkpoint.json names.
-REWRITE = """
-import sys, torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
-folder = sys.argv[1]
-dcp_to_torch_save(folder, folder + ".pt")
-state = torch.load(folder + ".pt", weights_only=False)
-name = next(key for key in state["train"]["model"] if key.startswith("output"))
-state["train"]["model"][name] = state["train"]["model"][name][: state["train"]["model"][name].shape[0] // 2]
-torch.save(state, folder + ".pt")
-torch_save_to_dcp(folder + ".pt", folder + ".new")
-"""
+def rewrite(folder: str) -> None:
+    """Rewrite the checkpoint `folder` (step-4) with one weight of another shape (the output layer's rows halved),
+    through DCP's own converters, into `folder`.new: intact files that do not fit the model checkpoint.json names."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    dcp_to_torch_save(folder, folder + ".pt")
+    state = torch.load(folder + ".pt", weights_only=False)
+    name = next(key for key in state["train"]["model"] if key.startswith("output"))
+    state["train"]["model"][name] = state["train"]["model"][name][: state["train"]["model"][name].shape[0] // 2]
+    torch.save(state, folder + ".pt")
+    torch_save_to_dcp(folder + ".pt", folder + ".new")
 
 
 def test_weights_that_do_not_fit_the_checkpoint_json_are_set_aside_and_the_previous_checkpoint_resumes(
@@ -138,7 +141,7 @@ def test_weights_that_do_not_fit_the_checkpoint_json_are_set_aside_and_the_previ
     run = tmp_path / "run"
     shutil.copytree(straight, run)
     newest = run / "checkpoints" / "step-4"
-    subprocess.run([sys.executable, "-c", REWRITE, str(newest)], check=True, env=torchrun_env(), capture_output=True)
+    rewrite(str(newest))
     for path in newest.iterdir():
         if path.name != "checkpoint.json":
             path.unlink()
@@ -182,33 +185,38 @@ def test_a_lora_checkpoint_resumed_with_another_rank_is_refused_before_torchrun(
 ) -> None:
     project, _ = lora_project
     # A LoRA run's step-2 as train.py writes it: checkpoint.json with the run's whole config (lora.rank 16) and the
-    # DCP files it records (adapters; preflight reads only their metadata and sizes).
+    # DCP files it records (adapters; preflight reads only their metadata and sizes). Written here, with the
+    # project's config module.
     out = tmp_path / "run"
     checkpoint = out / "checkpoints" / "step-2"
-    code = (
-        "import json, sys, dataclasses, torch\n"
-        "import torch.distributed.checkpoint as dcp\n"
-        "from config import parse_args\n"
-        "config = parse_args(sys.argv[2:])\n"
-        "dcp.save({'train': {'model': {'a': torch.zeros(16, 4)}}}, checkpoint_id=sys.argv[1], no_dist=True)\n"
-        "info = {'step': 2, 'world_size': 2, 'device': 'cpu', 'model_only': False, 'run_id': 'abc',\n"
-        "        'config': dataclasses.asdict(config)}\n"
-        "open(sys.argv[1] + '/checkpoint.json', 'w').write(json.dumps(info))\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(checkpoint), *LORA_BASE], cwd=project, env=torchrun_env(),
-                   check=True, capture_output=True)  # fmt: skip
-    preflight = [sys.executable, "preflight.py", "--world-size", "2", *LORA_BASE, "--job.output_dir", str(out)]
-    result = subprocess.run([*preflight, "--lora.rank", "16"], cwd=project, env=torchrun_env(), capture_output=True,
-                            text=True)  # fmt: skip
-    assert result.returncode == 0 and "error: " not in result.stderr, result.stderr
-    result = subprocess.run([*preflight, "--lora.rank", "8"], cwd=project, env=torchrun_env(), capture_output=True,
-                            text=True)  # fmt: skip
+    with project_modules(project), contextlib.chdir(project):
+        from config import parse_args
+
+        config = parse_args(LORA_BASE)
+    with warnings.catch_warnings():  # a save in one process, without a process group: as intended here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"train": {"model": {"a": torch.zeros(16, 4)}}}, checkpoint_id=checkpoint, no_dist=True)
+    info = {"step": 2, "world_size": 2, "device": "cpu", "model_only": False, "run_id": "abc",
+            "config": dataclasses.asdict(config)}  # fmt: skip
+    (checkpoint / "checkpoint.json").write_text(json.dumps(info))
+    # preflight.py with the same rank, then another, in one process (tests/helpers/preflight_driver.py).
+    head = ["--world-size", "2", *LORA_BASE, "--job.output_dir", str(out)]
+    cases = {"same": [*head, "--lora.rank", "16"], "other": [*head, "--lora.rank", "8"]}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    driver = subprocess.run(
+        [sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp_path / "cases.json")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    results = json.loads(driver.stdout)
+    assert results["same"][0] == 0 and "error: " not in results["same"][2], results["same"]
+    code, stdout, stderr = results["other"]
     # (Before it, on stderr: what importing torchao and peft prints on this machine, which is not preflight's.)
-    assert re.findall(r"^.*error: .*$", result.stderr, flags=re.M) == [
+    assert re.findall(r"^.*error: .*$", stderr, flags=re.M) == [
         f"preflight.py: error: {checkpoint} was saved with lora.rank 16, but this run has 8 (a resume may not change "
         f"what defines the run); resume with --lora.rank 16, or {FRESH}"
     ]
-    assert (result.returncode, result.stdout) == (2, "") and result.stderr.endswith("\n")
+    assert (code, stdout) == (2, "") and stderr.endswith("\n")
 
 
 def empty_tokenizer(folder: Path) -> None:
