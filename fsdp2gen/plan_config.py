@@ -279,15 +279,8 @@ def hf_request(path: Path, seq: int | None) -> PlanRequest:
     )
 
 
-def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
-    """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
-    [training] batch, and the answers it was generated with."""
-    if tp is not None and tp > 1:
-        raise PlanError(
-            f"--tp {tp}: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
-        )
-    raw = read_toml(config)
-    model_table = raw.get("model", {})
+def _hf_model_folder(config: Path, model_table: object) -> Path:
+    """The local folder an hf project's [model] path names (relative to the project), holding its config.json."""
     folder = model_table.get("path") if isinstance(model_table, dict) else None
     if not isinstance(folder, str) or not folder:
         raise PlanError(f"{config}: model.path must name the model's folder (config.json, *.safetensors); {FIX_CONFIG}")
@@ -299,6 +292,19 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
             f"{config}: model.path {folder}: no config.json there (plan reads a local folder, relative to the project, "
             "and downloads no hub id); download it (huggingface-cli download) and plan with --hf-config FOLDER"
         )
+    return local
+
+
+def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
+    """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
+    [training] batch, and the answers it was generated with."""
+    if tp is not None and tp > 1:
+        raise PlanError(
+            f"--tp {tp}: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
+        )
+    raw = read_toml(config)
+    model_table = raw.get("model", {})
+    local = _hf_model_folder(config, model_table)
     try:
         model = read_hf_config(local)
         if "lora" in raw:

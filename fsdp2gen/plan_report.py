@@ -242,6 +242,16 @@ def family_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _hf_router_line(model: HfShape) -> str:
+    """A transformers MoE block's router and fused experts, and how many experts a token uses."""
+    router = model.n_experts * model.dim
+    return (
+        f"router: {model.n_experts} x {model.dim} (mlp.gate, {router:,} parameters) per MoE block, trained; "
+        f"experts: {_count(3 * model.dim * model.moe_ffn_dim * model.n_experts)} per block (gate_up_proj, "
+        f"down_proj), {model.top_k} of {model.n_experts} active per token"
+    )
+
+
 def expert_lines(plan: Plan) -> list[str]:
     """A mixture-of-experts model's layout: its experts, where their weights live per GPU, and what one MoE layer
     holds for backward."""
@@ -282,13 +292,7 @@ def expert_lines(plan: Plan) -> list[str]:
         f"routing or not): {held}",
     ]
     if hf:
-        router = model.n_experts * model.dim
-        lines.insert(
-            1,
-            f"router: {model.n_experts} x {model.dim} (mlp.gate, {router:,} parameters) per MoE block, trained; "
-            f"experts: {_count(3 * model.dim * model.moe_ffn_dim * model.n_experts)} per block (gate_up_proj, "
-            f"down_proj), {model.top_k} of {model.n_experts} active per token",
-        )
+        lines.insert(1, _hf_router_line(model))
     if request.ep > 1:
         lines.append(
             f"all-to-all (ep {request.ep}): each GPU sends and receives {tokens} x top_k {model.top_k} token copies "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -305,10 +306,13 @@ def test_hf_answers_and_config(tmp_path: Path) -> None:
     assert answers_of(tmp_path / "local")["hf_model"] == "models/tiny"
     config = (tmp_path / "local" / "config.toml").read_text()
     assert f'path = "{tmp_path / "models" / "tiny"}"\npretrained = false ' in config
-    # transformers is a dependency of hf projects only.
+    # transformers is a dependency of hf projects; a llama project reaches it only through its optional [eval] extra
+    # (lm-eval's Hugging Face model class scores the `export.py --format hf` folder).
     assert '"transformers>=' in (tmp_path / "local" / "pyproject.toml").read_text()
     assert fsdp2gen("new", str(tmp_path / "llama"), "-y").returncode == 0
-    assert "transformers" not in (tmp_path / "llama" / "pyproject.toml").read_text()
+    llama = tomllib.loads((tmp_path / "llama" / "pyproject.toml").read_text())["project"]
+    assert [d for d in llama["dependencies"] if "transformers" in d or "lm_eval" in d] == []
+    assert llama["optional-dependencies"]["eval"] == ["lm_eval[hf]>=0.4.13"]
     # The built-in llama may start from a Hugging Face checkpoint (none here); pretrained is the hf family's.
     assert answers_of(tmp_path / "llama")["hf_model"] == "" and "pretrained" not in answers_of(tmp_path / "llama")
 
