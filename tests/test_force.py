@@ -136,7 +136,7 @@ def test_force_over_a_colliding_file_writes_nothing(two_gpus: Path, tmp_path: Pa
     assert result.returncode == 2, result.stdout
     assert result.stderr == (
         f"fsdp2gen: error: {project / 'scripts'} is a file but the project needs a folder there (for "
-        "scripts/export.py); move it away or choose another DEST (nothing was written)\n"
+        "scripts/evaluate.py); move it away or choose another DEST (nothing was written)\n"
     )
     assert snapshot(project) == before
 
