@@ -137,6 +137,19 @@ def torchrun_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def preflight_cases(project: Path, cases: dict[str, list[str]], folder: Path, pythonpath: str = "") -> dict[str, list]:
+    """{case: [exit code, stdout, stderr]} of `python preflight.py ARGS` for each case's ARGS, all run in one process
+    by tests/helpers/preflight_driver.py (torch imported once, not per case); PYTHONPATH the project's unless given."""
+    (folder / "cases.json").write_text(json.dumps(cases))
+    driver = subprocess.run(
+        [sys.executable, str(HELPERS / "preflight_driver.py"), str(folder / "cases.json")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": pythonpath or str(project)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    return json.loads(driver.stdout)
+
+
 def torchrun(
     project: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

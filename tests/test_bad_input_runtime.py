@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import HELPERS, REPO, TINY, generate, metrics, torchrun_env
+from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env
 
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
@@ -481,15 +481,7 @@ def results(inputs: dict) -> dict[str, list]:
         extra = ["--training.steps", "4"] if case == "resume-model-only-final" else []
         argv = [*world, *TINY, "--job.device", "cpu", "--job.output_dir", str(out), *extra, *args]
         argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
-    cases_file = tmp / "cases.json"
-    cases_file.write_text(json.dumps(argvs))
-    driver = subprocess.run(
-        [sys.executable, str(HELPERS / "preflight_driver.py"), str(cases_file)],
-        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"])},
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert driver.returncode == 0, driver.stderr
-    return json.loads(driver.stdout)
+    return preflight_cases(inputs["project"], argvs, tmp)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -715,14 +707,7 @@ def schema_results(projects: dict[str, Path], schema_inputs: Path) -> dict[str, 
         argv = ["--world-size", "2", "--config", "config.toml", "--job.device", "cpu", *TINY, "--job.output_dir",
                 str(out), *args]  # fmt: skip
         argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
-    (tmp / "cases.json").write_text(json.dumps(argvs))
-    driver = subprocess.run(
-        [sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp / "cases.json")],
-        cwd=projects["fp32"], env={**torchrun_env(), "PYTHONPATH": str(projects["fp32"])},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert driver.returncode == 0, driver.stderr[-3000:]
-    results = json.loads(driver.stdout)
+    results = preflight_cases(projects["fp32"], argvs, tmp)
     return {case: [*results[case], before[case] == folder_listing(tmp / "out" / case)] for case in SCHEMA_CASES}
 
 

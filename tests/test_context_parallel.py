@@ -8,7 +8,6 @@ tiny model, projects rendered by the CLI.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -22,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import HELPERS, TINY, generate, metrics, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, preflight_cases, torchrun_env
 
 SHIM = HELPERS / "cp_cpu_shim"
 # 4 steps of 2 micro-batches per rank, validation after steps 2 and 4, checkpoints at steps 2 and 4.
@@ -155,12 +154,7 @@ def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _, _) in REFUSALS.items()}  # fmt: skip
     shimmed = {case: argv[case] for case, (_, shim, _) in REFUSALS.items() if shim}
-    (root / "cases.json").write_text(json.dumps(shimmed))
-    env = {**torchrun_env(), "PYTHONPATH": f"{SHIM}:{project}"}
-    result = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(root / "cases.json")],
-                            cwd=project, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    ran(result)
-    results = json.loads(result.stdout)
+    results = preflight_cases(project, shimmed, root, pythonpath=f"{SHIM}:{project}")
     for case in REFUSALS.keys() - shimmed.keys():
         plain = subprocess.run([sys.executable, "preflight.py", *argv[case]], cwd=project, capture_output=True,
                                text=True, timeout=120, env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, generate, metrics, torchrun, torchrun_env
+from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun, torchrun_env
 
 HELPERS = Path(__file__).parent / "helpers"
 WORDS = "the a cat dog runs sleeps on under red blue small big house tree river stone bird sings".split()
@@ -210,14 +210,10 @@ def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path)
                                     str(path), *([] if mask else ["--data.document_mask", "false"])]
             for path in cases for mask in (True, False)}  # fmt: skip
     first = preflight(project, "--data.path", str(flat))
-    (tmp_path / "cases.json").write_text(
-        json.dumps({case: args for case, args in argv.items() if case != "tokens.bin-True"})
+    driven = preflight_cases(
+        project, {case: args for case, args in argv.items() if case != "tokens.bin-True"}, tmp_path
     )
-    driven = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp_path / "cases.json")],
-                            cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
-                            text=True)  # fmt: skip
-    assert driven.returncode == 0, driven.stderr[-3000:]
-    results = json.loads(driven.stdout) | {"tokens.bin-True": [first.returncode, first.stdout, first.stderr]}
+    results = driven | {"tokens.bin-True": [first.returncode, first.stdout, first.stderr]}
     for path, line in cases.items():
         assert results[f"{path.name}-True"] == [2, "", f"preflight.py: error: {line}\n"], path
         assert results[f"{path.name}-False"][0] == 0, (path, results[f"{path.name}-False"])

@@ -8,7 +8,6 @@ the final weights.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import HELPERS, generate, metrics, torchrun_env
+from tests.conftest import generate, metrics, preflight_cases, torchrun_env
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
 # top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
@@ -211,12 +210,7 @@ def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     root = tmp_path_factory.mktemp("refusals")
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _) in PREFLIGHT_REFUSALS.items()}  # fmt: skip
-    (root / "cases.json").write_text(json.dumps(argv))
-    result = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(root / "cases.json")],
-                            cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    ran(result)
-    return root, json.loads(result.stdout)
+    return root, preflight_cases(project, argv, root)
 
 
 @pytest.mark.parametrize("case", sorted(PREFLIGHT_REFUSALS))

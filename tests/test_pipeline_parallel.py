@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import HELPERS, generate, metrics, torchrun_env
+from tests.conftest import generate, metrics, preflight_cases, torchrun_env
 from tests.test_launchers import launch_two_nodes
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
@@ -377,12 +377,7 @@ def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     cases = {**PREFLIGHT_REFUSALS, **ZERO_BUBBLE_REFUSALS}
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _) in cases.items() if case != "selective-checkpointing"}  # fmt: skip
-    (root / "cases.json").write_text(json.dumps(argv))
-    result = subprocess.run([sys.executable, str(HELPERS / "preflight_driver.py"), str(root / "cases.json")],
-                            cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    ran(result)
-    return root, json.loads(result.stdout)
+    return root, preflight_cases(project, argv, root)
 
 
 def assert_refused(refusals: tuple[Path, dict[str, list]], case: str, line: str) -> None:

@@ -32,7 +32,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import HELPERS, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun_env
+from tests.conftest import (
+    HELPERS,
+    TINY,
+    generate,
+    metrics,
+    preflight_cases,
+    project_modules,
+    save_tiny_llama,
+    torchrun_env,
+)
 
 BASE = [*TINY, "--job.device", "cpu", "--training.steps", "4", "--checkpoint.interval", "2"]
 FRESH = "start a new run in another --job.output_dir"
@@ -202,13 +211,7 @@ def test_a_lora_checkpoint_resumed_with_another_rank_is_refused_before_torchrun(
     # preflight.py with the same rank, then another, in one process (tests/helpers/preflight_driver.py).
     head = ["--world-size", "2", *LORA_BASE, "--job.output_dir", str(out)]
     cases = {"same": [*head, "--lora.rank", "16"], "other": [*head, "--lora.rank", "8"]}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    driver = subprocess.run(
-        [sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp_path / "cases.json")],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert driver.returncode == 0, driver.stderr[-3000:]
-    results = json.loads(driver.stdout)
+    results = preflight_cases(project, cases, tmp_path)
     assert results["same"][0] == 0 and "error: " not in results["same"][2], results["same"]
     code, stdout, stderr = results["other"]
     # (Before it, on stderr: what importing torchao and peft prints on this machine, which is not preflight's.)

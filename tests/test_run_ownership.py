@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import HELPERS, REPO, TINY, generate, metrics, torchrun_env, tree
+from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env, tree
 
 # The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
 # here directly, as well as through real launches below.
@@ -332,17 +332,11 @@ def test_a_new_run_restarted_never_continues_another_launchs_run(
     assert tree(finished_run) == before
 
 
-def preflight_cases(project: Path, cases: dict[str, list[str]], tmp_path: Path) -> dict[str, list]:
+def launch_local_preflight(project: Path, cases: dict[str, list[str]], tmp_path: Path) -> dict[str, list]:
     """{case: [exit code, stdout, stderr]} of `python preflight.py ARGS` as launch_local.sh (NPROC=2, DEVICE=cpu)
-    runs it with the arguments `cases` gives, all in one process (tests/helpers/preflight_driver.py)."""
+    runs it with the arguments `cases` gives, all in one process."""
     head = ["--world-size", "2", "--config", "config.toml", "--job.device", "cpu", *TINY]
-    (tmp_path / "cases.json").write_text(json.dumps({case: [*head, *args] for case, args in cases.items()}))
-    driver = subprocess.run(
-        [sys.executable, str(HELPERS / "preflight_driver.py"), str(tmp_path / "cases.json")],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert driver.returncode == 0, driver.stderr[-3000:]
-    return json.loads(driver.stdout)
+    return preflight_cases(project, {case: [*head, *args] for case, args in cases.items()}, tmp_path)
 
 
 def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, finished_run: Path, tmp_path: Path) -> None:
@@ -350,7 +344,7 @@ def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, fini
     # (tests/test_bad_input_runtime.py's test_launch_script_stops_before_torchrun_starts).
     before = tree(finished_run)
     inside = ("checkpoints/step-1/run-b", "checkpoints", "notes/run-b")
-    results = preflight_cases(
+    results = launch_local_preflight(
         project, {case: ["--job.output_dir", str(finished_run / case), "--training.steps", "2"] for case in inside},
         tmp_path,
     )  # fmt: skip
