@@ -158,12 +158,17 @@ def test_a_rank_killed_on_node_1_restarts_both_nodes_and_the_run_ends_as_the_uni
     for _, output in outputs:
         assert "training failed (exit code 1); restart 1 of 1, from the newest checkpoint" in output, output[-3000:]
     resumed = int(re.search(r"resumed from \S+/step-(\d+) at step", "".join(o for _, o in outputs)).group(1))
-    assert 2 <= resumed < logged < 8, (resumed, logged)
-    # One row per step; the rows the crashed attempt logged past its checkpoint kept aside, in order.
+    # One row per step; the rows the crashed attempt logged past its checkpoint kept aside, in order. (The count
+    # above is a lower bound: a row, even a checkpoint, may have come between the kill and the count.)
     expected, rows = metrics(uninterrupted), metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
-    assert [r["step"] for r in metrics(out, "metrics.rewound.jsonl")] == list(range(resumed + 1, logged + 1))
-    assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in expected]
+    aside = metrics(out, "metrics.rewound.jsonl") if (out / "metrics.rewound.jsonl").exists() else []
+    assert [r["step"] for r in aside] == list(range(resumed + 1, resumed + 1 + len(aside)))
+    assert 2 <= resumed and logged <= resumed + len(aside) < 8, (resumed, logged, len(aside))
+    # The same numbers as the uninterrupted run: the crashed attempt's rows and the resumed run's, bit for bit.
+    numbers = [(r["step"], r["loss"], r["grad_norm"]) for r in expected]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == numbers
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in aside] == numbers[resumed : resumed + len(aside)]
     weights = final_state(out, tmp_path / "resumed.pt")
     reference = final_state(uninterrupted, tmp_path / "uninterrupted.pt")
     assert weights.keys() == reference.keys() and any("/model/" in name for name in weights)
