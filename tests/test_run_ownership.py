@@ -422,10 +422,10 @@ def test_an_output_dir_where_flock_does_not_work_is_refused_before_torchrun(
     out = noflock_mount / "run"
     results = launch_local_preflight(project, {"no-flock": ["--job.output_dir", str(out)]}, tmp_path)
     expected = (
-        f"preflight.py: error: job.output_dir {out} is on a fuse.noflock filesystem (noflock at {noflock_mount}), "
-        "where flock does not work (Function not implemented); the run lock that keeps two runs out of one folder "
-        "needs it on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version 4, or 3 with its "
-        "lock daemon running), or choose a --job.output_dir on a filesystem where flock works\n"
+        f"preflight.py: error: job.output_dir {out} is on the fuse.noflock filesystem noflock (mounted at "
+        f"{noflock_mount}), where flock does not work (Function not implemented); the run lock that keeps two runs "
+        "out of one folder needs it on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version "
+        "4, or 3 with its lock daemon running), or choose a --job.output_dir on a filesystem where flock works\n"
     )
     assert results["no-flock"] == [2, "", expected]
     assert os.listdir(out) == []  # the probe that found it is gone; nothing of a run was written
@@ -448,10 +448,10 @@ def test_each_way_flock_fails_on_a_filesystem_is_named(noflock_mount: Path, requ
             attempt()
         assert failed.value.errno == code
         assert ownership.flock_refusal(noflock_mount, failed.value) == (
-            f"job.output_dir {noflock_mount} is on a fuse.noflock filesystem (noflock at {noflock_mount}), where "
-            f"flock does not work ({os.strerror(code)}); the run lock that keeps two runs out of one folder needs it "
-            "on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version 4, or 3 with its lock "
-            "daemon running), or choose a --job.output_dir on a filesystem where flock works"
+            f"job.output_dir {noflock_mount} is on the fuse.noflock filesystem noflock (mounted at {noflock_mount}), "
+            f"where flock does not work ({os.strerror(code)}); the run lock that keeps two runs out of one folder "
+            "needs it on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version 4, or 3 with "
+            "its lock daemon running), or choose a --job.output_dir on a filesystem where flock works"
         )
     assert sorted(os.listdir(noflock_mount)) == ["run.lock"]
     # Any other failure is not taken for a filesystem without flock.
