@@ -27,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -212,25 +213,25 @@ def flock_refusal(output_dir: Path, exc: OSError) -> str | None:
 
 
 def mount_of(path: Path) -> str:
-    """The filesystem `path` is on, in words ("a lustre filesystem (mgs@tcp:/fs at /lustre)"), from
-    /proc/self/mountinfo: the longest mount point that contains it. Linux only; elsewhere "a filesystem"."""
+    """The filesystem `path` is on, in words ("the lustre filesystem mgs@tcp:/fs (mounted at /lustre)"), from
+    /proc/self/mountinfo: the longest mount point that contains it. Linux only; elsewhere "its filesystem"."""
     path, found = str(path.resolve()), None
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
-        return "a filesystem"
+        return "its filesystem"
     for line in lines:
         fields = line.split()
         # ID PARENT DEV ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS; octal escapes (\040)
-        point = fields[4].encode().decode("unicode_escape")
+        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields[4])
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and (found is None or len(point) >= len(found[0])):
             rest = fields[fields.index("-") + 1 :]
             found = (point, rest[0], rest[1] if len(rest) > 1 else "?")
     if found is None:
-        return "a filesystem"
+        return "its filesystem"
     point, fstype, source = found
-    return f"a {fstype} filesystem ({source} at {point})"
+    return f"the {fstype} filesystem {source} (mounted at {point})"
 
 
 def run_folder_above(output_dir: Path) -> tuple[Path, str] | None:
