@@ -393,18 +393,24 @@ def noflock_mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pa
     """A folder on a filesystem whose flock fails with the errno named by the test's parameter, as Lustre mounted
     without -o flock does (ENOSYS) or NFSv3 without its lock daemon (ENOLCK): tests/helpers/noflock_fs.py, a FUSE
     filesystem that takes the locks on itself and answers them so. It needs root and /dev/fuse."""
-    if reason := noflock_fs.available():
+
+    def unavailable(reason: str) -> None:
         # CI (.ci/run, as root) sets FSDP2GEN_REQUIRE_FUSE=1: there a missing FUSE is a failure.
         if os.environ.get("FSDP2GEN_REQUIRE_FUSE") == "1":
             pytest.fail(f"FSDP2GEN_REQUIRE_FUSE=1 but {reason}", pytrace=False)
         pytest.skip(reason)
+
+    if reason := noflock_fs.available():
+        unavailable(reason)
     mount = tmp_path / "mnt"
     mount.mkdir()
     server = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "helpers" / "noflock_fs.py"), str(mount), request.param],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert server.stdout.readline() == "ready\n"
+    if server.stdout.readline() != "ready\n":
+        # Root without the right to mount (a container without CAP_SYS_ADMIN): the server's last line says why.
+        unavailable(f"mounting a FUSE filesystem failed: {server.communicate(timeout=30)[1].strip().splitlines()[-1:]}")
     try:
         yield mount
     finally:
