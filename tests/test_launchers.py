@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,11 +18,12 @@ from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
 from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable
 
 
-def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str) -> list[tuple[int, str]]:
-    """Run scripts/launch_multinode.sh as node 0 and node 1 on 127.0.0.1 (node i writing to output_dirs[i]);
-    return each node's exit code and output."""
+def start_two_nodes(
+    project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """Start scripts/launch_multinode.sh as node 0 and node 1 on 127.0.0.1 (node i writing to output_dirs[i])."""
     port = str(free_port())
-    nodes = [
+    return [
         subprocess.Popen(
             ["scripts/launch_multinode.sh", *TINY, *args, "--job.output_dir", str(output_dirs[rank])],
             cwd=project,
@@ -36,10 +38,16 @@ def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, 
                 "NPROC": str(nproc),
                 "DEVICE": "cpu",
                 "RDZV_ID": f"test-{port}",
+                **(env or {}),
             },
         )
         for rank in (0, 1)
     ]
+
+
+def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, *args: str) -> list[tuple[int, str]]:
+    """Run scripts/launch_multinode.sh as node 0 and node 1 on 127.0.0.1; return each node's exit code and output."""
+    nodes = start_two_nodes(project, output_dirs, nproc, *args)
     return [(node.wait(timeout=600), node.communicate()[0]) for node in nodes]
 
 
@@ -48,23 +56,125 @@ def two_node_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("two-nodes") / "run", "--nodes", "2", "--gpus", "2", "--fp32")
 
 
-def test_two_node_hsdp_launch_on_localhost_equals_one_process(two_node_project: Path, tmp_path: Path) -> None:
+# 8 steps, a checkpoint every 2: the crash below lands after a checkpoint, far enough from the end.
+TWO_NODE_RUN = ["--training.steps", "8", "--checkpoint.interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(two_node_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of an uninterrupted run on 2 "nodes" x 2 ranks."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "two"
+    nodes = launch_two_nodes(two_node_project, (out, out), 2, *TWO_NODE_RUN)
+    assert [code for code, _ in nodes] == [0, 0], nodes
+    return out
+
+
+def test_two_node_hsdp_launch_on_localhost_equals_one_process(
+    two_node_project: Path, uninterrupted: Path, tmp_path: Path
+) -> None:
     # 2 "nodes" x 2 ranks, as 2 small GPU nodes would run; a 2-node project defaults to HSDP: sharded within a
     # node, replicated across nodes. (8 ranks on one node: tests/test_context_parallel.py, test_expert_parallel.py.)
     project = two_node_project
     assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
     reference = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--training.steps", "4", "--job.device", "cpu",
+        [sys.executable, "train.py", *TINY, *TWO_NODE_RUN, "--job.device", "cpu",
          "--job.output_dir", str(tmp_path / "one")],
         cwd=project, env=torchrun_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert reference.returncode == 0, reference.stderr
-    nodes = launch_two_nodes(project, (tmp_path / "two", tmp_path / "two"), 2, "--training.steps", "4")
-    assert [code for code, _ in nodes] == [0, 0], nodes
-    info = json.loads(next((tmp_path / "two" / "checkpoints").glob("step-*/checkpoint.json")).read_text())
+    info = json.loads((uninterrupted / "checkpoints" / "step-8" / "checkpoint.json").read_text())
     assert info["world_size"] == 4 and info["config"]["parallel"]["dp_replicate"] == 2
-    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+    for a, b in zip(metrics(tmp_path / "one"), metrics(uninterrupted), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5, (a, b)
+
+
+def ranks_under(launcher: int) -> dict[int, int]:
+    """The ranks (train.py processes) started under the launch script `launcher`: {LOCAL_RANK: pid}."""
+    parents, ranks = {}, {}
+    for proc in Path("/proc").iterdir():
+        try:
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if b"train.py" in (proc / "cmdline").read_bytes():
+                environ = dict(
+                    line.split(b"=", 1) for line in (proc / "environ").read_bytes().split(b"\0") if b"=" in line
+                )
+                if b"LOCAL_RANK" in environ:
+                    ranks[int(proc.name)] = int(environ[b"LOCAL_RANK"])
+        except (OSError, ValueError):
+            continue
+    found = {}
+    for pid, local_rank in ranks.items():
+        ancestor = pid
+        while ancestor in parents and ancestor not in (launcher, 0, 1):
+            ancestor = parents[ancestor]
+        if ancestor == launcher:
+            found[local_rank] = pid
+    return found
+
+
+def final_state(output_dir: Path, target: Path) -> dict:
+    """The final checkpoint's (step-8) tensors, model and optimizer, by name; read through DCP's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(output_dir / "checkpoints" / "step-8", target)
+    flat = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(target, weights_only=False))
+    return flat
+
+
+def steps_logged(output_dir: Path) -> int:
+    try:
+        return len((output_dir / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def test_a_rank_killed_on_node_1_restarts_both_nodes_and_the_run_ends_as_the_uninterrupted_one(
+    two_node_project: Path, uninterrupted: Path, tmp_path: Path
+) -> None:
+    # The launch script's restart loop across nodes (issue 40): a rank of node 1 is killed (SIGKILL) after the
+    # checkpoint of step 2; its torchrun fails, node 0's ranks lose their peer and fail too, and each node's
+    # launch script starts its torchrun again. They meet at the same rendezvous, resume from the newest complete
+    # checkpoint, and end with the weights and losses of the uninterrupted run, bit for bit.
+    out = tmp_path / "two"
+    nodes = start_two_nodes(two_node_project, (out, out), 2, *TWO_NODE_RUN, env={"MAX_RESTARTS": "1"})
+    deadline = time.monotonic() + 300
+    while not ((out / "checkpoints" / "step-2" / "checkpoint.json").exists() and steps_logged(out) >= 3):
+        assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "3 steps: not reached"
+        time.sleep(0.02)
+    os.kill(ranks_under(nodes[1].pid)[1], signal.SIGKILL)
+    logged = steps_logged(out)
+    outputs = [(node.wait(timeout=600), node.communicate()[0]) for node in nodes]
+    assert [code for code, _ in outputs] == [0, 0], [output[-3000:] for _, output in outputs]
+    for _, output in outputs:
+        assert "training failed (exit code 1); restart 1 of 1, from the newest checkpoint" in output, output[-3000:]
+    resumed = int(re.search(r"resumed from \S+/step-(\d+) at step", "".join(o for _, o in outputs)).group(1))
+    # One row per step; the rows the crashed attempt logged past its checkpoint kept aside, in order. (The count
+    # above is a lower bound: a row, even a checkpoint, may have come between the kill and the count.)
+    expected, rows = metrics(uninterrupted), metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    aside = metrics(out, "metrics.rewound.jsonl") if (out / "metrics.rewound.jsonl").exists() else []
+    assert [r["step"] for r in aside] == list(range(resumed + 1, resumed + 1 + len(aside)))
+    assert 2 <= resumed and logged <= resumed + len(aside) < 8, (resumed, logged, len(aside))
+    # The same numbers as the uninterrupted run: the crashed attempt's rows and the resumed run's, bit for bit.
+    numbers = [(r["step"], r["loss"], r["grad_norm"]) for r in expected]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == numbers
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in aside] == numbers[resumed : resumed + len(aside)]
+    weights = final_state(out, tmp_path / "resumed.pt")
+    reference = final_state(uninterrupted, tmp_path / "uninterrupted.pt")
+    assert weights.keys() == reference.keys() and any("/model/" in name for name in weights)
+    assert all(weights[name].equal(reference[name]) for name in reference), [
+        name for name in reference if not weights[name].equal(reference[name])
+    ]
 
 
 def test_a_node_local_output_dir_stops_the_run(two_node_project: Path, tmp_path: Path) -> None:

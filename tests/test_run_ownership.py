@@ -5,6 +5,8 @@
 - a restart continues only the run its own launch started, whatever the restart counters say;
 - an output folder inside another run's folder is refused, nothing deleted;
 - a folder with run.json and no checkpoint is not continued by another model;
+- a job.output_dir on a filesystem whose flock does not work (Lustre without -o flock, NFSv3 without its lock
+  daemon; here a FUSE filesystem that answers lock requests so) is refused in one line naming it, before torchrun;
 - a usage error found after the ranks started stops the launch once, exit code 2, never retried, and nothing
   but its line is printed (no torchrun traceback: tests/test_checkpoint_integrity.py's launch of a run whose only
   checkpoint is corrupt); a bare torchrun's restarts do not repeat it.
@@ -12,6 +14,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -21,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env, tree
+from tests.helpers import noflock_fs
 
 # The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
 # here directly, as well as through real launches below.
@@ -380,3 +386,79 @@ def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Pat
     assert same.returncode == 0, same.stderr[-3000:]
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert {r["run_id"] for r in metrics(out)} == {run_id}
+
+
+@pytest.fixture
+def noflock_mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A folder on a filesystem whose flock fails with the errno named by the test's parameter, as Lustre mounted
+    without -o flock does (ENOSYS) or NFSv3 without its lock daemon (ENOLCK): tests/helpers/noflock_fs.py, a FUSE
+    filesystem that takes the locks on itself and answers them so. It needs root and /dev/fuse."""
+
+    def unavailable(reason: str) -> None:
+        # CI (.ci/run, as root) sets FSDP2GEN_REQUIRE_FUSE=1: there a missing FUSE is a failure.
+        if os.environ.get("FSDP2GEN_REQUIRE_FUSE") == "1":
+            pytest.fail(f"FSDP2GEN_REQUIRE_FUSE=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+    if reason := noflock_fs.available():
+        unavailable(reason)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "helpers" / "noflock_fs.py"), str(mount), request.param],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if server.stdout.readline() != "ready\n":
+        # Root without the right to mount (a container without CAP_SYS_ADMIN): the server's last line says why.
+        unavailable(f"mounting a FUSE filesystem failed: {server.communicate(timeout=30)[1].strip().splitlines()[-1:]}")
+    try:
+        yield mount
+    finally:
+        ctypes.CDLL(None, use_errno=True).umount2(str(mount).encode(), 2)  # MNT_DETACH; the server then ends
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("noflock_mount", ["ENOSYS"], indirect=True)
+def test_an_output_dir_where_flock_does_not_work_is_refused_before_torchrun(
+    project: Path, noflock_mount: Path, tmp_path: Path
+) -> None:
+    # A run trusts the folder's lock (rank 0's flock on run.lock) to keep a second launch out, on every node. Where
+    # flock fails, preflight says so in one line naming the filesystem and the fix, before torchrun starts and
+    # before the run writes anything; never a traceback from rank 0, never a run without a lock.
+    out = noflock_mount / "run"
+    results = launch_local_preflight(project, {"no-flock": ["--job.output_dir", str(out)]}, tmp_path)
+    expected = (
+        f"preflight.py: error: job.output_dir {out} is on the fuse.noflock filesystem noflock (mounted at "
+        f"{noflock_mount}), where flock does not work (Function not implemented); the run lock that keeps two runs "
+        "out of one folder needs it on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version "
+        "4, or 3 with its lock daemon running), or choose a --job.output_dir on a filesystem where flock works\n"
+    )
+    assert results["no-flock"] == [2, "", expected]
+    assert os.listdir(out) == []  # the probe that found it is gone; nothing of a run was written
+
+
+@pytest.mark.parametrize("noflock_mount", ["ENOLCK", "EOPNOTSUPP"], indirect=True)
+def test_each_way_flock_fails_on_a_filesystem_is_named(noflock_mount: Path, request: pytest.FixtureRequest) -> None:
+    # The other errors a filesystem's flock gives when it cannot lock, through ownership.py's own functions: the
+    # probe preflight runs, the lock rank 0 takes (start_run turns its OSError into the same line), and the look
+    # preflight takes at a folder that has a run.lock already.
+    ownership = load_ownership()
+    code = getattr(errno, request.node.callspec.params["noflock_mount"])
+    (noflock_mount / "run.lock").write_text("{}")
+    for attempt in (
+        lambda: ownership.check_flock(noflock_mount),
+        lambda: ownership.take_run_lock(noflock_mount, ["launch-a"]),
+        lambda: ownership.lock_holder(noflock_mount),
+    ):
+        with pytest.raises(OSError) as failed:
+            attempt()
+        assert failed.value.errno == code
+        assert ownership.flock_refusal(noflock_mount, failed.value) == (
+            f"job.output_dir {noflock_mount} is on the fuse.noflock filesystem noflock (mounted at {noflock_mount}), "
+            f"where flock does not work ({os.strerror(code)}); the run lock that keeps two runs out of one folder "
+            "needs it on every node: mount that filesystem with flock (Lustre: -o flock; NFS: version 4, or 3 with "
+            "its lock daemon running), or choose a --job.output_dir on a filesystem where flock works"
+        )
+    assert sorted(os.listdir(noflock_mount)) == ["run.lock"]
+    # Any other failure is not taken for a filesystem without flock.
+    assert ownership.flock_refusal(noflock_mount, OSError(errno.EACCES, "denied")) is None
