@@ -316,7 +316,7 @@ CASES = [
     Case(
         "cp-family-custom",
         (*NEW, "--family", "custom", "--cp", "2"),
-        "--cp: context parallelism is built in for --family llama only; use --cp 1",
+        "--cp: context parallelism is built in for --family llama and hf only; use --cp 1",
     ),
     Case("pp-zero", (*NEW, "--pp", "0"), "--pp: must be at least 1, e.g. --pp 2"),
     Case("pp-not-a-divisor", (*NEW, "--pp", "3"), "--pp: 3 must divide the 8 GPUs, e.g. --pp 2"),
