@@ -216,7 +216,7 @@ def _cp_attention_problem(value: int, answers: dict[str, Any]) -> str | None:
     what = [text for key, (none, text) in RING_CANNOT.items() if loaded.get(key, none) not in (none, 0)]
     layers = sorted(set(loaded.get("layer_types") or []) - {"full_attention", "sliding_attention"})
     if layers:
-        what.append(f"has {', '.join(map(str, layers))} layers, which carry state along the sequence")
+        what.append(f"has {', '.join(map(str, layers))} layers (state carried along the sequence)")
     if not what:
         return None
     name = (loaded.get("architectures") or [loaded.get("model_type")])[0]

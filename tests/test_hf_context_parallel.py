@@ -9,8 +9,8 @@ CPU-s more.)
 CPU ranks cannot run ring attention as torch ships it: the runs put tests/helpers/cp_cpu_shim on PYTHONPATH (see
 tests/test_context_parallel.py), which gives torch's ring attention the CPU kernel; the project's code path is the
 GPU one. One process (tests/helpers/hf_cp_reference.py) answers the refusal cases of preflight.py and computes both
-references. A model whose attention ring attention cannot split is refused in one line, by `fsdp2gen new` (from its
-config.json) and by preflight (its attention run once on the meta device).
+references. A model whose attention ring attention cannot split is refused in one line by preflight (its attention
+run once on the meta device), and where its config.json says so by `fsdp2gen new` (test_bad_input_generator.py).
 
 No network: every model is a local folder written by the test.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, fsdp2gen, generate, metrics, torchrun_env
+from tests.conftest import HELPERS, generate, metrics, torchrun_env
 
 SHIM = HELPERS / "cp_cpu_shim"
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -136,23 +136,4 @@ def test_what_ring_attention_cannot_split_is_refused_by_preflight_in_one_line(
     assert not (root / case).exists()  # nothing written
 
 
-def test_a_model_whose_config_says_ring_attention_cannot_split_it_is_refused_at_new(tmp_path: Path) -> None:
-    # Gemma 2 soft-caps its attention logits, and Qwen3-Next's linear-attention layers carry state along the
-    # sequence: config.json says so, and `fsdp2gen new` reads it (without transformers).
-    configs = {
-        "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0},
-        "qwen3-next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
-                       "layer_types": ["linear_attention", "full_attention"]},
-    }  # fmt: skip
-    expected = {
-        "gemma2": "Gemma2ForCausalLM ({}) soft-caps its attention logits",
-        "qwen3-next": "Qwen3NextForCausalLM ({}) has linear_attention layers, which carry state along the sequence",
-    }
-    for name, config in configs.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(config))
-        new = fsdp2gen("new", str(tmp_path / f"{name}-cp"), "--yes", "--family", "hf", "--hf-model",
-                       str(tmp_path / name), "--gpus", "4", "--cp", "2")  # fmt: skip
-        line = expected[name].format(tmp_path / name / "config.json")
-        assert (new.returncode, new.stderr) == (2, f"fsdp2gen: error: --cp: {line}, {FIX.replace('parallel.', '')}\n")
-        assert not (tmp_path / f"{name}-cp").exists()
+# The refusals of `fsdp2gen new` (from config.json) are cases of test_bad_input_generator.py (cp-hf-*).
