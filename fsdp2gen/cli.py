@@ -540,7 +540,7 @@ GradSyncOption = Annotated[
 CpOption = Annotated[
     int | None,
     typer.Option(
-        help="Context parallelism (llama): each of cp GPUs holds seq / cp tokens of every sample (ring "
+        help="Context parallelism (llama, hf): each of cp GPUs holds seq / cp tokens of every sample (ring "
         "attention); parameters are sharded over dp_shard x cp. [default: 1, or the project's parallel.cp]",
         show_default=False,
     ),

@@ -62,7 +62,7 @@ def cp_sweep(request: PlanRequest) -> list[Plan]:
     allow (cp x tp dividing them) and the project takes (cp_takes), each forward keeping the request's micro-batch
     of whole samples. A model whose max_seq_len is shorter is planned with its rotary tables that long."""
     if isinstance(request.model, HfShape):
-        raise PlanError("--cp-sweep: context parallelism is built in for family llama only; plan a llama with --size")
+        raise PlanError("--cp-sweep: plan models context parallelism for family llama only; plan a llama with --size")
     if has_experts(request.model):
         raise PlanError(
             f"--cp-sweep: mixture-of-experts models are not built for cp > 1; plan {request.label} without --cp-sweep"

@@ -229,7 +229,7 @@ def project_request(config: Path, tp: int | None, seq: int | None, cp: int | Non
     family = read_answers_file(config.parent / ".copier-answers.yml").get("family", "llama")
     if family == "hf":
         if cp is not None and cp > 1:
-            raise PlanError(f"--cp {cp}: context parallelism is built in for family llama only; use --cp 1")
+            raise PlanError(f"--cp {cp}: the plan models context parallelism for family llama only; use --cp 1")
         return hf_project_request(config, tp, seq)
     if family != "llama":
         raise PlanError(f"family {family}: only llama and hf are planned; plan a llama of similar shape with --size")

@@ -131,7 +131,7 @@ def _model_request(
     if hf_config is not None:
         request = hf_request(hf_config, seq)
         if cp is not None and cp > 1:
-            raise PlanError(f"--cp {cp}: context parallelism is built in for family llama only; use --cp 1")
+            raise PlanError(f"--cp {cp}: the plan models context parallelism for family llama only; use --cp 1")
         return request
     raise PlanError(
         f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config PATH/config.json"

@@ -191,9 +191,44 @@ def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
     )
 
 
+# config.json keys of attention that ring attention (context parallelism: causal SDPA over the whole sequence, in
+# pieces) cannot split, with the value that means "none", and what the attention does otherwise. (A sliding window
+# depends on training.seq_len, and whether the model supports SDPA on its class: the project's preflight.py runs its
+# attention once on the meta device and judges those.)
+RING_CANNOT = {
+    "attn_logit_softcapping": (None, "soft-caps its attention logits"),
+    "attention_dropout": (0.0, "applies dropout to its attention weights"),
+}
+
+
+def _cp_attention_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--cp N for a local Hugging Face model whose config.json says its attention is more than causal softmax
+    attention (RING_CANNOT), or that some of its layers do not attend (layer_types: mamba, linear attention):
+    refused now rather than at run time."""
+    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+        return None
+    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
+    try:
+        loaded = json.loads(config.read_text())
+        loaded = loaded.get("text_config") or loaded  # a multimodal config: its language model's
+    except (OSError, ValueError, AttributeError):
+        return None  # a hub id, or a config hf_model's own check speaks for
+    what = [text for key, (none, text) in RING_CANNOT.items() if loaded.get(key, none) not in (none, 0)]
+    layers = sorted(set(loaded.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    if layers:
+        what.append(f"has {', '.join(map(str, layers))} layers (state carried along the sequence)")
+    if not what:
+        return None
+    name = (loaded.get("architectures") or [loaded.get("model_type")])[0]
+    return (
+        f"{name} ({config}) {' and '.join(what)}, which ring attention (causal SDPA over the whole sequence, in "
+        "pieces) cannot split; use --cp 1"
+    )
+
+
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
 # run after the validator, by fsdp2gen only.
-PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem}
+PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem, "cp": _cp_attention_problem}
 
 
 def _render(template: str, answers: dict[str, Any]) -> str:

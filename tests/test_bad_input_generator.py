@@ -316,7 +316,27 @@ CASES = [
     Case(
         "cp-family-custom",
         (*NEW, "--family", "custom", "--cp", "2"),
-        "--cp: context parallelism is built in for --family llama only; use --cp 1",
+        "--cp: context parallelism is built in for --family llama and hf only; use --cp 1",
+    ),
+    # An hf model whose config.json says ring attention cannot split its attention (preflight probes the rest).
+    Case(
+        "cp-hf-softcapped-attention",
+        (*NEW, "--family", "hf", "--hf-model", "m", "--gpus", "4", "--cp", "2"),
+        "--cp: Gemma2ForCausalLM (m/config.json) soft-caps its attention logits, which ring attention (causal SDPA "
+        "over the whole sequence, in pieces) cannot split; use --cp 1",
+        (hf_folder('{"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50}'),),
+    ),
+    Case(
+        "cp-hf-linear-attention-layers",
+        (*NEW, "--family", "hf", "--hf-model", "m", "--gpus", "4", "--cp", "2"),
+        "--cp: Qwen3NextForCausalLM (m/config.json) has linear_attention layers (state carried along the sequence), "
+        "which ring attention (causal SDPA over the whole sequence, in pieces) cannot split; use --cp 1",
+        (
+            hf_folder(
+                '{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "layer_types": '
+                '["linear_attention", "full_attention"]}'
+            ),
+        ),  # fmt: skip
     ),
     Case("pp-zero", (*NEW, "--pp", "0"), "--pp: must be at least 1, e.g. --pp 2"),
     Case("pp-not-a-divisor", (*NEW, "--pp", "3"), "--pp: 3 must divide the 8 GPUs, e.g. --pp 2"),

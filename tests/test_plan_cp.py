@@ -201,11 +201,11 @@ def test_cp_refusals_name_the_fix(tmp_path: Path) -> None:
                               "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))  # fmt: skip
     result = invoke("plan", "--hf-config", str(hf), "--cp", "2")
     assert result.exit_code == 2
-    assert result.stderr == "fsdp2gen: error: --cp 2: context parallelism is built in for family llama only; use " \
+    assert result.stderr == "fsdp2gen: error: --cp 2: the plan models context parallelism for family llama only; use " \
         "--cp 1\n"  # fmt: skip
     result = invoke("plan", "--hf-config", str(hf), "--cp-sweep")
     assert (result.exit_code, result.stdout) == (2, "")
-    assert result.stderr == "fsdp2gen: error: --cp-sweep: context parallelism is built in for family llama only; " \
+    assert result.stderr == "fsdp2gen: error: --cp-sweep: plan models context parallelism for family llama only; " \
         "plan a llama with --size\n"  # fmt: skip
 
 

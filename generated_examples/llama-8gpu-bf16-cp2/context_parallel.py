@@ -59,7 +59,7 @@ def check_context_parallel(config: Any, world_size: int, device_type: str) -> No
             f"kernel; run with --parallel.cp 1 on {device_type.upper()}"
         )
     if device_type == "cuda":
-        check_cuda_attention(config.model, cp)
+        check_cuda_attention(config.model.n_heads, config.model.n_kv_heads, config.model.head_dim, cp)
 
 
 # The attention kernels torch's context parallelism splits over the cp ranks, by device: its custom_ops table
@@ -74,13 +74,12 @@ SPLIT_KERNELS = {
 }
 
 
-def check_cuda_attention(model: Any, cp: int) -> None:
+def check_cuda_attention(heads: int, kv_heads: int, head_dim: int, cp: int) -> None:
     """One of the kernels ring attention splits (flash, memory-efficient, cuDNN) must be enabled and able to run
     this model's attention: with only the math kernel left, context parallelism stops at the first forward."""
-    head_dim = model.head_dim
     # The shapes and dtype of model.py's call (a few tokens stand for any length): causal, no mask, grouped heads.
-    query = torch.empty(1, model.n_heads, 64, head_dim, dtype=COMPUTE_DTYPE, device="cuda")
-    key = torch.empty(1, model.n_kv_heads, 64, head_dim, dtype=COMPUTE_DTYPE, device="cuda")
+    query = torch.empty(1, heads, 64, head_dim, dtype=COMPUTE_DTYPE, device="cuda")
+    key = torch.empty(1, kv_heads, 64, head_dim, dtype=COMPUTE_DTYPE, device="cuda")
     params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, True, True)  # ..., dropout, causal, gqa
     usable = [
         name
@@ -95,7 +94,7 @@ def check_cuda_attention(model: Any, cp: int) -> None:
     if not usable:
         raise ContextParallelError(
             f"parallel.cp = {cp} needs the flash, memory-efficient or cuDNN attention kernel, and none is enabled "
-            f"for this model's attention ({COMPUTE_DTYPE}, {model.n_heads} query / {model.n_kv_heads} key-value "
+            f"for this model's attention ({COMPUTE_DTYPE}, {heads} query / {kv_heads} key-value "
             f"heads of {head_dim}) on this GPU; train in bf16 (a project generated with --bf16) or run with "
             "--parallel.cp 1"
         )
