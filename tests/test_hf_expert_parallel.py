@@ -159,3 +159,21 @@ def test_a_dense_model_is_refused_at_new_and_at_run_time(runs: dict, models: dic
         f"fsdp2gen: error: --ep: {config} has num_local_experts 4, which 8 GPUs cannot share out equally; e.g. --ep 4\n"
     ))  # fmt: skip
     assert not (tmp_path / "dense").exists() and not (tmp_path / "odd").exists()
+
+
+def test_the_readme_table_says_which_model_types_ep_runs_from_their_declared_plans(runs: dict) -> None:
+    # The words the README's table calls applied are expert_parallel.py's PLAN_WORDS; the rows come from the plans
+    # of the installed transformers (templates/hf_plans.json, checked in tests/test_hf_parallel.py).
+    source = (runs["project"] / "expert_parallel.py").read_text()
+    applied = sorted(re.findall(r'"(\w+)"', re.search(r"PLAN_WORDS = \((.*?)\)", source).group(1)))
+    listed = re.search(r"set hf_ep_words = (\[.*?\])", (REPO / "templates" / "project" / "README.md.jinja").read_text())
+    assert applied == sorted(json.loads(listed.group(1))) == ["ep_dispatch_experts", "grouped_gemm"]
+    plans = json.loads((REPO / "templates" / "hf_plans.json").read_text())["models"]
+    readme = (runs["project"] / "README.md").read_text()
+    for model_type in ("qwen3_moe", "mixtral", "qwen3"):
+        ep = "yes" if plans[model_type]["ep"] else "no: no ep plan"
+        assert re.search(rf"^\| `{model_type}` \| {plans[model_type]['class']} \| [^|]+ \| {ep} \|", readme, re.M)
+    # A plan with words expert_parallel.py does not apply (Gemma 4's ep plan also splits its dense MLP).
+    others = {name: sorted(set(plan["ep"]) - set(applied)) for name, plan in plans.items()}
+    name, words = next((name, words) for name, words in sorted(others.items()) if words)
+    assert re.search(rf"^\| `{name}` \|.*\| no: plan word {', '.join(words)} not applied \|", readme, re.M)
