@@ -2,8 +2,8 @@
 LM model type (its config class's base_model_tp_plan, base_model_ep_plan and base_model_pp_plan).
 
 fsdp2gen never imports transformers (which imports torch), so it reads this file instead: `fsdp2gen new --family hf
---tp N` (--ep N) refuses a local model whose type declares no tensor- (expert-) parallel plan, and the README of an hf project carries
-the table of which dimension works for which model type, and why. Rerun after upgrading transformers:
+--tp N` (--ep N) refuses a local model whose type declares no tensor- (expert-) parallel plan, and the README of an
+hf project carries the table of which dimension works for which model type, and why. Rerun after upgrading transformers:
 
     python scripts/hf_plans.py
 
