@@ -52,6 +52,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.manual_seed(0)
         folders[name] = root / name
         AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    # 3 experts, which 2 ep ranks cannot share out: its config.json only (trained from scratch, nothing loaded).
+    folders["three-experts"] = root / "three-experts"
+    Qwen3MoeConfig(**SIZES, num_experts=3, moe_intermediate_size=16, head_dim=8).save_pretrained(root / "three-experts")
     return folders
 
 
@@ -82,8 +85,10 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     shutil.copytree(root / "ep2-qwen3-moe", root / "resume-qwen3-moe")
     shutil.rmtree(root / "resume-qwen3-moe" / "checkpoints" / "step-3")
     dense = [*TRAIN, "--model.path", str(models["qwen3"]), "--job.output_dir", str(root / "refused")]
+    three = [*TRAIN, "--model.path", str(models["three-experts"]), "--model.pretrained", "false", "--job.output_dir",
+             str(root / "refused")]  # fmt: skip
     one = launch(project, {
-        "preflight": {"dense": ["--world-size", "4", *dense]},
+        "preflight": {"dense": ["--world-size", "4", *dense], "three-experts": ["--world-size", "4", *three]},
         "runs": [*(options(name, "one") for name in MOE), [*options("qwen3-moe", "resume"), "--parallel.ep", "1"]],
     }, root, nproc=1)  # fmt: skip
     return {"root": root, "ep2": ep2, "one": one, "project": project}
@@ -133,12 +138,20 @@ def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict)
     assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3])
 
 
-def test_a_dense_model_is_refused_at_new_and_at_run_time(runs: dict, models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(
+    runs: dict, models: dict[str, Path], tmp_path: Path
+) -> None:
     # Run time: the ep project pointed at a dense Qwen3 stops in preflight, before anything is built.
     code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["dense"]
     assert (code, stderr) == (2, (
         "preflight.py: error: parallel.ep = 2: Qwen3ForCausalLM declares no expert-parallel plan (transformers' "
         "Qwen3Config.base_model_ep_plan is empty: a dense model has no experts to share out); use --parallel.ep 1\n"
+    ))  # fmt: skip
+    # A mixture-of-experts model whose experts the ep ranks cannot share out equally, from its config.json.
+    code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["three-experts"]
+    assert (code, stderr) == (2, (
+        "preflight.py: error: the model's 3 experts (its config.json) must be divisible by parallel.ep (2), which "
+        "shares them out equally; e.g. --parallel.ep 1\n"
     ))  # fmt: skip
     assert not (runs["root"] / "refused").exists()
     # fsdp2gen new: one line, exit 2, nothing written (templates/hf_plans.json: qwen3 declares no ep plan); and an
