@@ -60,8 +60,9 @@ def all_to_all_bytes(model: LlamaShape, tokens: int, compute: int, ep: int) -> i
     """Expert parallelism's dispatch and combine all-to-alls for one MoE layer: each rank sends its tokens x top_k
     routed copies and receives as many (balanced routing), in the compute dtype; the send and receive buffers of
     one exchange coexist, and backward exchanges the gradients the same way. Not held for backward (the received
-    copies are: moe_activation_parts' routed copies), so one layer's pair at the peak. 0 without ep."""
-    if ep == 1 or isinstance(model, HfShape) or not model.n_experts:
+    copies are: moe_activation_parts' routed copies), so one layer's pair at the peak (an hf model's transformers'
+    AllToAllEP sends and receives the same copies). 0 without ep."""
+    if ep == 1 or not model.n_experts:
         return 0
     return 2 * compute * tokens * model.top_k * model.dim
 

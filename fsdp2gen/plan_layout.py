@@ -62,13 +62,14 @@ GPUS = {
 # only the dimensions its answers chose), rendered here with every dimension and run as a module (it imports no torch
 # at import time), so that plan splits the model and the batch exactly as the project's train.py does.
 LAYOUT_FILE = Path("project") / "layout.py.jinja"
-EVERY_DIMENSION = {"pp": 2, "tp": 2, "cp": 2, "moe": True}
+EVERY_DIMENSION = {"pp": 2, "tp": 2, "cp": 2, "moe": True, "expert_parallel": True}
 
 
 def render_layout(**answers: Any) -> str:
     """The source of the layout.py a project with these answers (pp, tp, cp, moe; a llama model unless
     transformers_model is given) holds."""
     answers.setdefault("transformers_model", False)
+    answers.setdefault("expert_parallel", answers.get("moe", False))  # copier.yml derives it the same way for llama
     environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     environment.undefined = jinja2.StrictUndefined  # an answer the template reads but was not given fails here
     return environment.from_string((template_dir() / LAYOUT_FILE).read_text(encoding="utf-8")).render(answers)

@@ -35,7 +35,9 @@ def find_levers(plan: Plan) -> list[Lever]:
             smaller += " --grad-sync every_micro_batch"
         options.append((smaller, replace(every, micro_batch=request.batch // 2, grad_accum_steps=accum)))
     if isinstance(request.model, HfShape):
-        pass  # an hf project has FSDP/HSDP only: no ep, cp or pp to offer (its experts are FSDP-sharded)
+        # An hf project offers expert parallelism of an MoE model's declared plan (not with --tp or LoRA); no cp, pp.
+        if has_experts(request.model) and request.tp == 1 and request.model.lora is None:
+            options += _ep_levers(plan)
     elif has_experts(request.model):
         options += _ep_levers(plan)
     else:

@@ -270,9 +270,9 @@ def expert_lines(plan: Plan) -> list[str]:
     )
     held = ", ".join(f"{part} {_size(size)}" for part, size in parts.items() if size)
     layout = (
-        f"; FSDP-sharded over {request.fsdp_ranks} ranks like every weight (an hf project has no --ep yet: each GPU "
-        f"gathers all {model.n_experts} experts of a block to compute it)"
-        if hf
+        f"; FSDP-sharded over {request.fsdp_ranks} ranks like every weight (--ep N shares them out: without it each "
+        f"GPU gathers all {model.n_experts} experts of a block to compute it)"
+        if hf and request.ep == 1
         else f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep = "
         f"{request.fsdp_ranks // request.ep} ranks"
     )
@@ -285,7 +285,7 @@ def expert_lines(plan: Plan) -> list[str]:
         + (
             f" (fully_shard splits dim 0, the {model.n_experts} experts, over {request.fsdp_ranks} ranks: padded to "
             f"{-(-model.n_experts // request.fsdp_ranks)} per rank)"
-            if hf and model.n_experts % request.fsdp_ranks
+            if hf and request.ep == 1 and model.n_experts % request.fsdp_ranks
             else ""
         ),
         f"MoE block activations held for backward ({tokens} tokens x top_k {model.top_k} routed copies, balanced "

@@ -205,13 +205,18 @@ def _check_experts(request: PlanRequest) -> None:
     dp_shard and gives each of them whole experts), worded with plan's options."""
     model, ep = request.model, request.ep
     if isinstance(model, HfShape):
-        if ep > 1 and has_experts(model):
-            raise PlanError(
-                f"--ep {ep}: an hf project has no expert parallelism yet (its experts are FSDP-sharded over the "
-                "data-parallel ranks like every weight); plan with --ep 1"
-            )
-        if ep > 1:
+        # The project applies the model's declared ep plan (its expert_parallel.py); transformers declares one for
+        # the MoE model types it has, none for dense ones.
+        if ep > 1 and not has_experts(model):
             raise PlanError(f"--ep {ep}: {model.source} is not a mixture-of-experts model; use --ep 1")
+        if ep > 1 and model.lora is not None:
+            raise PlanError(f"--ep {ep}: an hf project's expert parallelism is not built with LoRA (peft adapts fused "
+                            "experts as whole tensors); use --ep 1")  # fmt: skip
+        if ep > 1 and request.tp > 1:
+            raise PlanError(f"--ep {ep} with --tp {request.tp}: an hf project's expert parallelism is not built with "
+                            "tensor parallelism; use --ep 1 or --tp 1")  # fmt: skip
+        if ep > 1:
+            _check_expert_layout(request, model.n_experts)
         return
     experts = model.n_experts
     if not experts:
@@ -234,10 +239,15 @@ def _check_experts(request: PlanRequest) -> None:
                 f"{flag} {degree}: mixture-of-experts models are not built for {flag[2:]} > 1; use {flag} 1 (--ep "
                 "splits the experts over GPUs)"
             )
-    if ep > 1 and request.world_size == 1:  # layout.py lets one process (a debugging run) hold every expert
+    _check_expert_layout(request, experts)
+
+
+def _check_expert_layout(request: PlanRequest, experts: int) -> None:
+    """layout.py's check of `experts` shared out over request.ep ranks borrowed from dp_shard, in plan's words."""
+    if request.ep > 1 and request.world_size == 1:  # layout.py lets one process (a debugging run) hold every expert
         raise PlanError(_plan_wording("ep_ranks", request))
     try:
-        expert_layout(request, ep).check_expert_parallel(SimpleNamespace(n_experts=experts))
+        expert_layout(request, request.ep).check_expert_parallel(SimpleNamespace(n_experts=experts))
     except layout_module().LayoutError as error:
         raise PlanError(_plan_wording(error.problem, request)) from None
 

@@ -228,7 +228,46 @@ def _cp_attention_problem(value: int, answers: dict[str, Any]) -> str | None:
 
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
 # run after the validator, by fsdp2gen only.
-PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem, "cp": _cp_attention_problem}
+def _ep_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--ep N for a local Hugging Face model: refused now, rather than at run time, if its type declares no
+    expert-parallel plan (a dense model; templates/hf_plans.json, as for --tp) or its config.json's number of experts
+    is not divisible by N. A model type the file does not list is left to preflight."""
+    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+        return None
+    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
+    try:
+        loaded = json.loads(config.read_text())
+        model_type = loaded.get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # a hub id, or a config hf_model's own check speaks for
+    plans = json.loads((template_dir() / "hf_plans.json").read_text())
+    declared = plans["models"].get(model_type)
+    if declared is not None and not declared["ep"]:
+        return (
+            f"{declared['class']} ({config}: model_type {model_type}) declares no expert-parallel plan in "
+            f"transformers {plans['transformers']} (its config class's base_model_ep_plan is empty: a dense model has "
+            "no experts to share out); use --ep 1"
+        )
+    # transformers' MoE configs name the count differently (Mixtral: num_local_experts; DeepSeek: n_routed_experts).
+    key = next((key for key in EXPERT_COUNT_KEYS if isinstance(loaded.get(key), int) and loaded[key] > 0), None)
+    if key is not None and loaded[key] % value:
+        fitting = max(d for d in range(1, value + 1) if loaded[key] % d == 0)
+        return f"{config} has {key} {loaded[key]}, which {value} GPUs cannot share out equally; e.g. --ep {fitting}"
+    return None
+
+
+# The config.json keys that hold a mixture-of-experts model's number of (routed) experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+# Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
+# run after the validator, by fsdp2gen only.
+PYTHON_CHECKS = {
+    "hf_model": _hf_model_problem,
+    "tp": _tp_plan_problem,
+    "cp": _cp_attention_problem,
+    "ep": _ep_plan_problem,
+}
 
 
 def _render(template: str, answers: dict[str, Any]) -> str:

@@ -2,8 +2,8 @@
 LM model type (its config class's base_model_tp_plan, base_model_ep_plan and base_model_pp_plan).
 
 fsdp2gen never imports transformers (which imports torch), so it reads this file instead: `fsdp2gen new --family hf
---tp N` refuses a local model whose type declares no tensor-parallel plan, and the README of an hf project carries
-the table of which dimension works for which model type, and why. Rerun after upgrading transformers:
+--tp N` (--ep N) refuses a local model whose type declares no tensor- (expert-) parallel plan, and the README of an
+hf project carries the table of which dimension works for which model type, and why. Rerun after upgrading transformers:
 
     python scripts/hf_plans.py
 
@@ -21,8 +21,8 @@ OUTPUT = Path(__file__).resolve().parent.parent / "templates" / "hf_plans.json"
 
 def declared_plans() -> dict:
     """{"transformers": version, "models": {model_type: {"class", "tp", "ep", "pp"}}}: "class" the causal LM class,
-    "tp" the sorted plan words of its tensor-parallel plan ([]: none declared), "ep" / "pp" whether it declares an
-    expert- / pipeline-parallel plan. Config classes only: no modeling module is imported."""
+    "tp" / "ep" the sorted plan words of its tensor- / expert-parallel plan ([]: none declared), "pp" whether it
+    declares a pipeline-parallel plan. Config classes only: no modeling module is imported."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -33,7 +33,7 @@ def declared_plans() -> dict:
         models[model_type] = {
             "class": class_name,
             "tp": sorted(set((getattr(config, "base_model_tp_plan", None) or {}).values())),
-            "ep": bool(getattr(config, "base_model_ep_plan", None)),
+            "ep": sorted(set((getattr(config, "base_model_ep_plan", None) or {}).values())),
             "pp": bool(getattr(config, "base_model_pp_plan", None)),
         }
     return {"transformers": transformers.__version__, "models": models}

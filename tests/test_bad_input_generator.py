@@ -358,6 +358,18 @@ CASES = [
         "e.g. --ep 2",
     ),
     Case(
+        "ep-hf-with-lora",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--ep", "2", "--lora"),
+        "--ep: --ep with --lora is not built (peft adapts fused experts as whole tensors, which ep shares out by "
+        "expert); use --ep 1 (FSDP shards the experts)",
+    ),
+    Case(
+        "ep-hf-with-tp",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--ep", "2", "--tp", "2"),
+        "--ep: --ep with --tp for an hf model is not built yet (its experts would need both meshes); use --ep 1 or "
+        "--tp 1",
+    ),
+    Case(
         "reshard-zero",
         (*NEW, "--reshard-after-forward", "0"),
         "--reshard-after-forward: must be true, false or a positive integer, e.g. --reshard-after-forward 8",

@@ -180,6 +180,19 @@ GOLDENS = {
         **DEFAULT_OPTIONS,
         "tp": 2,
     },
+    # Expert parallelism for a Hugging Face mixture-of-experts model, from the plan it declares (expert_parallel.py).
+    "hf-4gpu-fp32-ep2": {
+        "family": "hf",
+        "hf_model": "models/tiny-qwen3-moe",
+        "pretrained": True,
+        "gpus": 4,
+        "nodes": 1,
+        "precision": "fp32",
+        "checkpoint": "dcp",
+        "launcher": "torchrun",
+        **DEFAULT_OPTIONS,
+        "ep": 2,
+    },
     # Supervised fine-tuning of a Hugging Face model on chat data, with LoRA adapters.
     "hf-2gpu-fp32-sft-lora": {
         "family": "hf",

@@ -359,8 +359,8 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
         lines[0] == f"qwen3_moe {tmp_path}/config.json: 30.53B parameters (3.35B active per token), 48 blocks, dim 2048"
     )
     assert lines[4:8] == [
-        "experts: 128 per MoE block x 48 blocks, top 8; FSDP-sharded over 8 ranks like every weight (an hf project "
-        "has no --ep yet: each GPU gathers all 128 experts of a block to compute it)",
+        "experts: 128 per MoE block x 48 blocks, top 8; FSDP-sharded over 8 ranks like every weight (--ep N shares "
+        "them out: without it each GPU gathers all 128 experts of a block to compute it)",
         "router: 128 x 2048 (mlp.gate, 262,144 parameters) per MoE block, trained; experts: 603.98M per block "
         "(gate_up_proj, down_proj), 8 of 128 active per token",
         # 128 x 3 x 2048 x 768 fp32 values / 8 ranks, x 48 blocks; a block's in bf16, gathered.
@@ -378,11 +378,26 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
         "expert weights per GPU: 21.00 GiB fp32 shards (of the parameters row), 2.62 GiB gathered per MoE block "
         "(fully_shard splits dim 0, the 8 experts, over 16 ranks: padded to 1 per rank)"
     )  # 32 blocks x 3 x 4096 x 14336 fp32 values: 1 of the 8 experts per GPU
-    result = invoke("plan", "--hf-config", str(tmp_path), "--ep", "2")
-    assert (result.exit_code, result.stdout, result.stderr) == (2, "", (
-        "fsdp2gen: error: --ep 2: an hf project has no expert parallelism yet (its experts are FSDP-sharded over the "
-        "data-parallel ranks like every weight); plan with --ep 1\n"
-    ))  # fmt: skip
+    # --ep 2 (the project applies the model's declared ep plan): 4 of the 8 experts per GPU, over 8 ranks each; the
+    # gathered block is this GPU's 4 experts (bf16), the dispatch's buffers 2 x 256 tokens x top 2 x 4096 (bf16).
+    text = invoke("plan", "--hf-config", str(tmp_path), "--nodes", "2", "--batch", "1", "--ep", "2").stdout.splitlines()
+    assert (
+        text[4]
+        == "experts: 8 per MoE block x 32 blocks, top 2; ep 2: 4 experts per GPU, sharded over dp_shard / ep = 8 ranks"
+    )
+    assert (
+        text[6]
+        == "expert weights per GPU: 10.50 GiB fp32 shards (of the parameters row), 1.31 GiB gathered per MoE block"
+    )
+    assert any(line.startswith("all-to-all (ep 2): ") and "8.00 MiB send + receive buffers" in line for line in text)
+    for options, message in (
+        (["--ep", "16"], "--ep 16 must divide model.n_experts (8): each GPU holds n_experts / ep whole experts; "
+         "e.g. --ep 8"),
+        (["--ep", "2", "--tp", "2"], "--ep 2 with --tp 2: an hf project's expert parallelism is not built with tensor "
+         "parallelism; use --ep 1 or --tp 1"),
+    ):  # fmt: skip
+        result = invoke("plan", "--hf-config", str(tmp_path), "--nodes", "2", *options)
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
 
 
 MOE_SMALL = {

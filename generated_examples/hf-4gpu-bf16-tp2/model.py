@@ -827,12 +827,12 @@ def count_expert_tokens(model: PreTrainedModel) -> None:
     and a hook adds it up in module.tokens_per_expert, on the device, without a host sync. (A block recomputed by
     activation checkpointing counts twice: every expert alike, which leaves the ratios reported unchanged.)"""
 
-    def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def count(module: nn.Module, args: tuple, kwargs: dict, n_experts: int) -> None:
         if not module.training:
             return  # evaluation: no step's load
         chosen = (args[1] if len(args) > 1 else kwargs["top_k_index"]).flatten()
         # One slot more: transformers' expert parallelism marks tokens of other ranks' experts with num_experts.
-        counts = torch.zeros(module.num_experts + 1, device=chosen.device).index_add_(
+        counts = torch.zeros(n_experts + 1, device=chosen.device).index_add_(
             0, chosen, torch.ones_like(chosen, dtype=torch.float32)
         )[:-1]
         previous = getattr(module, "tokens_per_expert", None)
@@ -841,7 +841,9 @@ def count_expert_tokens(model: PreTrainedModel) -> None:
     for module in model.modules():
         takes = inspect.signature(module.forward).parameters
         if "top_k_index" in takes and isinstance(getattr(module, "num_experts", None), int):
-            module.register_forward_pre_hook(count, with_kwargs=True)
+            # The count now: transformers' expert parallelism sets num_experts to this rank's experts, while the
+            # router still chooses among all of them.
+            module.register_forward_pre_hook(functools.partial(count, n_experts=module.num_experts), with_kwargs=True)
 
 
 def balance_experts(model: PreTrainedModel, config: Config) -> dict[str, torch.Tensor]:

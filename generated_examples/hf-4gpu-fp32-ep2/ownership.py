@@ -1,0 +1,188 @@
+"""Which run owns job.output_dir, and which launch a process belongs to.
+
+- The run lock: rank 0 holds an exclusive flock on job.output_dir/run.lock for as long as it lives. The kernel
+  releases it when the process ends, however it ends, so a lock is never stale; the file itself stays (deleting
+  it would let a second run lock a new file of the same name). The holder writes who it is into the file, for
+  the line that refuses a second run.
+- The launch id: the launch scripts give every rank of one launch the same TRAIN_LAUNCH_ID (a new uuid per
+  launch; the SLURM job id, which a requeue keeps). run.json records it, and a restart continues the run in
+  job.output_dir only if it was started by its own launch (run_folder.resuming).
+- Ranks die with their launcher: a rank exits when torchrun (its parent) or the launch script is gone, so a
+  killed launcher leaves nothing training.
+
+Linux only where it says so (/proc, prctl); elsewhere those parts do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+LOCK_FILE = "run.lock"
+LAUNCH_ID = "TRAIN_LAUNCH_ID"  # set by every launcher (scripts/, ray) for every rank of a launch
+LAUNCHER = "TRAIN_LAUNCHER"  # "host:pid:start time" of the launch script, set by scripts/restarts.sh
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+_PROCESS_LAUNCH = f"process-{uuid.uuid4().hex}"
+_held_locks: list = []  # open lock files: the lock lasts as long as the file stays open
+
+
+def launch_id() -> str:
+    """The launch this process belongs to, the same for every attempt of it (restarts).
+
+    Without the launch scripts: under `torchrun train.py` the torchrun agent that started this process, which is
+    the parent of every attempt's workers on this node (TORCHELASTIC_RUN_ID would not do: it is "none" with a
+    static rendezvous, and a --rdzv-id that the user may reuse for every launch); a plain `python train.py` is
+    its own launch (it has no restarts).
+    """
+    if os.environ.get(LAUNCH_ID):
+        return os.environ[LAUNCH_ID]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        agent = os.getppid()
+        return f"torchrun-{socket.gethostname()}-{agent}-{process_start(agent)}"
+    return _PROCESS_LAUNCH
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/PID/stat, in clock ticks since boot), or None if it is gone
+    (or a zombie). With the pid it names one process: a pid can be reused, a (pid, start time) pair cannot."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "PID (COMMAND)", which may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def die_with_launcher() -> None:
+    """Make this rank exit (SIGKILL) as soon as torchrun or the launch script that started it is gone.
+
+    torchrun starts each worker in a session of its own, so nothing sent to the launcher's process group reaches
+    the workers. Two mechanisms, because a killed launch script is not the workers' parent:
+    - PR_SET_PDEATHSIG: the kernel signals this process when the thread that forked it ends. torchrun forks its
+      workers from its main thread (LocalElasticAgent, no thread pool), so this fires when torchrun dies.
+    - a watchdog thread that polls, once a second, whether the launch script (TRAIN_LAUNCHER, on this host) and
+      this process's parent are still the processes they were (pid and start time).
+    """
+    watched = []
+    launcher = os.environ.get(LAUNCHER, "").split(":")
+    if len(launcher) == 3 and launcher[0] == socket.gethostname():  # ranks on other nodes cannot see it
+        watched.append((int(launcher[1]), launcher[2]))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        parent = os.getppid()
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        watched.append((parent, process_start(parent)))
+    if not watched or sys.platform != "linux":
+        return
+
+    def watch() -> None:
+        # (A start time of None: the process was gone before it could be read.)
+        while all(start is not None and process_start(pid) == start for pid, start in watched):
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def lock_holder(output_dir: Path) -> dict | None:
+    """Who holds the run lock of `output_dir` ({} if it has not said yet), or None if nobody does.
+
+    A look, not a take: a shared lock for an instant, which creates nothing and leaves nothing behind."""
+    try:
+        file = open(output_dir / LOCK_FILE)
+    except OSError:
+        return None  # no lock file: no run has ever held this folder
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(file)
+        fcntl.flock(file, fcntl.LOCK_UN)
+    return None
+
+
+def take_run_lock(output_dir: Path, launch_ids: list[str], wait_for_own_launch_s: float = 30) -> dict | None:
+    """Lock `output_dir` for the life of this process and write who holds it; or return the holder.
+
+    A holder of this same launch (the previous attempt's rank 0, still ending) is waited for, up to
+    `wait_for_own_launch_s`; another one gets a second only (a preflight's look holds the lock for an instant).
+    """
+    file = open(output_dir / LOCK_FILE, "a+")
+    started = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = read_holder(file)
+            patience = wait_for_own_launch_s if set(holder.get("launch", [])) & set(launch_ids) else 1
+            if time.monotonic() - started > patience:
+                file.close()
+                return holder
+            time.sleep(0.1)
+    launcher = os.environ.get(LAUNCHER, "").split(":")
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "launcher_pid": int(launcher[1]) if len(launcher) == 3 else None,
+        "launch": launch_ids,
+        "since": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    file.truncate(0)
+    file.write(json.dumps(holder) + "\n")
+    file.flush()
+    _held_locks.append(file)
+    return None
+
+
+def read_holder(file) -> dict:
+    """What the holder wrote into the lock file; {} while it has not (it writes right after locking)."""
+    for _ in range(10):
+        file.seek(0)
+        try:
+            holder = json.loads(file.read())
+            if isinstance(holder, dict):
+                return holder
+        except ValueError:
+            pass
+        time.sleep(0.05)
+    return {}
+
+
+def describe_holder(output_dir: Path, holder: dict) -> str:
+    """One line: who holds `output_dir`, and what to do about it."""
+    if not holder:
+        return (
+            f"job.output_dir {output_dir} is in use by another run (its rank 0 is just starting); wait for it to "
+            "finish, stop it, or choose another --job.output_dir"
+        )
+    stop = holder.get("launcher_pid") or holder.get("pid")
+    launcher = f", launcher pid {holder['launcher_pid']}" if holder.get("launcher_pid") else ""
+    return (
+        f"job.output_dir {output_dir} is in use by another run: rank 0 pid {holder.get('pid')} on "
+        f"{holder.get('host')}{launcher}, launch {','.join(holder.get('launch', []))}, since {holder.get('since')}; "
+        f"wait for it to finish, stop it (kill {stop} on {holder.get('host')}), or choose another --job.output_dir"
+    )
+
+
+def run_folder_above(output_dir: Path) -> tuple[Path, str] | None:
+    """The nearest folder above `output_dir` that holds a run, and what shows it; None if there is none."""
+    for parent in output_dir.resolve().parents:
+        # os.path: False, not an error, for a parent this user may not read.
+        for name in ("run.json", LOCK_FILE):
+            if os.path.isfile(parent / name):
+                return parent, name
+        if any(os.path.isfile(step / "checkpoint.json") for step in (parent / "checkpoints").glob("step-*")):
+            return parent, "checkpoints"
+    return None

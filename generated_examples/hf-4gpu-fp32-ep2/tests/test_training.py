@@ -1,0 +1,121 @@
+"""End-to-end tests of training: real torchrun processes, gloo on CPU (or nccl on every visible GPU).
+
+Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoint.py covers checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, make_model, train
+
+# 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
+PARITY_TOLERANCE = 1e-5
+# training.loss_chunks 4 vs 1: the same sums in another order.
+CHUNKED_TOLERANCE = 1e-6
+# The sharded model's logits vs transformers' fp32 model with the same weights.
+LOGITS_TOLERANCE = 1e-5
+
+
+def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
+    # synthetic_samples == global_batch_size: every step sees the same samples.
+    repeated = ["--data.synthetic_samples", str(GLOBAL_BATCH)]
+    metrics = train(tmp_path, "--training.steps", "8", "--training.lr", "1e-2", *repeated)
+    losses = [m["loss"] for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert losses[-1] < 0.8 * losses[0], losses
+    tokens_per_step = GLOBAL_BATCH * 32  # the tests' seq_len
+    for record in metrics:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "peak_mem_mib"} <= record.keys()
+        # The allocator reserves at least what it allocated (on CPU both are the resident peak).
+        assert record["peak_reserved_mib"] >= record["peak_mem_mib"], record
+        assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"], rel=1e-9)
+        assert record["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s"] / NPROC, rel=1e-9)
+    # A peak never falls from one step to the next.
+    peaks = [record["peak_mem_mib"] for record in metrics]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
+
+
+# One sharded run, read by the next two tests: 2 micro-batches a step, a validation pass at the last step, the
+# loss computed 4 sequence chunks at a time. Each test makes one more run with one thing changed.
+SHARDED_RUN = [
+    "--training.steps", "3", "--training.grad_accum_steps", "2", "--eval.every", "3", "--eval.batches", "1",
+    "--training.loss_chunks", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+
+
+def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
+    # The global batch is fixed, so the number of ranks must not change the numbers.
+    single = train(tmp_path, *SHARDED_RUN, nproc=1)
+    assert "val_loss" in single[-1] and "val_loss" in sharded[-1]
+    for a, b in zip(single, sharded, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= PARITY_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
+
+
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path, sharded: list[dict]) -> None:
+    # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
+    # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
+    # with 2 micro-batches, each one's chunks add into the same gradients.
+    whole = train(tmp_path, *SHARDED_RUN, "--training.loss_chunks", "1")
+    assert "val_loss" in whole[-1] and "val_loss" in sharded[-1]
+    for a, b in zip(whole, sharded, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
+
+
+def test_pretrained_weights_load_sharded_and_equal_from_pretrained(tmp_path: Path) -> None:
+    # Large enough (100-120 MB in fp32) that a full copy would show in a rank's memory.
+    model = make_model(tmp_path / "model", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096)  # fmt: skip
+    result = launch("tests/check_pretrained.py", tmp_path, "--model.path", str(model))
+    print(result.stdout)  # the numbers (pytest -s shows them)
+    assert "MISMATCH" not in result.stdout
+    pattern = r"rank (\d+): \S+: logits max \|diff\| (\S+); build_model_meta peak \+(\S+) MiB, full model (\S+) MiB"
+    lines = re.findall(pattern, result.stdout)
+    assert len(lines) == NPROC, result.stdout
+    for rank, diff, growth, full in lines:
+        assert float(diff) <= LOGITS_TOLERANCE, (rank, diff)
+        # Every rank reads its own slices (DCP's HuggingFaceStorageReader): it holds its shards, plus the file
+        # pages it maps while reading (page cache: its slices and the kernel's fault-around), rank 0 included.
+        assert float(growth) < 3 * float(full) / NPROC, (rank, growth, full)
+    assert "from scratch: " in result.stdout
+
+
+def test_from_scratch_init_is_the_same_on_any_number_of_ranks(tmp_path: Path) -> None:
+    # Each whole tensor drawn from one seeded generator: 1 process, NPROC ranks (FSDP) and, on 2 ranks, 2 replicas
+    # of 1 shard (HSDP) fill the model with the same values, bit for bit. Seeding each rank apart would not.
+    runs = {"1 process": ([], 1), f"{NPROC} ranks": ([], NPROC)}
+    if NPROC == 2:
+        runs["HSDP 2 x 1"] = (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"], 2)
+    weights = {}
+    for name, (overrides, nproc) in runs.items():
+        output_dir = tmp_path / name.replace(" ", "-")
+        result = launch("tests/check_pretrained.py", output_dir, *overrides, "from-scratch", nproc=nproc)
+        assert "MISMATCH" not in result.stdout, result.stdout
+        weights[name] = torch.load(output_dir / "from_scratch.pt", weights_only=True)
+    one = weights.pop("1 process")
+    for name, gathered in weights.items():
+        assert gathered.keys() == one.keys(), name
+        assert [key for key, value in one.items() if not torch.equal(value, gathered[key])] == [], name
+
+
+def test_unknown_config_key_is_rejected() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stepz", "3"], cwd=PROJECT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "unknown key training.stepz" in result.stderr

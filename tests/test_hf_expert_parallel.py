@@ -1,0 +1,192 @@
+"""Family hf with expert parallelism (`fsdp2gen new --family hf --ep N`), from the plan each transformers
+mixture-of-experts model declares (expert_parallel.py): tiny Qwen3-MoE and Mixtral checkpoints made here with
+save_pretrained (one tensor per expert in the files, fused experts in the model), trained by a generated project on
+ep 2 x dp_shard_mod_ep 2 (4 gloo ranks, each holding 2 of the 4 experts of every layer, each of those sharded over
+2 ranks) and by one process: both agree in losses, gradient norms, load figures and final weights, step 1's loss is
+plain transformers' on the same batch, and the ep 2 checkpoint of step 2 resumes in one process (ep 1) equal to the
+uninterrupted run. A dense model is refused in one line by `fsdp2gen new --ep` and by preflight.
+
+Two launches in all: the 4-rank one trains both models; the one-process launch runs the preflight cases, both
+references (and plain transformers) and the resume. No network: every model is a local folder written here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
+TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "2",
+         "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0", "--job.device", "cpu",
+         "--job.log_every", "1", "--checkpoint.interval", "2"]  # fmt: skip
+MOE = ("qwen3-moe", "mixtral")
+TOLERANCE = 1e-5  # fp32: the all-to-all sums each token's experts in another order than one process
+# The final weights: Adam divides each gradient element by its magnitude, so an element whose terms nearly cancel
+# keeps its summation-order roundoff at up to lr x 1e-2 (tests/test_hf_parallel.py measured 1.0e-5 at lr 1e-3).
+WEIGHTS_TOLERANCE = 2e-5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """4 experts of hidden 16 in each of 2 layers, top 2: Qwen3-MoE and Mixtral; and a dense Qwen3."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+    root = tmp_path_factory.mktemp("hf-ep-models")
+    configs = {
+        "qwen3-moe": Qwen3MoeConfig(**SIZES, num_experts=4, moe_intermediate_size=16, head_dim=8),
+        "mixtral": MixtralConfig(**SIZES, num_local_experts=4, intermediate_size=16),
+        "qwen3": Qwen3Config(**SIZES, intermediate_size=32, head_dim=8),
+    }
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        folders[name] = root / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    # 3 experts, which 2 ep ranks cannot share out: its config.json only (trained from scratch, nothing loaded).
+    folders["three-experts"] = root / "three-experts"
+    Qwen3MoeConfig(**SIZES, num_experts=3, moe_intermediate_size=16, head_dim=8).save_pretrained(root / "three-experts")
+    return folders
+
+
+def launch(project: Path, spec: dict, folder: Path, nproc: int) -> subprocess.CompletedProcess:
+    """tests/helpers/hf_runs.py with `spec` in `project`: under torchrun on `nproc` ranks, or one plain process."""
+    (folder / "spec.json").write_text(json.dumps(spec))
+    command = [str(HELPERS / "hf_runs.py"), str(folder / "spec.json")]
+    if nproc > 1:
+        return torchrun(project, *command, nproc=nproc)
+    result = subprocess.run([sys.executable, *command], cwd=project, capture_output=True, text=True, timeout=600,
+                            env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both models at ep 2 on 4 ranks, then in one process (and the resume, and the preflight cases)."""
+    root = tmp_path_factory.mktemp("hf-ep")
+    project = generate(root / "project", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4",
+                       "--ep", "2", "--fp32")  # fmt: skip
+
+    def options(name: str, run: str) -> list[str]:
+        return [*TRAIN, "--model.path", str(models[name]), "--job.output_dir", str(root / f"{run}-{name}")]
+
+    ep2 = launch(project, {"runs": [options(name, "ep2") for name in MOE]}, root, nproc=4)
+    # The ep 2 run's folder up to its checkpoint of step 2, resumed by one process with parallel.ep 1.
+    shutil.copytree(root / "ep2-qwen3-moe", root / "resume-qwen3-moe")
+    shutil.rmtree(root / "resume-qwen3-moe" / "checkpoints" / "step-3")
+    dense = [*TRAIN, "--model.path", str(models["qwen3"]), "--job.output_dir", str(root / "refused")]
+    three = [*TRAIN, "--model.path", str(models["three-experts"]), "--model.pretrained", "false", "--job.output_dir",
+             str(root / "refused")]  # fmt: skip
+    one = launch(project, {
+        "preflight": {"dense": ["--world-size", "4", *dense], "three-experts": ["--world-size", "4", *three]},
+        "runs": [*(options(name, "one") for name in MOE), [*options("qwen3-moe", "resume"), "--parallel.ep", "1"]],
+    }, root, nproc=1)  # fmt: skip
+    return {"root": root, "ep2": ep2, "one": one, "project": project}
+
+
+def final_weights(run: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / "step-3", run / "step-3.pt")
+    return torch.load(run / "step-3.pt", weights_only=True)["train"]["model"]
+
+
+def assert_same_run(got: Path, expected: Path, steps: list[int]) -> None:
+    """Losses, gradient norms and load figures of `steps`, and the final weights, equal within the tolerances."""
+    import torch
+
+    mine = {row["step"]: row for row in metrics(got) if row["step"] in steps}
+    theirs = {row["step"]: row for row in metrics(expected) if row["step"] in steps}
+    assert sorted(mine) == sorted(theirs) == steps
+    for step in steps:
+        for key in ("loss", "grad_norm", "moe_load_max_mean", "moe_load_min_mean"):
+            assert mine[step][key] == pytest.approx(theirs[step][key], rel=TOLERANCE, abs=TOLERANCE), (key, step)
+    weights, reference = final_weights(got), final_weights(expected)
+    assert sorted(weights) == sorted(reference)  # the same names whatever ep was
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_ep2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: dict, name: str) -> None:
+    root = runs["root"]
+    # Rank 0 says how the experts are shared out: 4 per layer over 2 ranks, each rank's 2 sharded over 2 ranks.
+    shared_out = "expert parallelism: 2 of the 4 experts of each of 2 mixture-of-experts layers per rank, sharded over"
+    assert f"{shared_out} the 2 ranks that hold the same ones" in runs["ep2"].stdout
+    assert_same_run(root / f"ep2-{name}", root / f"one-{name}", [1, 2, 3])
+    # Step 1's loss is plain transformers' (from_pretrained, its own logits) on the same batch: the experts each
+    # rank read from the per-expert files are the right ones.
+    plain = [float(loss) for loss in re.findall(r"plain transformers step 1 loss (\S+)", runs["one"].stdout)]
+    ep2 = metrics(root / f"ep2-{name}")[0]["loss"]
+    assert ep2 == pytest.approx(plain[MOE.index(name)], rel=TOLERANCE, abs=TOLERANCE)
+
+
+def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict) -> None:
+    root = runs["root"]
+    assert f"resumed from {root / 'resume-qwen3-moe' / 'checkpoints' / 'step-2'} at step 2" in runs["one"].stdout
+    assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3])
+
+
+def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(
+    runs: dict, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Run time: the ep project pointed at a dense Qwen3 stops in preflight, before anything is built.
+    code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["dense"]
+    assert (code, stderr) == (2, (
+        "preflight.py: error: parallel.ep = 2: Qwen3ForCausalLM declares no expert-parallel plan (transformers' "
+        "Qwen3Config.base_model_ep_plan is empty: a dense model has no experts to share out); use --parallel.ep 1\n"
+    ))  # fmt: skip
+    # A mixture-of-experts model whose experts the ep ranks cannot share out equally, from its config.json.
+    code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["three-experts"]
+    assert (code, stderr) == (2, (
+        "preflight.py: error: the model's 3 experts (its config.json) must be divisible by parallel.ep (2), which "
+        "shares them out equally; e.g. --parallel.ep 1\n"
+    ))  # fmt: skip
+    assert not (runs["root"] / "refused").exists()
+    # fsdp2gen new: one line, exit 2, nothing written (templates/hf_plans.json: qwen3 declares no ep plan); and an
+    # MoE model whose experts the GPUs cannot share out equally.
+    version = json.loads((REPO / "templates" / "hf_plans.json").read_text())["transformers"]
+    config = models["qwen3"] / "config.json"
+    new = fsdp2gen("new", str(tmp_path / "dense"), "--yes", "--family", "hf", "--hf-model", str(models["qwen3"]),
+                   "--gpus", "4", "--ep", "2")  # fmt: skip
+    assert (new.returncode, new.stderr) == (2, (
+        f"fsdp2gen: error: --ep: Qwen3ForCausalLM ({config}: model_type qwen3) declares no expert-parallel plan in "
+        f"transformers {version} (its config class's base_model_ep_plan is empty: a dense model has no experts to "
+        "share out); use --ep 1\n"
+    ))  # fmt: skip
+    config = models["mixtral"] / "config.json"
+    new = fsdp2gen("new", str(tmp_path / "odd"), "--yes", "--family", "hf", "--hf-model", str(models["mixtral"]),
+                   "--gpus", "8", "--ep", "8")  # fmt: skip
+    assert (new.returncode, new.stderr) == (2, (
+        f"fsdp2gen: error: --ep: {config} has num_local_experts 4, which 8 GPUs cannot share out equally; e.g. --ep 4\n"
+    ))  # fmt: skip
+    assert not (tmp_path / "dense").exists() and not (tmp_path / "odd").exists()
+
+
+def test_the_readme_table_says_which_model_types_ep_runs_from_their_declared_plans(runs: dict) -> None:
+    # The words the README's table calls applied are expert_parallel.py's PLAN_WORDS; the rows come from the plans
+    # of the installed transformers (templates/hf_plans.json, checked in tests/test_hf_parallel.py).
+    source = (runs["project"] / "expert_parallel.py").read_text()
+    applied = sorted(re.findall(r'"(\w+)"', re.search(r"PLAN_WORDS = \((.*?)\)", source).group(1)))
+    listed = re.search(r"set hf_ep_words = (\[.*?\])", (REPO / "templates" / "project" / "README.md.jinja").read_text())
+    assert applied == sorted(json.loads(listed.group(1))) == ["ep_dispatch_experts", "grouped_gemm"]
+    plans = json.loads((REPO / "templates" / "hf_plans.json").read_text())["models"]
+    readme = (runs["project"] / "README.md").read_text()
+    for model_type in ("qwen3_moe", "mixtral", "qwen3"):
+        ep = "yes" if plans[model_type]["ep"] else "no: no ep plan"
+        assert re.search(rf"^\| `{model_type}` \| {plans[model_type]['class']} \| [^|]+ \| {ep} \|", readme, re.M)
+    # A plan with words expert_parallel.py does not apply (Gemma 4's ep plan also splits its dense MLP).
+    others = {name: sorted(set(plan["ep"]) - set(applied)) for name, plan in plans.items()}
+    name, words = next((name, words) for name, words in sorted(others.items()) if words)
+    assert re.search(rf"^\| `{name}` \|.*\| no: plan word {', '.join(words)} not applied \|", readme, re.M)
