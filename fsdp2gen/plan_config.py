@@ -295,13 +295,16 @@ def _hf_model_folder(config: Path, model_table: object) -> Path:
     return local
 
 
+# Tensor parallelism of an hf model keeps the activations between layers whole on every tp rank (tensor_parallel.py:
+# no sequence parallelism), unlike llama's layout, which plan models; so plan refuses rather than misplan it.
+HF_TP_NOT_PLANNED = "plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
+
+
 def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
     """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
     [training] batch, and the answers it was generated with."""
     if tp is not None and tp > 1:
-        raise PlanError(
-            f"--tp {tp}: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
-        )
+        raise PlanError(f"--tp {tp}: {HF_TP_NOT_PLANNED}")
     raw = read_toml(config)
     model_table = raw.get("model", {})
     local = _hf_model_folder(config, model_table)
@@ -313,6 +316,9 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
         raise PlanError(str(error)) from None
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
+    if tp is None and _project_tp(config, answers) > 1:
+        # Not planned as tp 1: that plan would be wrong (FSDP over every rank, each holding whole activations).
+        raise PlanError(f"{config}: parallel.tp = {_project_tp(config, answers)}: {HF_TP_NOT_PLANNED}")
     if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
         if model.moe_layers:
             raise PlanError(

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fsdp2gen import plan_pp
-from fsdp2gen.plan_config import FIX_CONFIG, LIMITS, hf_request, project_request, size_request
+from fsdp2gen.plan_config import FIX_CONFIG, HF_TP_NOT_PLANNED, LIMITS, hf_request, project_request, size_request
 from fsdp2gen.plan_families import (
     HfShape,
 )
@@ -130,6 +130,8 @@ def _model_request(
         return size_request(size, seq)
     if hf_config is not None:
         request = hf_request(hf_config, seq)
+        if tp is not None and tp > 1:
+            raise PlanError(f"--tp {tp}: {HF_TP_NOT_PLANNED}")
         if cp is not None and cp > 1:
             raise PlanError(f"--cp {cp}: the plan models context parallelism for family llama only; use --cp 1")
         return request

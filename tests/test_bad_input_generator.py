@@ -432,7 +432,8 @@ CASES = [
     Case(
         "float8-tp",
         (*NEW, "--float8", "--tp", "2"),
-        "--float8: float8 with tensor parallelism is not built in; use --tp 1 (or leave out --float8)",
+        "--float8: float8 with tensor parallelism is not built in: the layers tp splits would need torchao's float8 "
+        "styles (Float8ColwiseParallel, Float8RowwiseParallel) in place of torch's; use --tp 1 (or leave out --float8)",
     ),
     # project names
     Case("name-empty", (*NEW, "--project-name", ""), f"--project-name: {BAD_NAME}"),

@@ -213,7 +213,9 @@ BAD_INPUT = [
     (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
     (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
     (["--float8", "--tp", "2"],
-     "fsdp2gen: error: --float8: float8 with tensor parallelism is not built in; use --tp 1 (or leave out --float8)\n"),
+     "fsdp2gen: error: --float8: float8 with tensor parallelism is not built in: the layers tp splits would need "
+     "torchao's float8 styles (Float8ColwiseParallel, Float8RowwiseParallel) in place of torch's; use --tp 1 (or "
+     "leave out --float8)\n"),
 ]  # fmt: skip
 
 

@@ -1,11 +1,12 @@
 """Family hf with tensor parallelism (`--tp`), from the plan each transformers model declares (tensor_parallel.py):
-tiny Qwen3 (tied embeddings, per-head q_norm / k_norm) and Qwen3-MoE (untied embeddings) checkpoints made here with
-save_pretrained, trained by a generated project on tp 2 x dp 2 (4 gloo ranks) and by one process; both must agree
-in losses, gradient norms and final weights, and step 1's loss must be plain transformers' on the same batch.
-(Llama's plan is Qwen3's without q_norm / k_norm, its untied output layer Qwen3-MoE's: these two run every word
-of it, at ~35 CPU-s a model.) GPT-2, which declares no plan, is refused in one line by `fsdp2gen new` and by
-preflight; the plans fsdp2gen reads (templates/hf_plans.json, and the README's table made from them) are the
-installed transformers'.
+tiny Qwen3 (tied embeddings, per-head q_norm / k_norm), Mistral, Qwen3-MoE and Mixtral (mixtures of experts, untied
+embeddings) checkpoints made here with save_pretrained, trained by a generated project on tp 2 x dp 2 (4 gloo ranks)
+and by one process; both must agree in losses, gradient norms and final weights, and step 1's loss must be plain
+transformers' on the same batch. (Llama's plan is Mistral's, word for word.) Qwen3's run has rank 3 killed in the
+middle of a step and restarted by torchrun: it resumes bit for bit; its tp 2 x dp 2 checkpoint resumes on one
+process (tp 1), and the one process's checkpoint with tp 2, both as the uninterrupted run. GPT-2, which declares no
+plan, is refused in one line by `fsdp2gen new` and by preflight; the plans fsdp2gen reads (templates/hf_plans.json,
+and the README's table made from them) are the installed transformers'.
 
 No network: every model is a local folder written by the test.
 """
@@ -13,8 +14,10 @@ No network: every model is a local folder written by the test.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,27 +26,62 @@ from tests.conftest import REPO, fsdp2gen, generate, metrics, torchrun, torchrun
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}  # fmt: skip
+# 6 steps, checkpoints at steps 3 and 6: step-3 is what the resumes start from.
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "2",
-         "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0", "--job.device", "cpu",
-         "--job.log_every", "1"]  # fmt: skip
+         "--training.lr", "1e-3", "--training.steps", "6", "--checkpoint.interval", "3", "--eval.every", "0",
+         "--job.device", "cpu", "--job.log_every", "1"]  # fmt: skip
+STEPS = [1, 2, 3, 4, 5, 6]
 TOLERANCE = 1e-5  # fp32: the tp ranks sum partial matmuls in another order than one process
 # lr 1e-3 and 2e-5 for the weights, as tests/test_moe.py and test_pipeline_parallel.py's tp runs: Adam divides each
 # gradient element by its magnitude, so an element whose terms nearly cancel keeps its summation-order roundoff at
 # up to lr x 1e-2 in the weights (measured here after 3 steps: 1.0e-5 at most; at lr 1e-2, 1.0e-4), while the
 # losses, gradient norms and Adam moments agree within 1e-5.
 WEIGHTS_TOLERANCE = 2e-5
+MODELS = ("qwen3-tied", "mistral", "qwen3-moe", "mixtral")
+# The model whose tp 2 x dp 2 run is killed mid-step, and whose checkpoints resume across layouts: the riskiest
+# plan (a tied, vocabulary-split embedding and output layer; replicated q_norm / k_norm DTensors).
+RESUMED = "qwen3-tied"
+
+# train.py, except that on torchrun's first attempt rank 3 SIGKILLs itself in the middle of step 6: after its
+# forward and backward (its gradients reduce-scattered), before the gradient norm's all-reduce and the optimizer
+# step, while the other ranks wait in that all-reduce. The newest complete checkpoint is step-3's, so the restart
+# recomputes steps 4 and 5, which the first attempt logged (metrics.rewound.jsonl keeps those rows).
+KILL_MID_STEP = """\
+import os
+import signal
+
+import torch.distributed as dist
+
+import train
+
+doomed = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+real_optimizer_step = train.optimizer_step
+
+
+def optimizer_step(state, config):
+    if doomed and dist.get_rank() == 3 and state.step == 5:  # state.step: the steps done, so this is step 6
+        print("rank 3: SIGKILL in step 6, before its optimizer step", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_optimizer_step(state, config)
+
+
+train.optimizer_step = optimizer_step  # train_step looks it up in the module at every step
+train.main()
+"""
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-tp-models")
     configs = {
         "qwen3-tied": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
-        # Mixture of experts: the plan splits attention (and names a dense MLP its MoE layers lack); the experts
-        # stay whole on every tp rank, sharded by FSDP. Untied: lm_head's own plan (colwise_gather_output).
+        "mistral": MistralConfig(**SIZES, head_dim=16),
+        # Mixtures of experts: the plans split attention (and Qwen3-MoE's names a dense MLP its MoE layers lack);
+        # the experts stay whole on every tp rank, sharded by FSDP. Untied: lm_head's own plan
+        # (colwise_gather_output).
         "qwen3-moe": Qwen3MoeConfig(
             **SIZES,
             head_dim=16,
@@ -52,6 +90,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             num_experts_per_tok=2,
             tie_word_embeddings=False,
         ),
+        "mixtral": MixtralConfig(**SIZES, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
         "gpt2": GPT2Config(
             n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
         ),
@@ -66,48 +105,142 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # One project; each test points model.path at its model.
+    # One project; each run points model.path at its model.
     return generate(tmp_path_factory.mktemp("hf-tp") / "run", "--family", "hf", "--hf-model",
                     str(models["qwen3-tied"]), "--gpus", "4", "--tp", "2", "--fp32")  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["qwen3-tied", "qwen3-moe"])
-def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
-    project: Path, models: dict[str, Path], name: str, tmp_path: Path
-) -> None:
-    import torch
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def model_path(models: dict[str, Path], name: str) -> list[str]:
+    return ["--model.path", str(models[name])]
 
-    model = ["--model.path", str(models[name])]
-    torchrun(project, "train.py", *TRAIN, *model, "--job.output_dir", str(tmp_path / "tp2"), nproc=4)
-    # One process: train.py's training, then plain transformers' loss on step 1's batch.
+
+@pytest.fixture(scope="module")
+def one_process(
+    project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, float]]:
+    """Every model trained by one process, one after the other in one Python process (tests/helpers/
+    hf_one_process.py: train.py's training, then plain transformers' loss on step 1's batch): its run folder and
+    that loss, by model."""
+    import json
+
+    root = tmp_path_factory.mktemp("hf-one")
+    runs = [[*TRAIN, *model_path(models, name), "--job.output_dir", str(root / name)] for name in MODELS]
     one = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "hf_one_process.py"), *TRAIN, *model,
-         "--job.output_dir", str(tmp_path / "one")],
+        [sys.executable, str(REPO / "tests" / "helpers" / "hf_one_process.py"), json.dumps(runs)],
         cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
     )  # fmt: skip
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    parallel, single = metrics(tmp_path / "tp2"), metrics(tmp_path / "one")
-    assert [r["step"] for r in parallel] == [r["step"] for r in single] == [1, 2, 3]
-    for a, b in zip(parallel, single, strict=True):
+    plain = dict(re.findall(r"^(\S+): plain transformers step 1 loss (\S+)$", one.stdout, flags=re.M))
+    return {name: (root / name, float(plain[str(root / name)])) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def tp2(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
+    """The tp 2 x dp 2 run of a model (4 ranks), made once: its run folder and torchrun's output. RESUMED's run is
+    the one killed mid-step (KILL_MID_STEP) and restarted."""
+    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if name not in runs:
+            root = tmp_path_factory.mktemp(f"hf-tp2-{name}")
+            script = ["train.py"]
+            if name == RESUMED:
+                (root / "kill_mid_step.py").write_text(KILL_MID_STEP)
+                script = ["--max-restarts=1", str(root / "kill_mid_step.py")]
+            result = torchrun(project, *script, *TRAIN, *model_path(models, name), "--job.output_dir",
+                              str(root / "run"), nproc=4)  # fmt: skip
+            runs[name] = (root / "run", result)
+        return runs[name]
+
+    return run
+
+
+def final_weights(run: Path, step: int = 6) -> dict:
+    """The model's weights in the run's DCP checkpoint of `step`, whole tensors whatever the layout."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / f"step-{step}", run / f"step-{step}.pt")
+    return torch.load(run / f"step-{step}.pt", weights_only=True)["train"]["model"]
+
+
+def assert_equal_to(run: Path, reference: Path, steps: list[int]) -> None:
+    """`run`'s losses and gradient norms at `steps` and its final weights are `reference`'s, within fp32 rounding."""
+    import torch
+
+    mine = {row["step"]: row for row in metrics(run)}
+    theirs = {row["step"]: row for row in metrics(reference)}
+    assert sorted(mine) == sorted(theirs) == STEPS
+    for step in steps:
         for key in ("loss", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=TOLERANCE, abs=TOLERANCE), (key, a, b)
-    plain = float(re.search(r"plain transformers step 1 loss (\S+)", one.stdout).group(1))
-    assert parallel[0]["loss"] == pytest.approx(plain, rel=TOLERANCE, abs=TOLERANCE)
-    # The final weights: the checkpoints hold whole tensors whatever the layout.
-    weights = {}
-    for run in ("tp2", "one"):
-        dcp_to_torch_save(tmp_path / run / "checkpoints" / "step-3", tmp_path / f"{run}.pt")
-        weights[run] = torch.load(tmp_path / f"{run}.pt", weights_only=True)["train"]["model"]
-    assert sorted(weights["tp2"]) == sorted(weights["one"])
-    for key, value in weights["one"].items():
-        torch.testing.assert_close(weights["tp2"][key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
-    # Training moved them away from the pretrained ones (3 steps at lr 1e-3): the comparison is of trained weights.
-    # (A mixture-of-experts file holds each expert apart: the keys the model shares with it are compared.)
+            assert mine[step][key] == pytest.approx(theirs[step][key], rel=TOLERANCE, abs=TOLERANCE), (key, step)
+    weights, expected = final_weights(run), final_weights(reference)
+    assert sorted(weights) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
+    tp2: Callable[[str], tuple], one_process: dict[str, tuple[Path, float]], models: dict[str, Path], name: str
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    (parallel, _), (single, plain) = tp2(name), one_process[name]
+    # Losses, gradient norms and final weights (the checkpoints hold whole tensors whatever the layout).
+    assert_equal_to(parallel, single, STEPS)
+    assert metrics(parallel)[0]["loss"] == pytest.approx(plain, rel=TOLERANCE, abs=TOLERANCE)
+    # Training moved them away from the pretrained ones (6 steps at lr 1e-3): the comparison is of trained weights.
+    # (A mixture-of-experts file may hold each expert apart: the keys the model shares with it are compared.)
+    trained = final_weights(single)
     pretrained = {key: value for key, value in load_file(models[name] / "model.safetensors").items()
-                  if key in weights["one"]}  # fmt: skip
-    assert pretrained and all(not torch.equal(weights["one"][key], value) for key, value in pretrained.items())
+                  if key in trained}  # fmt: skip
+    assert pretrained and all(not torch.equal(trained[key], value) for key, value in pretrained.items())
+
+
+def test_a_rank_killed_mid_step_under_tp2_dp2_restarts_and_resumes_bit_for_bit(
+    tp2: Callable[[str], tuple],
+) -> None:
+    # torchrun --max-restarts 1 restarts all 4 ranks from the step-3 checkpoint: each loads its tp and FSDP shards
+    # of the weights (the tied embedding, the vocabulary-split output layer) and of Adam's moments, the data
+    # position and the RNG states. Steps 4 and 5, computed again, are the first attempt's exactly (==): step 5's
+    # loss and gradient norm are made from step 4's update, Adam's restored moments included. (The whole run
+    # equals one process: the test above, with this run.)
+    run, result = tp2(RESUMED)
+    assert "rank 3: SIGKILL in step 6, before its optimizer step" in result.stdout, result.stdout[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-3'} at step 3" in result.stdout, result.stdout[-3000:]
+    first_attempt = metrics(run, "metrics.rewound.jsonl")
+    assert [row["step"] for row in first_attempt] == [4, 5]
+    resumed = {row["step"]: row for row in metrics(run)}
+    assert sorted(resumed) == STEPS
+    for row in first_attempt:
+        step = row["step"]
+        assert (resumed[step]["loss"], resumed[step]["grad_norm"]) == (row["loss"], row["grad_norm"]), step
+
+
+def test_checkpoints_resume_across_layouts_tp2_dp2_to_one_process_and_one_process_to_tp2(
+    tp2: Callable[[str], tuple], one_process: dict[str, tuple[Path, float]], project: Path,
+    models: dict[str, Path], tmp_path: Path,
+) -> None:  # fmt: skip
+    (parallel, _), (single, _) = tp2(RESUMED), one_process[RESUMED]
+    model = model_path(models, RESUMED)
+    for source, dest in ((parallel, "on-one"), (single, "on-tp2")):
+        # The run folder as it was at step 3: its step-3 checkpoint the newest.
+        shutil.copytree(source, tmp_path / dest, ignore=shutil.ignore_patterns("step-6*"))
+    # tp 2 x dp 2's checkpoint (DTensor shards on a 2 x 2 mesh) continued by one process without tp.
+    one = subprocess.run(
+        [sys.executable, "train.py", *TRAIN, *model, "--parallel.tp", "1", "--job.output_dir",
+         str(tmp_path / "on-one")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    # And back: one process's checkpoint (whole tensors) continued with tp 2 on 2 ranks.
+    back = torchrun(project, "train.py", *TRAIN, *model, "--job.output_dir", str(tmp_path / "on-tp2"), nproc=2)
+    for result, dest in ((one, "on-one"), (back, "on-tp2")):
+        assert f"resumed from {tmp_path / dest / 'checkpoints' / 'step-3'} at step 3" in result.stdout
+        # Steps 4-6 and the final weights: the uninterrupted run's (one process's, and so tp 2 x dp 2's).
+        assert_equal_to(tmp_path / dest, single, [4, 5, 6])
 
 
 # Run in the tp project: preflight.py with --world-size 4 (its output captured), then which plan words

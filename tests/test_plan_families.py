@@ -541,6 +541,21 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
     assert error("--size", "8b", "--hf-config", "c.json") == (
         "--size and --hf-config both given; the model comes from one of them"
     )
+    # Tensor parallelism of an hf model (no sequence parallelism: activations whole between layers) is not planned
+    # as llama's: refused from --hf-config --tp, and from a tp project's config, never planned as tp 1 unasked.
+    assert error("--hf-config", str(projects["model"]), "--tp", "2") == (
+        "--tp 2: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
+    )
+    tp_config = tmp_path / "tp" / "config.toml"
+    tp_config.parent.mkdir()
+    (tp_config.parent / ".copier-answers.yml").write_bytes((projects["hf"] / ".copier-answers.yml").read_bytes())
+    tp_config.write_text((projects["hf"] / "config.toml").read_text().replace("[parallel]\n", "[parallel]\ntp = 2\n"))
+    assert error("--config", str(tp_config)) == (
+        f"{tp_config}: parallel.tp = 2: plan does not model tensor parallelism of hf models yet (train.py runs it); "
+        "plan with --tp 1"
+    )
+    planned = invoke("plan", "--config", str(tp_config), "--tp", "1", "--seq", "32")
+    assert planned.exit_code == 0, planned.stderr
 
 
 JSON_VALUES = st.recursive(

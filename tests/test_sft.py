@@ -1,6 +1,8 @@
 """Supervised fine-tuning (`--task sft`, family hf) on chat data: a tiny Llama made here with transformers and a
-tokenizer with a chat template, conversations prepared with scripts/prepare_chat.py, trained on 2 gloo ranks.
-No network.
+tokenizer with a chat template, conversations prepared with scripts/prepare_chat.py, trained with tensor
+parallelism on 2 gloo ranks (tp 2: the model's declared tp plan, the masked loss of the vocabulary-split output
+layer under loss_parallel), equal to one process. No network. (SFT over data-parallel ranks: test_qlora.py's run,
+and test_document_masking.py.)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     special = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
     model_dir = save_tiny_llama(root / "model", " ".join(WORDS) * 20, special_tokens=special, chat_template=TEMPLATE)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(model_dir), "--task", "sft", "--gpus", "2",
-                       "--fp32")  # fmt: skip
+                       "--tp", "2", "--fp32")  # fmt: skip
     result = prepare(project, str(root / "chats.jsonl"), "--output", str(root / "data"), "--val-fraction", "0.1")
     assert result.returncode == 0, result.stderr
     return {"root": root, "project": project, "model": model_dir, "data": root / "data", "records": records}
@@ -80,7 +82,7 @@ def test_only_the_assistants_tokens_are_targets(chat: dict) -> None:
 
 @pytest.fixture(scope="module")
 def trained(chat: dict) -> list[dict]:
-    """One 2-rank run for both training tests: 12 steps of 2 micro-batches, validated at steps 6 and 12; its
+    """One tp 2 run (2 ranks) for both training tests: 12 steps of 2 micro-batches, validated at steps 6 and 12; its
     metrics. Plain causal attention over the packed windows, as test_masked_loss's reference computes it
     (document masking: tests/test_document_masking.py, and test_qlora.py's sft run)."""
     out = chat["root"] / "trained"
@@ -90,10 +92,11 @@ def trained(chat: dict) -> list[dict]:
     return metrics(out)
 
 
-def test_masked_loss_on_2_ranks_with_accumulation_equals_plain_pytorch(chat: dict, trained: list[dict]) -> None:
+def test_masked_loss_with_tp2_and_accumulation_equals_plain_pytorch(chat: dict, trained: list[dict]) -> None:
     # Step 1's loss and gradient norm (before any update: the learning rate plays no part) against a one-process
     # computation over the same 8 samples: the mean cross-entropy over all assistant tokens of the step, not a mean
-    # of per-rank or per-micro-batch means (the samples hold different numbers of targets, so those would differ).
+    # of per-micro-batch means (the samples hold different numbers of targets, so those would differ). Both tp ranks
+    # compute it from their halves of the vocabulary (loss_parallel), the prompts' targets ignored in each.
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -107,8 +110,8 @@ def test_masked_loss_on_2_ranks_with_accumulation_equals_plain_pytorch(chat: dic
     order = np.random.default_rng([seed, 0]).permutation(windows)[:batch]  # data.py's epoch-0 order
     rows = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in order])
     row_masks = np.stack([mask[i * seq_len : i * seq_len + seq_len + 1] for i in order])
-    per_rank = row_masks[:, 1:].reshape(2, -1).sum(axis=1)
-    assert per_rank[0] != per_rank[1], per_rank  # unequal targets on the two ranks
+    per_micro_batch = row_masks[:, 1:].reshape(2, -1).sum(axis=1)
+    assert per_micro_batch[0] != per_micro_batch[1], per_micro_batch  # unequal targets in the two micro-batches
     targets = np.where(row_masks[:, 1:] == 1, rows[:, 1:], -100)
     model = AutoModelForCausalLM.from_pretrained(chat["model"], dtype=torch.float32)
     logits = model(torch.from_numpy(rows[:, :-1])).logits
