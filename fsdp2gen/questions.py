@@ -191,9 +191,31 @@ def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
     )
 
 
+def _pp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--pp N for a local Hugging Face model whose type declares no pipeline plan (its config class's
+    base_model_pp_plan: which of the base model's children are cut into stages): refused now, from
+    templates/hf_plans.json, as _tp_plan_problem does for --tp; preflight asks transformers itself."""
+    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+        return None
+    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # a hub id, or a config hf_model's own check speaks for
+    plans = json.loads((template_dir() / "hf_plans.json").read_text())
+    declared = plans["models"].get(model_type)
+    if declared is None or declared["pp"]:
+        return None
+    return (
+        f"{declared['class']} ({config}: model_type {model_type}) declares no pipeline plan in transformers "
+        f"{plans['transformers']} (its config class's base_model_pp_plan is empty); use --pp 1 (FSDP shards it over "
+        "every GPU)"
+    )
+
+
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
 # run after the validator, by fsdp2gen only.
-PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem}
+PYTHON_CHECKS = {"hf_model": _hf_model_problem, "tp": _tp_plan_problem, "pp": _pp_plan_problem}
 
 
 def _render(template: str, answers: dict[str, Any]) -> str:
