@@ -6,7 +6,8 @@ transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1
 rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
 merge of a rank's stages. The Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one
 process without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan;
-tied embeddings; mixture of experts) are refused in one line by `fsdp2gen new` and by preflight.
+tied embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan
+names, so that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
 
 Two launches for all of it (tests/helpers/hf_runs.py runs several train.py runs in one set of processes): the 4
 ranks' three runs, then one process's three references, the resume, plain transformers and the preflight cases.
@@ -47,7 +48,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-pp-models")
     configs = {
@@ -62,6 +63,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             num_experts_per_tok=2,
             tie_word_embeddings=False,
         ),  # fmt: skip
+        # Scales the embeddings in its base model's forward, outside the modules its plan names.
+        "granite": GraniteConfig(**SIZES, embedding_multiplier=12.0, tie_word_embeddings=False),
         "gpt2": GPT2Config(
             n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
         ),  # fmt: skip
@@ -99,8 +102,9 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
         + [["resumed", run_options(models, root / "resumed", "llama", False)]],
         "reference": ["llama", "qwen3"],
         "preflight": {
-            name: [*preflight, "--model.path", str(models[name])] for name in ("gpt2", "qwen3-tied", "qwen3-moe")
-        },  # fmt: skip
+            name: [*preflight, "--model.path", str(models[name])]
+            for name in ("gpt2", "qwen3-tied", "qwen3-moe", "granite")
+        },
     }
     (root / "one.json").write_text(json.dumps(plan))
     one = subprocess.run(
@@ -177,6 +181,9 @@ def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
         "qwen3-moe": "parallel.pp = 2: Qwen3MoeForCausalLM is a mixture-of-experts model, and pipeline stages of "
         "one are not built (the experts' load figures and load-balancing loss sum over every stage's layers); use "
         "--parallel.pp 1",
+        "granite": "parallel.pp = 2: GraniteForCausalLM's forward does more between its embedding and its first "
+        "decoder layer than the modules of its pipeline plan (base_model_pp_plan), which every stage would do again; "
+        "use --parallel.pp 1",
     }
     for case, line in expected.items():
         assert cases[case] == [2, "", f"preflight.py: error: {line}\n"], case
