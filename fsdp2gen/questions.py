@@ -226,8 +226,6 @@ def _cp_attention_problem(value: int, answers: dict[str, Any]) -> str | None:
     )
 
 
-# Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
-# run after the validator, by fsdp2gen only.
 def _ep_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
     """--ep N for a local Hugging Face model: refused now, rather than at run time, if its type declares no
     expert-parallel plan (a dense model; templates/hf_plans.json, as for --tp) or its config.json's number of experts
@@ -260,11 +258,34 @@ def _ep_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def _pp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--pp N for a local Hugging Face model whose type declares no pipeline plan (its config class's
+    base_model_pp_plan: which of the base model's children are cut into stages): refused now, from
+    templates/hf_plans.json, as _tp_plan_problem does for --tp; preflight asks transformers itself."""
+    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+        return None
+    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # a hub id, or a config hf_model's own check speaks for
+    plans = json.loads((template_dir() / "hf_plans.json").read_text())
+    declared = plans["models"].get(model_type)
+    if declared is None or declared["pp"]:
+        return None
+    return (
+        f"{declared['class']} ({config}: model_type {model_type}) declares no pipeline plan in transformers "
+        f"{plans['transformers']} (its config class's base_model_pp_plan is empty); use --pp 1 (FSDP shards it over "
+        "every GPU)"
+    )
+
+
 # Checks of an answer that Jinja cannot express (copier.yml's validators cannot read a file's content);
 # run after the validator, by fsdp2gen only.
 PYTHON_CHECKS = {
     "hf_model": _hf_model_problem,
     "tp": _tp_plan_problem,
+    "pp": _pp_plan_problem,
     "cp": _cp_attention_problem,
     "ep": _ep_plan_problem,
 }

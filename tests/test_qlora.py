@@ -170,7 +170,7 @@ def test_linears_that_nf4_cannot_hold_on_these_ranks_stop_before_anything_is_bui
 
 
 def test_qlora_with_tensor_or_pipeline_parallelism_is_refused_by_its_own_line() -> None:
-    # The hf family has no tp or pp yet (their own validators refuse it first); once it has, --qlora still refuses.
+    # The hf family has tp and pp: --qlora with either is still refused, by its own line.
     from fsdp2gen.questions import validate
 
     hf = {"family": "hf", "hf_model": "org/model", "pretrained": True, "qlora": True, "lora": True, "gpus": 8}

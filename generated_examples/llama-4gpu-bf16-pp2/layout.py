@@ -204,31 +204,32 @@ class ParallelLayout:
         return [n_layers // stages + (1 if stage < n_layers % stages else 0) for stage in range(stages)]
 
     def check_pipeline(self, training: Any, model: Any) -> None:
-        pp, stages = self.pp, self.pp * self.pp_stages_per_rank
+        stages = self.pp * self.pp_stages_per_rank
         self.check_pipeline_stages_per_rank()
+        n_layers, layers_key = model.n_layers, "model.n_layers"
         if model.tie_embeddings:
             raise LayoutError(
-                f"model.tie_embeddings shares one matrix between the first and the last of the {pp} pipeline stages, "
-                "which pipelines cannot; use --model.tie_embeddings false, or --parallel.pp 1",
+                f"model.tie_embeddings shares one matrix between the first and the last of the {self.pp} pipeline "
+                "stages, which pipelines cannot; use --model.tie_embeddings false, or --parallel.pp 1",
                 "pp_tied",
             )
-        if model.n_layers < stages:
+        if n_layers < stages:
             raise LayoutError(
-                f"model.n_layers ({model.n_layers}) leaves a pipeline stage without a block: parallel.pp x "
+                f"{layers_key} ({n_layers}) leaves a pipeline stage without a block: parallel.pp x "
                 f"pp_stages_per_rank = {stages} stages; use fewer stages (or a deeper model)",
                 "pp_layers",
             )
-        if self.pp_layers and (len(self.pp_layers) != stages or sum(self.pp_layers) != model.n_layers):
+        if self.pp_layers and (len(self.pp_layers) != stages or sum(self.pp_layers) != n_layers):
             raise LayoutError(
                 f"parallel.pp_layers = {list(self.pp_layers)} must give the blocks of each of the {stages} stages "
-                f"(parallel.pp x pp_stages_per_rank), summing to model.n_layers ({model.n_layers}); e.g. "
-                f"--parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
+                f"(parallel.pp x pp_stages_per_rank), summing to {layers_key} ({n_layers}); e.g. "
+                f"--parallel.pp_layers {','.join(map(str, self.even_layers(n_layers)))}",
                 "pp_layers",
             )
-        if min(self.stage_layers(model.n_layers)) < 1:
+        if min(self.stage_layers(n_layers)) < 1:
             raise LayoutError(
                 f"parallel.pp_layers = {list(self.pp_layers)} leaves a pipeline stage without a block; give each "
-                f"stage at least 1, e.g. --parallel.pp_layers {','.join(map(str, self.even_layers(model.n_layers)))}",
+                f"stage at least 1, e.g. --parallel.pp_layers {','.join(map(str, self.even_layers(n_layers)))}",
                 "pp_layers",
             )
         self.check_pipeline_micro_batches(training.grad_accum_steps)

@@ -75,10 +75,10 @@ def build_pipeline(
     for index in layout.rank_stages(pp_rank):
         with torch.device("meta"):
             stage = build_model(config)
+        first = sum(layers[:index])
         # Every parameter's shape, in the whole model's order: initialisation draws the values of the other stages'
         # parameters too, so that this stage's get the values they have in the whole model (model.py).
         stage.whole_model_shapes = {name: param.shape for name, param in stage.named_parameters()}
-        first = sum(layers[:index])
         for name in list(stage.layers.keys()):
             if not first <= int(name) < first + layers[index]:
                 del stage.layers[name]

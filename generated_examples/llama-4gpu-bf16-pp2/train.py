@@ -570,7 +570,8 @@ def describe_model(model: nn.Module, device: torch.device) -> None:
     trainable_note = "" if trainable == total else f", {trainable:,} of them trainable (the others frozen)"
     if isinstance(model, PipelineModel):
         # Rank 0 holds its own pipeline stages only: the whole model's count first, then theirs.
-        trainable_note += f"; {total:,} in rank 0's pipeline stages"
+        frozen = trainable_note and f", {trainable:,} of them trainable (the others frozen)"
+        trainable_note = f"; {total:,} in rank 0's pipeline stages{frozen}"
         total = model.whole_model_parameters
     print(f"model: {total:,} parameters{trainable_note}", flush=True)
     if device.type == "cpu" and cpu_has_bf16_instructions() is False:

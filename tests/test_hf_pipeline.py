@@ -1,0 +1,190 @@
+"""Family hf with pipeline parallelism (`--pp`), cut by the plan each transformers model declares
+(pipeline_stages.py): tiny Llama and Qwen3 checkpoints made here with save_pretrained (untied: a tied embedding
+cannot span the first and the last stage), trained by a generated project on pp 2 x dp 2 (4 gloo ranks) and by one
+process; both must agree in losses, gradient norms and final weights (fp32, 1e-5), and step 1's loss must be plain
+transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per
+rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
+merge of a rank's stages. The Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one
+process without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan;
+tied embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan
+names, so that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
+
+Two launches for all of it (tests/helpers/hf_pipeline_runs.py runs several train.py runs in one set of processes): the 4
+ranks' three runs, then one process's three references, the resume, plain transformers and the preflight cases.
+No network: every model is a local folder written by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+
+SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}  # fmt: skip
+# 2 micro-batches per step (1F1B needs as many as pp ranks), checkpoints after steps 2 and 3.
+TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "8", "--training.grad_accum_steps", "2",
+         "--training.warmup_steps", "2", "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0",
+         "--job.device", "cpu", "--job.log_every", "1", "--checkpoint.interval", "2"]  # fmt: skip
+TOLERANCE = 1e-5
+# The runs, by name: the model, the options of both its runs, and those of the pp 2 x dp 2 one only. From scratch
+# at lr 1e-4: Adam turns the summation-order roundoff of an element whose gradient nearly cancels into up to ~lr in
+# the weights (one embedding element 3.8e-5 off at lr 1e-3, all else within 2.4e-6 and the losses within 1e-7).
+RUNS = {
+    "llama": ("llama", [], []),
+    "qwen3": ("qwen3", [], []),
+    "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
+                      ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    root = tmp_path_factory.mktemp("hf-pp-models")
+    configs = {
+        "llama": LlamaConfig(**SIZES, tie_word_embeddings=False),
+        "qwen3": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),  # per-head q_norm / k_norm
+        "qwen3-tied": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
+        "qwen3-moe": Qwen3MoeConfig(
+            **SIZES,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
+        # Scales the embeddings in its base model's forward, outside the modules its plan names.
+        "granite": GraniteConfig(**SIZES, embedding_multiplier=12.0, tie_word_embeddings=False),
+        "gpt2": GPT2Config(
+            n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+        ),  # fmt: skip
+    }
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        folders[name] = root / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    return folders
+
+
+def run_options(models: dict[str, Path], output_dir: Path, name: str, pipeline: bool) -> list[str]:
+    model, both, pipelined = RUNS[name]
+    options = [*TRAIN, "--model.path", str(models[model]), "--job.output_dir", str(output_dir), *both]
+    return options + (pipelined if pipeline else ["--parallel.pp", "1"])
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The pp 2 x dp 2 runs (4 ranks), then in one process the same runs at pp 1, the resume of the Llama run's
+    step 2 at pp 1, plain transformers' step-1 losses and the preflight cases. Returns (root, one process's stdout)."""
+    root = tmp_path_factory.mktemp("hf-pp")
+    project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--gpus", "4",
+                       "--pp", "2", "--fp32")  # fmt: skip
+    plan = {"runs": [[name, run_options(models, root / f"{name}-pp2", name, True)] for name in RUNS]}
+    (root / "pp2.json").write_text(json.dumps(plan))
+    torchrun(project, str(HELPERS / "hf_pipeline_runs.py"), str(root / "pp2.json"), nproc=4)
+    # The Llama run as it was after step 2: resumed without a pipeline, in one process, for step 3.
+    shutil.copytree(root / "llama-pp2", root / "resumed")
+    shutil.rmtree(root / "resumed" / "checkpoints" / "step-3")
+    preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
+    plan = {
+        "runs": [[name, run_options(models, root / f"{name}-one", name, False)] for name in RUNS]
+        + [["resumed", run_options(models, root / "resumed", "llama", False)]],
+        "reference": ["llama", "qwen3"],
+        "preflight": {
+            name: [*preflight, "--model.path", str(models[name])]
+            for name in ("gpt2", "qwen3-tied", "qwen3-moe", "granite")
+        },
+    }
+    (root / "one.json").write_text(json.dumps(plan))
+    one = subprocess.run(
+        [sys.executable, str(HELPERS / "hf_pipeline_runs.py"), str(root / "one.json")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    return root, one.stdout
+
+
+def weights(run: Path, step: int) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / f"step-{step}", run.with_suffix(f".{step}.pt"))
+    return torch.load(run.with_suffix(f".{step}.pt"), weights_only=True)["train"]["model"]
+
+
+def assert_equal_runs(got: Path, expected: Path, steps: list[int]) -> None:
+    """Losses and gradient norms of `steps`, and the final weights (whole tensors, by name), within TOLERANCE."""
+    import torch
+
+    a, b = ([r for r in metrics(run) if r["step"] in steps] for run in (got, expected))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == steps
+    for x, y in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=TOLERANCE, abs=TOLERANCE), (key, x, y)
+    final, reference = weights(got, steps[-1]), weights(expected, steps[-1])
+    # The same names: a stage's parameters keep the whole model's (model.layers.3..., not renumbered).
+    assert sorted(final) == sorted(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(final[key], value, rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: tuple[Path, str], name: str) -> None:
+    root, stdout = runs
+    assert_equal_runs(root / f"{name}-pp2", root / f"{name}-one", [1, 2, 3])
+    found = re.search(rf"plain transformers step 1 loss {name} (\S+)", stdout)
+    if found:  # the pretrained runs: transformers' own loss of the files, on step 1's batch
+        assert metrics(root / f"{name}-pp2")[0]["loss"] == pytest.approx(float(found.group(1)), rel=TOLERANCE)
+    else:
+        assert name == "qwen3-scratch"
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process_as_the_uninterrupted_run(runs: tuple[Path, str]) -> None:
+    root, stdout = runs
+    assert f"resumed from {root / 'resumed' / 'checkpoints' / 'step-2'} at step 2" in stdout
+    assert_equal_runs(root / "resumed", root / "llama-one", [3])
+
+
+def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
+    runs: tuple[Path, str], models: dict[str, Path], tmp_path: Path
+) -> None:
+    root, stdout = runs
+    new = fsdp2gen("new", str(tmp_path / "gpt2-pp"), "--yes", "--family", "hf", "--hf-model", str(models["gpt2"]),
+                   "--gpus", "4", "--pp", "2")  # fmt: skip
+    config = models["gpt2"] / "config.json"
+    version = json.loads((REPO / "templates" / "hf_plans.json").read_text())["transformers"]
+    assert (new.returncode, new.stderr) == (2, (
+        f"fsdp2gen: error: --pp: GPT2LMHeadModel ({config}: model_type gpt2) declares no pipeline plan in "
+        f"transformers {version} (its config class's base_model_pp_plan is empty); use --pp 1 (FSDP shards it over "
+        "every GPU)\n"
+    ))  # fmt: skip
+    assert not (tmp_path / "gpt2-pp").exists()
+    cases = json.loads(stdout.split("\npreflight ", 1)[1].splitlines()[0])
+    expected = {
+        "gpt2": "parallel.pp = 2: GPT2LMHeadModel declares no pipeline plan (transformers' "
+        "GPT2Config.base_model_pp_plan is empty); use --parallel.pp 1 (FSDP shards it over every rank)",
+        "qwen3-tied": "parallel.pp = 2: Qwen3ForCausalLM ties lm_head to the input embedding (tie_word_embeddings "
+        "in its config.json), one matrix that the first and the last pipeline stage cannot share; use "
+        "--parallel.pp 1, or train an untied copy (tie_word_embeddings false, lm_head.weight saved as its own "
+        "tensor)",
+        "qwen3-moe": "parallel.pp = 2: Qwen3MoeForCausalLM is a mixture-of-experts model, and pipeline stages of "
+        "one are not built (the experts' load figures and load-balancing loss sum over every stage's layers); use "
+        "--parallel.pp 1",
+        "granite": "parallel.pp = 2: GraniteForCausalLM's forward does more between its embedding and its first "
+        "decoder layer than the modules of its pipeline plan (base_model_pp_plan), which every stage would do again; "
+        "use --parallel.pp 1",
+    }
+    for case, line in expected.items():
+        assert cases[case] == [2, "", f"preflight.py: error: {line}\n"], case
+    assert not (root / "refused").exists()
