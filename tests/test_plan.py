@@ -141,12 +141,14 @@ def test_llama_presets_match_published_parameter_counts(size: str, published: in
     assert parameter_count(shape) == published + untied_extra
 
 
-def measure(project: Path, configs: list[Path], ranks: int, out: Path) -> list[dict]:
+def measure(groups: list[tuple[Path, list[Path]]], ranks: int, out: Path) -> list[dict]:
     """Run tests/helpers/plan_measure.py under torchrun with `ranks` gloo processes: each config's per-rank
-    measurements, all in one launch (the configs of one project and layout)."""
+    measurements, in order, every (project, configs) group in one launch."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [str(HELPERS / "plan_measure.py"), str(project), str(out), *map(str, configs)]
-    result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    command += [str(HELPERS / "plan_measure.py"), str(out)]
+    for index, (project, configs) in enumerate(groups):
+        command += ["--"] * (index > 0) + [str(project), *map(str, configs)]
+    result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -179,33 +181,57 @@ ACCUMULATION = {
 
 
 @pytest.fixture(scope="module")
-def fp32_runs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
-    """name -> (config, measured) of every fp32 config on RANKS ranks, measured in ONE launch: the tiny model
-    ("tiny": test_plan_matches_a_real_sharded_run's) and the accumulation configs (ACCUMULATION)."""
-    root = tmp_path_factory.mktemp("plan-fp32")
-    texts = {"tiny": TINY_CONFIG} | {
-        name: ACCUMULATION_CONFIG.format(batch=RANKS * accum, accum=accum, sync=sync)
-        for name, (accum, sync) in ACCUMULATION.items()
-    }
-    configs = {name: root / f"{name}.toml" for name in texts}
-    for name, text in texts.items():
-        configs[name].write_text(text)
-    runs = measure(projects["fp32"], list(configs.values()), RANKS, root / "measured.json")
-    return {name: (config, run) for (name, config), run in zip(configs.items(), runs, strict=True)}
+def tp_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """--tp 2 projects on 4 ranks (dp 2 x tp 2), fp32 and bf16."""
+    root = tmp_path_factory.mktemp("tp-projects")
+    return {precision: generate(root / precision, "--gpus", "4", f"--{precision}", "--tp", "2")
+            for precision in ("fp32", "bf16")}  # fmt: skip
+
+
+def tp_config(tied: bool) -> str:
+    """The tiny model with tp = 2 (test_plan_matches_a_measured_tensor_parallel_run's), tied embeddings or not."""
+    return (TINY_CONFIG.replace("[training]", f"tie_embeddings = {str(tied).lower()}\n\n[training]")
+            + "\n[parallel]\ntp = 2\n")  # fmt: skip
+
+
+# test_plan_matches_a_measured_tensor_parallel_run's cases: (precision, tied embeddings).
+TP_CASES = [("fp32", False), ("bf16", True)]
+
+
+@pytest.fixture(scope="module")
+def runs(
+    projects: dict[str, Path], tp_projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, dict]]:
+    """name -> (config, measured) of every config this file measures, on RANKS ranks, in ONE launch (each launch of
+    4 ranks costs ~10 CPU-seconds of imports): the tiny model in fp32 and bf16 ("tiny-fp32", "tiny-bf16":
+    test_plan_matches_a_real_sharded_run's), the fp32 accumulation configs (ACCUMULATION) and the tiny model with
+    TP 2 ("tp-fp32-untied", "tp-bf16-tied": test_plan_matches_a_measured_tensor_parallel_run's)."""
+    root = tmp_path_factory.mktemp("plan-measured")
+    texts = {
+        "fp32": {"tiny-fp32": TINY_CONFIG} | {
+            name: ACCUMULATION_CONFIG.format(batch=RANKS * accum, accum=accum, sync=sync)
+            for name, (accum, sync) in ACCUMULATION.items()
+        },
+        "bf16": {"tiny-bf16": TINY_CONFIG},
+        **{f"tp-{precision}": {f"tp-{precision}-{'tied' if tied else 'untied'}": tp_config(tied)}
+           for precision, tied in TP_CASES},
+    }  # fmt: skip
+    project_of = projects | {f"tp-{precision}": project for precision, project in tp_projects.items()}
+    configs: dict[str, Path] = {}
+    for group in texts.values():
+        for name, text in group.items():
+            configs[name] = root / f"{name}.toml"
+            configs[name].write_text(text)
+    groups = [(project_of[key], [configs[name] for name in group]) for key, group in texts.items()]
+    measured = measure(groups, RANKS, root / "measured.json")
+    return {name: (config, run) for (name, config), run in zip(configs.items(), measured, strict=True)}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_plan_matches_a_real_sharded_run(
-    projects: dict[str, Path], fp32_runs: dict[str, tuple[Path, dict]], tmp_path: Path, precision: str
-) -> None:
+def test_plan_matches_a_real_sharded_run(runs: dict[str, tuple[Path, dict]], precision: str) -> None:
     """The tiny model on 4 ranks (vocab_size 130: FSDP2 pads the last shards), fp32 and bf16 (mixed precision)."""
     ranks = RANKS
-    if precision == "fp32":
-        config, measured = fp32_runs["tiny"]  # measured in the one launch of the fp32 configs
-    else:
-        config = tmp_path / "tiny.toml"
-        config.write_text(TINY_CONFIG)
-        (measured,) = measure(projects[precision], [config], ranks, tmp_path / "measured.json")
+    config, measured = runs[f"tiny-{precision}"]  # measured in the one launch of this file's configs
     result = invoke("plan", "--config", str(config), "--gpus", str(ranks), "--precision", precision, "--json")
     assert result.exit_code == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -225,25 +251,14 @@ def test_plan_matches_a_real_sharded_run(
     print(f"\n{ranks} ranks {precision}: plan {per_gpu} vs measured {measured['ranks']}")
 
 
-@pytest.fixture(scope="module")
-def tp_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """--tp 2 projects on 4 ranks (dp 2 x tp 2), fp32 and bf16."""
-    root = tmp_path_factory.mktemp("tp-projects")
-    return {precision: generate(root / precision, "--gpus", "4", f"--{precision}", "--tp", "2")
-            for precision in ("fp32", "bf16")}  # fmt: skip
-
-
-@pytest.mark.parametrize("precision,tied", [("fp32", False), ("bf16", True)])
+@pytest.mark.parametrize("precision,tied", TP_CASES)
 def test_plan_matches_a_measured_tensor_parallel_run(
-    tp_projects: dict[str, Path], tmp_path: Path, precision: str, tied: bool
+    runs: dict[str, tuple[Path, dict]], precision: str, tied: bool
 ) -> None:
     """plan --tp 2 against the generated TP layout run on 4 ranks: each parameter's shard, the state bytes, the
     saved activations. Would fail if plan and train.py's apply_tensor_parallel split different modules (e.g.
     a replicated embedding/output or norms, full-vocabulary logits, or activations all divided by tp)."""
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_CONFIG.replace("[training]", f"tie_embeddings = {str(tied).lower()}\n\n[training]")
-                      + "\n[parallel]\ntp = 2\n")  # fmt: skip
-    (measured,) = measure(tp_projects[precision], [config], 4, tmp_path / "measured.json")
+    config, measured = runs[f"tp-{precision}-{'tied' if tied else 'untied'}"]
     # No --tp: plan reads the project's parallel.tp from its config.toml.
     plan = plan_json("--config", str(config), "--gpus", "4", "--precision", precision)
     per_gpu, ranks = plan["per_gpu_bytes"], measured["ranks"]
@@ -267,11 +282,11 @@ def test_plan_matches_a_measured_tensor_parallel_run(
 
 @pytest.mark.parametrize("case", list(ACCUMULATION))
 def test_plan_matches_the_measured_peak_with_and_without_accumulation(
-    fp32_runs: dict[str, tuple[Path, dict]], case: str
+    runs: dict[str, tuple[Path, dict]], case: str
 ) -> None:
     """The generated train_step over grad_accum_steps micro-batches, measured tensor by tensor (plan_measure.py)."""
     ranks, (accum, sync) = RANKS, ACCUMULATION[case]
-    config, run = fp32_runs[case]
+    config, run = runs[case]
     measured = run["ranks"]
     assert {(rank["grad_accum_steps"], rank["grad_sync"]) for rank in measured} == {(accum, sync)}
     plan = plan_json("--config", str(config), "--gpus", str(ranks), "--precision", "fp32")

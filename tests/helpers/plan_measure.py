@@ -1,7 +1,7 @@
 """Measure what `fsdp2gen plan` estimates, in a real FSDP2 run of a generated project (torchrun, gloo on CPU).
 
     python -m torch.distributed.run --standalone --nproc-per-node N \
-        tests/helpers/plan_measure.py PROJECT OUT.json CONFIG [CONFIG ...]
+        tests/helpers/plan_measure.py OUT.json PROJECT CONFIG [CONFIG ...] [-- PROJECT CONFIG [CONFIG ...] ...]
 
 Builds the model and optimizer with the project's own train.py (meta device, fully_shard per block
 then the root, to_empty, init_weights, AdamW), runs its train_step on one micro-batch, and writes per
@@ -18,9 +18,12 @@ is freed), and writes: the bytes held between micro-batches (at the start of the
 gradients, sharded or not), and the peak of forward and backward (before optimizer.step; on CPU the project
 uses foreach AdamW, whose temporaries of the size of the shards the plan leaves out: CUDA uses fused AdamW).
 
-Each CONFIG is measured in turn in the same launch (one torchrun, torch imported once), each with a model and an
-optimizer of its own: the configs share the project and the parallel layout (the mesh is laid out once, by the
-first) and differ in model and training keys. OUT.json holds one entry per CONFIG, in order.
+Each CONFIG is measured in turn in the same launch (one torchrun, torch imported once: a launch of 4 ranks costs
+~10 CPU-seconds before it measures anything), each with a model and an optimizer of its own, in the project named
+before it (projects generated with other answers, e.g. another precision: each project's modules are imported from
+its own folder, the previous project's set aside first, as they have the same names). The process group is joined
+once; the mesh is laid out again when a config's parallel keys differ from the previous config's. OUT.json holds
+one entry per CONFIG, in order.
 """
 
 from __future__ import annotations
@@ -190,24 +193,52 @@ def measure_config(config, mesh, device) -> dict:
     return measured
 
 
+def groups(arguments: list[str]) -> list[tuple[Path, list[str]]]:
+    """PROJECT CONFIG [CONFIG ...] [-- PROJECT CONFIG ...] -> [(project, configs), ...]."""
+    result, current = [], []
+    for argument in [*arguments, "--"]:
+        if argument != "--":
+            current.append(argument)
+            continue
+        assert len(current) >= 2, f"a project without configs: {current}"
+        result.append((Path(current[0]).resolve(), current[1:]))
+        current = []
+    return result
+
+
+def use_project(project: Path, previous: Path | None) -> None:
+    """Import `project`'s modules from now on: those of `previous` (same names: train, config, ...) forgotten."""
+    if previous is not None:
+        for name, module in list(sys.modules.items()):
+            if Path(getattr(module, "__file__", None) or "/").resolve().is_relative_to(previous):
+                del sys.modules[name]
+        sys.path.remove(str(previous))
+    sys.path.insert(0, str(project))
+
+
 def main() -> None:
     gc.freeze()  # the imports outlive the probe: keep them out of the collector's full passes
-    project, out, config_paths = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-    sys.path.insert(0, str(project))
-    from config import parse_args
-    from train import init_distributed
-
-    configs = [parse_args(["--config", path, "--job.device", "cpu"]) for path in config_paths]
-    # One mesh for every config: each would lay out the same one (same ranks, same parallel keys).
-    assert all(config.parallel == configs[0].parallel for config in configs), "configs with different layouts"
-    device, mesh = init_distributed(configs[0])
+    out, previous, device, mesh, parallel = Path(sys.argv[1]), None, None, None, None
     runs = []
-    for config in configs:
-        measured = measure_config(config, mesh, device)
-        gc.collect()  # the config's model and optimizer, before the next one's
-        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, measured)
-        runs.append({"world_size": dist.get_world_size(), "ranks": gathered})
+    for project, config_paths in groups(sys.argv[2:]):
+        use_project(project, previous)
+        previous = project
+        from config import parse_args
+        from layout import ParallelLayout
+        from train import init_distributed
+
+        for path in config_paths:
+            config = parse_args(["--config", path, "--job.device", "cpu"])
+            if mesh is None:
+                device, mesh = init_distributed(config)
+            elif config.parallel != parallel:  # another layout: the group is joined, lay out its mesh
+                mesh = ParallelLayout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
+            parallel = config.parallel
+            measured = measure_config(config, mesh, device)
+            gc.collect()  # the config's model and optimizer, before the next one's
+            gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, measured)
+            runs.append({"world_size": dist.get_world_size(), "ranks": gathered})
     if dist.get_rank() == 0:
         out.write_text(json.dumps(runs, indent=2))
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_shapes import TEMPLATE_SIZES
 
 GIB = 2**30
 # Llama 3 70B (Meta's config.json); the template's model.size names go up to 8b.
@@ -53,12 +54,12 @@ MIXTRAL_8X7B_CONFIG = {
     "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
 }  # fmt: skip
-# The hf rows' models, by the name a Row's model.path gives (the test writes each config.json in a folder of its
-# own). Mixtral with 4 of its 32 blocks: a step an eighth as long to simulate (its whole step, by hand: plan -1.8%).
+# The hf rows' models, by the name a Row's model.path gives (the test writes each config.json, with a Row's
+# `blocks`, in a folder of its own).
 HF_CONFIGS = {
     "Llama-3.1-8B": LLAMA_31_8B_CONFIG,
     "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG,
-    "Mixtral-8x7B (4 of its 32 blocks)": {**MIXTRAL_8X7B_CONFIG, "num_hidden_layers": 4},
+    "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
 # The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft).
 PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft")
@@ -82,6 +83,10 @@ class Row:
     grad_sync: str = "every_micro_batch"
     loss_chunks: int = 8  # the template's default; 1 is the whole logits
     extra: dict = field(default_factory=dict)  # more config keys: {"section.key": value}
+    # The model's first `blocks` blocks only (0: all of them): llama's model.n_layers, an hf config.json's
+    # num_hidden_layers. plan and the simulation both see the truncated model. The blocks repeat (the same shapes,
+    # the same ops), so a few of them show what all of them do, at a fraction of the ops to simulate.
+    blocks: int = 0
 
     def keys(self) -> dict[str, object]:
         """The config.toml keys this row sets, as "section.key"."""
@@ -91,6 +96,8 @@ class Row:
             model = {f"model.{key}": value for key, value in self.model.items()}
         # The hf projects have neither key (TP is llama's; generated without --cpu-offload).
         llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
+        if self.blocks and self.project == "llama":
+            model["model.n_layers"] = self.blocks  # hf: the config.json the test writes for the row (hf_config)
         return (
             model
             | llama
@@ -108,12 +115,13 @@ class Row:
     @property
     def label(self) -> str:
         model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
-        name = f"llama {model}"
+        depth = f" ({self.blocks} of its {self.full_depth} blocks)" if self.blocks else ""
+        name = f"llama {model}{depth}"
         if self.project != "llama":
             kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft",
                      "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
-            name = f"hf {self.model['path']} config.json{kind}"  # type: ignore[index]
+            name = f"hf {self.model['path']} config.json{depth}{kind}"  # type: ignore[index]
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
         replicas = self.extra.get("parallel.dp_replicate", 1)
         parts += [f"HSDP {replicas} x {self.gpus // replicas}"] if replicas > 1 else []
@@ -127,6 +135,18 @@ class Row:
         reduce_dtype = self.extra.get("parallel.reduce_dtype", "float32")
         parts += [] if reduce_dtype == "float32" else [f"reduce_dtype {reduce_dtype}"]
         return ", ".join(parts + (["whole logits (loss_chunks 1)"] if self.loss_chunks == 1 else []))
+
+    @property
+    def full_depth(self) -> int:
+        """The number of blocks of the whole model."""
+        if self.project != "llama":
+            return HF_CONFIGS[self.model["path"]]["num_hidden_layers"]  # type: ignore[index]
+        return TEMPLATE_SIZES[self.model]["n_layers"] if isinstance(self.model, str) else self.model["n_layers"]
+
+    def hf_config(self) -> dict:
+        """An hf row's config.json (model.path: HF_CONFIGS' name), with the row's `blocks`."""
+        config = HF_CONFIGS[self.model["path"]]  # type: ignore[index]
+        return {**config, "num_hidden_layers": self.blocks} if self.blocks else config
 
 
 def write_config(project: Path, row: Row) -> Path:
