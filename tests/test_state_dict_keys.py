@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,20 @@ CUSTOM_TINY = [
 OVERRIDES = {"llama": TINY, "custom": CUSTOM_TINY, "hf": ["--training.seq_len", "32"]}
 
 
+def save_tiny_model(folder: Path) -> None:
+    """The golden's model folder: the tests' tiny Llama, or a tiny Qwen3-MoE (fused experts) for an MoE golden."""
+    if folder.name != "tiny-qwen3-moe":
+        save_tiny_llama(folder, "hello world, a tiny corpus " * 20)
+        return
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, moe_intermediate_size=32, num_experts=4, vocab_size=320)  # fmt: skip
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**sizes)).save_pretrained(folder)
+
+
 @pytest.fixture(scope="module")
 def key_lists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Every golden's key lists, read in one process from a copy of the golden."""
@@ -39,7 +54,7 @@ def key_lists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, answers in sorted(GOLDENS.items()):
         project = shutil.copytree(EXAMPLES / name, root / name)
         if answers["family"] == "hf":
-            save_tiny_llama(project / "models" / "tiny-llama", "hello world, a tiny corpus " * 20)
+            save_tiny_model(project / answers["hf_model"])
         projects[name] = [str(project), ["--job.device", "cpu", *OVERRIDES[answers["family"]]]]
     (root / "projects.json").write_text(json.dumps(projects))
     command = [sys.executable, str(HELPERS / "state_dict_keys_probe.py"), str(root / "projects.json"),

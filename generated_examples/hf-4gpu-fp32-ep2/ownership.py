@@ -4,6 +4,13 @@
   releases it when the process ends, however it ends, so a lock is never stale; the file itself stays (deleting
   it would let a second run lock a new file of the same name). The holder writes who it is into the file, for
   the line that refuses a second run.
+  The lock must hold across nodes: on a filesystem where flock fails (Lustre mounted without -o flock: ENOSYS;
+  NFSv3 without a lock daemon: ENOLCK; others: EOPNOTSUPP) the run is refused in one line that names the
+  filesystem and the fix (flock_refusal), never run without a lock. Why no fallback lock file (O_EXCL): the
+  kernel would not release it when its holder dies, and whether a holder on another node still lives cannot be
+  told (its pid is not visible; a suspended job stops any heartbeat), so it would either be taken from a live
+  run (two runs mixing in one folder) or have to be deleted by hand after every crash. A filesystem whose flock
+  is local to each node (Lustre -o localflock, NFS -o nolock) succeeds and cannot be told apart: README.md.
 - The launch id: the launch scripts give every rank of one launch the same TRAIN_LAUNCH_ID (a new uuid per
   launch; the SLURM job id, which a requeue keeps). run.json records it, and a restart continues the run in
   job.output_dir only if it was started by its own launch (run_folder.resuming).
@@ -16,9 +23,11 @@ Linux only where it says so (/proc, prctl); elsewhere those parts do nothing.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -32,6 +41,8 @@ LOCK_FILE = "run.lock"
 LAUNCH_ID = "TRAIN_LAUNCH_ID"  # set by every launcher (scripts/, ray) for every rank of a launch
 LAUNCHER = "TRAIN_LAUNCHER"  # "host:pid:start time" of the launch script, set by scripts/restarts.sh
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# What flock fails with where the filesystem does not lock (EOPNOTSUPP is ENOTSUP on Linux).
+NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
 
 _PROCESS_LAUNCH = f"process-{uuid.uuid4().hex}"
 _held_locks: list = []  # open lock files: the lock lasts as long as the file stays open
@@ -174,6 +185,53 @@ def describe_holder(output_dir: Path, holder: dict) -> str:
         f"{holder.get('host')}{launcher}, launch {','.join(holder.get('launch', []))}, since {holder.get('since')}; "
         f"wait for it to finish, stop it (kill {stop} on {holder.get('host')}), or choose another --job.output_dir"
     )
+
+
+def check_flock(output_dir: Path) -> None:
+    """Take and drop a lock on a file of `output_dir` (created and removed here): the OSError of a flock that
+    does not work on its filesystem (NO_FLOCK; flock_refusal names it), before a run relies on it."""
+    probe = output_dir / f".lock-test-{uuid.uuid4().hex}"
+    try:
+        with open(probe, "w") as file:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(file, fcntl.LOCK_UN)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def flock_refusal(output_dir: Path, exc: OSError) -> str | None:
+    """The one line for a flock that failed with `exc` because `output_dir`'s filesystem does not lock (None for
+    any other failure): it names the filesystem (/proc/self/mountinfo) and the fix."""
+    if exc.errno not in NO_FLOCK:
+        return None
+    return (
+        f"job.output_dir {output_dir} is on {mount_of(output_dir)}, where flock does not work "
+        f"({os.strerror(exc.errno)}); the run lock that keeps two runs out of one folder needs it on every node: "
+        "mount that filesystem with flock (Lustre: -o flock; NFS: version 4, or 3 with its lock daemon running), or "
+        "choose a --job.output_dir on a filesystem where flock works"
+    )
+
+
+def mount_of(path: Path) -> str:
+    """The filesystem `path` is on, in words ("the lustre filesystem mgs@tcp:/fs (mounted at /lustre)"), from
+    /proc/self/mountinfo: the longest mount point that contains it. Linux only; elsewhere "its filesystem"."""
+    path, found = str(path.resolve()), None
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "its filesystem"
+    for line in lines:
+        fields = line.split()
+        # ID PARENT DEV ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS; octal escapes (\040)
+        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields[4])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (found is None or len(point) >= len(found[0])):
+            rest = fields[fields.index("-") + 1 :]
+            found = (point, rest[0], rest[1] if len(rest) > 1 else "?")
+    if found is None:
+        return "its filesystem"
+    point, fstype, source = found
+    return f"the {fstype} filesystem {source} (mounted at {point})"
 
 
 def run_folder_above(output_dir: Path) -> tuple[Path, str] | None:

@@ -1,13 +1,10 @@
 """Find every mistake in the configuration, the data and the output folder before any rank starts.
 
-The launch scripts run this once, in one process, before torchrun:
-
-    python preflight.py --world-size 8 --config config.toml --training.steps 100
-
-A mistake prints one line naming it and the fix, and exits with errors.USAGE_ERROR (2): torchrun never starts, so
-nothing is printed once per rank, and nothing is retried by --max-restarts, which stays for real faults (a
-killed process, a lost node). train.py runs the same checks on rank 0 before it builds the model, for runs
-started some other way (`torchrun train.py`, Ray).
+The launch scripts run this once, in one process, before torchrun: `python preflight.py --world-size 8 --config
+config.toml --training.steps 100`. A mistake prints one line naming it and the fix, and exits with
+errors.USAGE_ERROR (2): torchrun never starts, so nothing is printed once per rank, and nothing is retried by
+--max-restarts, which stays for real faults (a killed process, a lost node). train.py runs the same checks on rank 0
+before it builds the model, for runs started some other way (`torchrun train.py`, Ray).
 
 This module orders the checks. The modules whose files or settings they are check them, and their errors become
 that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
@@ -16,6 +13,10 @@ that one line here: data.py, checkpoint_files.py, run_folder.py, profiling.py.
 from __future__ import annotations
 
 import gc
+
+if __name__ == "__main__":
+    gc.disable()  # until torch's import-time objects are frozen in main(): as in train.py, which says why
+
 import os
 import shlex
 import sys
@@ -126,10 +127,9 @@ def check_layout(config: Config, world_size: int, max_seq_len: int) -> None:
 
 def check_memory(config: Config, world_size: int, vocab_size: int, model: torch.nn.Module) -> None:
     """What each rank must hold at least, against what this machine has (its RAM plus one GPU's memory), before
-    anything is allocated: a shape or batch that cannot fit is one line here, not an out-of-memory crash on every
-    rank. A lower bound, so it never refuses a run that fits: 16 bytes per model value (fp32 weights, gradients
-    and Adam's two moments) split over the ranks, and 8 bytes per logit of one micro-batch (the fp32 logits and
-    their log-probabilities, both alive in the loss)."""
+    anything is allocated: a shape or batch that cannot fit is one line here, not an out-of-memory crash on every rank.
+    A lower bound, so it never refuses a run that fits: 16 bytes per model value (fp32 weights, gradients and Adam's
+    two moments) split over the ranks, and 8 bytes per logit of one micro-batch (fp32 logits and log-probabilities)."""
     training = config.training
     available = total_memory()
     if config.job.device != "cpu" and torch.cuda.is_available():
@@ -183,6 +183,7 @@ def check_data(config: Config, vocab_size: int) -> None:
 
 def main() -> None:
     gc.freeze()  # torch's import-time objects outlive the check: the collector's full passes skip them
+    gc.enable()
     # --world-size first, then exactly train.py's arguments, read by train.py's parser: one parser for both.
     argv = sys.argv[1:]
     world_size = argv[1] if argv[:1] == ["--world-size"] and len(argv) > 1 else ""

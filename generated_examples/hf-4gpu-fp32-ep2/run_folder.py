@@ -22,7 +22,16 @@ from pathlib import Path
 from checkpoint_files import newest_intact_checkpoint
 from config import Config, saved_config
 from model_args import RESUME_MAY_CHANGE
-from ownership import LOCK_FILE, describe_holder, launch_id, lock_holder, run_folder_above, take_run_lock
+from ownership import (
+    LOCK_FILE,
+    check_flock,
+    describe_holder,
+    flock_refusal,
+    launch_id,
+    lock_holder,
+    run_folder_above,
+    take_run_lock,
+)
 from schema import as_option, resume_changes
 
 NEW_RUN = "start a new run in another --job.output_dir"
@@ -76,7 +85,8 @@ def start_run(output_dir: Path, config: Config, launch_ids: list[str]) -> str:
         holder = take_run_lock(output_dir, launch_ids)
     except OSError as exc:
         raise RunFolderError(
-            f"{output_dir / LOCK_FILE} cannot be opened ({exc.strerror or exc}); it must be a file this user can "
+            flock_refusal(output_dir, exc)
+            or f"{output_dir / LOCK_FILE} cannot be opened ({exc.strerror or exc}); it must be a file this user can "
             "write, or absent"
         ) from None
     if holder is not None:
@@ -208,6 +218,11 @@ def check_output_dir(output_dir: Path) -> None:
             f"job.output_dir {output_dir} cannot be written ({exc.strerror or exc}); choose a writable folder "
             "with --job.output_dir"
         ) from None
+    # The run lock (ownership.py) needs a flock that works there, on every node.
+    try:
+        check_flock(output_dir)
+    except OSError as exc:
+        raise RunFolderError(flock_refusal(output_dir, exc) or f"job.output_dir {output_dir}: {exc}") from None
 
 
 def check_not_inside_a_run(output_dir: Path) -> None:
@@ -224,6 +239,9 @@ def check_not_inside_a_run(output_dir: Path) -> None:
 def check_not_in_use(output_dir: Path) -> None:
     """No other launch's run is training in job.output_dir now (one of this launch, a restart's previous
     attempt still ending, is waited for by start_run)."""
-    holder = lock_holder(output_dir)
+    try:
+        holder = lock_holder(output_dir)
+    except OSError as exc:
+        raise RunFolderError(flock_refusal(output_dir, exc) or f"{output_dir / LOCK_FILE}: {exc}") from None
     if holder is not None and not set(holder.get("launch", [])) & {launch_id()}:
         raise RunFolderError(describe_holder(output_dir, holder))
