@@ -164,7 +164,7 @@ def _llama_config_rules() -> Any:
     """The project's hf_llama_config.py, as the template ships it: what a config.json must say for the built-in
     llama to take it (architecture, biases, rotary scaling). Standard library only, so the generator runs the very
     rules training runs; loaded from its file, as no package holds it."""
-    path = template_dir() / "project" / "{% if hf_adapter %}hf_llama_config.py{% endif %}"
+    path = template_dir() / "project" / "{% if hf_adapter or moe %}hf_llama_config.py{% endif %}"
     module = types.ModuleType("hf_llama_config")  # its file name is copier's (no .py suffix): run its source
     exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
     return module
