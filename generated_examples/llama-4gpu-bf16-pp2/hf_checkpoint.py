@@ -2,6 +2,7 @@
 (hf_llama_config.py: their config.json <-> ModelArgs).
 
 - `to_hf_key` / `from_hf_key` and `to_hf` / `from_hf`: our parameter names and state dicts <-> transformers'.
+- `hf_layout`: the weights of a checkpoint under transformers' names, for scripts/export.py --format hf.
 - `save_hf_folder` (checkpoint.save_format = "hf", checkpoint_common.save_hf_checkpoint): the sharded model
   written as a Hugging Face folder, each rank writing its own slices (DCP's HuggingFaceStorageWriter),
   consolidated into whole tensors.
@@ -20,14 +21,17 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hf_llama_config import hf_config
 
 if TYPE_CHECKING:  # torch is imported where it is used: scripts read configs without it
+    from collections.abc import Callable
+
     import torch
     from torch import nn
 
+    from config import Config
     from model_args import ModelArgs
 
 # The tokenizer's files an exported folder carries when the model came from a Hugging Face folder.
@@ -99,6 +103,31 @@ def from_hf(state: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, t
     return ours
 
 
+def hf_layout(
+    weights: dict[str, tuple], read: Callable[[str], torch.Tensor], tie_embeddings: bool
+) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
+    """Our weights ({name: (dtype, shape)} and read(name), one whole tensor at a time) under transformers' names,
+    for a safetensors file from_pretrained loads as it is; a tied output weight left out, as transformers' own files
+    leave it out."""
+    layout: dict[str, tuple] = {}
+    source: dict[str, tuple[str, int | None]] = {}  # key -> (our name, the expert's index or None)
+    for name, (dtype, shape) in weights.items():
+        if tie_embeddings and name == "output.weight":
+            continue
+        key = to_hf_key(name)
+        layout[key], source[key] = (dtype, tuple(shape)), (name, None)
+    held: dict[str, torch.Tensor] = {}
+
+    def read_key(key: str) -> torch.Tensor:
+        name, expert = source[key]
+        if name not in held:
+            held.clear()  # one of our tensors in memory at a time (the keys come in order)
+            held[name] = read(name)
+        return held[name] if expert is None else held[name][expert]
+
+    return layout, read_key
+
+
 def write_hf_side_files(out: Path, args: ModelArgs, tokenizer: str, hf_source: str = "") -> None:
     """Next to the exported weights: config.json and generation_config.json (LlamaForCausalLM's) and the
     tokenizer: every tokenizer file of the Hugging Face folder the model started from (`hf_source`), else
@@ -132,7 +161,7 @@ def write_hf_side_files(out: Path, args: ModelArgs, tokenizer: str, hf_source: s
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def save_hf_folder(model: nn.Module, folder: Path, config: Any) -> None:
+def save_hf_folder(model: nn.Module, folder: Path, config: Config) -> None:
     """Write the model (sharded or not; under pipeline parallelism, this rank's part, named as in the whole model)
     as a Hugging Face LlamaForCausalLM folder, on every rank together: each rank writes the slices of its shards under
     transformers' names (DCP's HuggingFaceStorageWriter), which are then consolidated into whole tensors in
