@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -153,19 +154,34 @@ def _hf_model_problem(value: str, answers: dict[str, Any]) -> str | None:
         return f"{config} holds a JSON {type(loaded).__name__}, not an object; {fix}"
     if not isinstance(loaded.get("model_type"), str) or not loaded["model_type"]:
         return f"{config} has no model_type, so transformers cannot tell the architecture; {fix}"
-    architectures = loaded.get("architectures") or [loaded["model_type"]]
-    if answers.get("family") == "llama" and LLAMA_ARCHITECTURE not in architectures:
-        # The project's hf_checkpoint.py checks the rest (biases, rotary scaling) when training starts.
-        named = ", ".join(map(str, architectures))
-        return (
-            f"{value} is a {named}, not a {LLAMA_ARCHITECTURE}: the built-in llama loads Llama checkpoints only; "
-            "use --family hf"
-        )
+    if answers.get("family") == "llama":
+        return _llama_checkpoint_problem(value, loaded)
     return None
 
 
-# The transformers class whose weights the built-in llama loads (the project's hf_checkpoint.py: HF_ARCHITECTURES).
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+@cache
+def _llama_config_rules() -> Any:
+    """The project's hf_llama_config.py, as the template ships it: what a config.json must say for the built-in
+    llama to take it (architecture, biases, rotary scaling). Standard library only, so the generator runs the very
+    rules training runs; loaded from its file, as no package holds it."""
+    path = template_dir() / "project" / "{% if hf_adapter or moe %}hf_llama_config.py{% endif %}"
+    module = types.ModuleType("hf_llama_config")  # its file name is copier's (no .py suffix): run its source
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    return module
+
+
+def _llama_checkpoint_problem(value: str, config: dict[str, Any]) -> str | None:
+    """--family llama --hf-model: the line training would stop with for this config.json (hf_llama_config.py's
+    args_from_hf_config), now; None if it takes it. A config.json without a shape key (not save_pretrained's) is
+    left to training, which reads the folder again then."""
+    rules = _llama_config_rules()
+    try:
+        rules.args_from_hf_config(config)
+    except rules.HFCheckpointError as error:
+        return f"{value}: {error}"
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return None
 
 
 def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:

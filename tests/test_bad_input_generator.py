@@ -140,6 +140,12 @@ def project(answers: str | bytes | None = None, *, gpus: int = 2, nodes: int = 1
     return setup
 
 
+# A LlamaForCausalLM config.json's shape keys (a tiny one), for the cases that differ in another key.
+LLAMA_SHAPE = ('{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, '
+               '"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 320, "intermediate_size": 128, '
+               '"max_position_embeddings": 64}')  # fmt: skip
+
+
 def hf_folder(config: str | bytes | None = '{"model_type": "llama"}', weights: bool = True) -> Setup:
     contents = (
         f"config.json holds {short(config if isinstance(config, bytes) else config.encode())}"
@@ -797,9 +803,40 @@ CASES = [
     Case(
         "llama-hf-model-other-architecture",
         (*NEW, "--family", "llama", "--hf-model", "m"),
-        "--hf-model: m is a Qwen2ForCausalLM, not a LlamaForCausalLM: the built-in llama loads Llama checkpoints "
-        "only; use --family hf",
+        "--hf-model: m: it is a Qwen2ForCausalLM, not a LlamaForCausalLM; the built-in llama takes Llama checkpoints "
+        "only: train it with --family hf",
         (hf_folder('{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}'), write("m/tokenizer.json", "{}")),
+    ),
+    # The project's own rules (hf_llama_config.py), run by the generator: the lines training stops with.
+    Case(
+        "llama-hf-model-yarn-rope",
+        (*NEW, "--family", "llama", "--hf-model", "m"),
+        '--hf-model: m: its rotary embeddings use "yarn" scaling, which the built-in llama does not have (it has '
+        '"llama3"); train it with --family hf',
+        (
+            hf_folder(LLAMA_SHAPE[:-1] + ', "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'),
+            write("m/tokenizer.json", "{}"),
+        ),
+    ),
+    Case(
+        "llama-hf-model-partial-rotary",
+        (*NEW, "--family", "llama", "--hf-model", "m"),
+        "--hf-model: m: its rotary embeddings turn part of each head (partial_rotary_factor = 0.5), the built-in "
+        "llama's turn all of it; train it with --family hf",
+        (hf_folder(LLAMA_SHAPE[:-1] + ', "partial_rotary_factor": 0.5}'), write("m/tokenizer.json", "{}")),
+    ),
+    Case(
+        "llama-hf-model-llama3-rope-incomplete",
+        (*NEW, "--family", "llama", "--hf-model", "m"),
+        '--hf-model: m: its "llama3" rotary scaling has no low_freq_factor, original_max_position_embeddings; give '
+        "them in config.json's rope_parameters (Llama 3.1's: factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+        "original_max_position_embeddings 8192)",
+        (
+            hf_folder(
+                LLAMA_SHAPE[:-1] + ', "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}'
+            ),
+            write("m/tokenizer.json", "{}"),
+        ),
     ),
     Case(
         "llama-hf-model-with-moe",

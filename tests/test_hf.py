@@ -7,6 +7,7 @@ No network: every model is a local folder written by the test.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -104,7 +105,8 @@ def test_five_steps_then_export_loads_with_from_pretrained(
         assert np.fromfile(tmp_path / "tokens" / "train-00000.bin", dtype=np.uint16).tolist() == expected
         assert tokenizer.decode(expected[:-1]) == TEXT
         overrides += ["--data.path", str(tmp_path / "tokens"), "--eval.every", "0"]
-        torchrun(project, "train.py", *TRAIN, *overrides)
+        # Also saved as a Hugging Face folder at step 5 (checkpoint.save_format "hf"), checked against the export.
+        torchrun(project, "train.py", *TRAIN, *overrides, "--checkpoint.save_format", "hf")
         # generate.py finds the tokenizer through the run's model.path, or in the exported folder; the checkpoint
         # and its export are the same weights, so they continue the prompt alike.
         prompt = ["--prompt", "the cat", "--max-new-tokens", "8"]
@@ -140,6 +142,20 @@ def test_five_steps_then_export_loads_with_from_pretrained(
     assert any(not torch.equal(value, pretrained[key]) for key, value in model.state_dict().items())
     if name == "qwen2-tied":
         assert (exported / "tokenizer.json").is_file()
+        # The folder saved at step 5 (each rank its slices, consolidated): the export's tied weights bit for bit (so
+        # its logits), with config.json, generation_config.json and the tokenizer; the checkpoint has none of it.
+        saved, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "step-5", dtype=torch.float32,
+                                                           output_loading_info=True)  # fmt: skip
+        assert {key: value for key, value in info.items() if value} == {}, info
+        assert saved.get_output_embeddings().weight is saved.get_input_embeddings().weight
+        assert all(torch.equal(value, saved.state_dict()[key]) for key, value in model.state_dict().items())
+        tokens = torch.randint(280, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(saved.eval()(tokens).logits, model.eval()(tokens).logits)
+        assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(os.listdir(saved.name_or_path))
+        tokenizer = AutoTokenizer.from_pretrained(saved.name_or_path)
+        assert tokenizer(TEXT)["input_ids"] == AutoTokenizer.from_pretrained(models[name])(TEXT)["input_ids"]
+        assert not any(path.suffix == ".safetensors" for path in checkpoint.iterdir())
     if name == "llama-untied":
         # This model's folder has no tokenizer. A run that named one (data.tokenizer) exports it with the model:
         # the same checkpoint, as a run with --data.tokenizer would have written its checkpoint.json.

@@ -9,6 +9,7 @@ No network: every model is a local folder written by the test.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -146,7 +147,9 @@ def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_load
     exported = tmp_path / "exported"
     export = ["scripts/export.py", str(tmp_path / "checkpoints" / "step-5"), "--output", str(exported)]
     if name == "qwen3-moe":
-        torchrun(project, *train)
+        # Also saved as a Hugging Face folder (checkpoint.save_format "hf"): per-expert files too, each rank
+        # writing the parts of the gathered experts it was given.
+        torchrun(project, *train, "--checkpoint.save_format", "hf")
         results = run_scripts(project, export)
     else:
         results = run_scripts(project, train, export)
@@ -175,6 +178,18 @@ def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_load
         assert torch.equal(value, trained[key]), key
     experts = "model.layers.0.mlp.experts.gate_up_proj"
     assert not torch.equal(model.state_dict()[experts], pretrained[experts])
+    if name == "qwen3-moe":
+        # The folder saved at step 5 holds the export's weights under the same per-expert keys, and its other files.
+        saved = tmp_path / "hf" / "step-5"
+        keys = set()
+        for file in saved.glob("*.safetensors"):
+            with safe_open(file, framework="pt") as new:
+                keys |= set(new.keys())
+        assert keys == set(safe_open(exported / "model.safetensors", framework="pt").keys())
+        assert {path.name for path in exported.iterdir() if path.suffix != ".safetensors"} <= set(os.listdir(saved))
+        loaded, info = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
+        assert {key: value for key, value in info.items() if value} == {}, info
+        assert all(torch.equal(value, loaded.state_dict()[key]) for key, value in model.state_dict().items())
 
 
 def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ line."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, generate, metrics, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun, torchrun_env
+from tests.helpers.scripts import run_scripts
 
 # A tiny MoE llama: 3 blocks (the first dense, then 2 MoE blocks of 8 experts, top 2, one shared expert).
 TINY_MOE = [
@@ -99,6 +101,51 @@ def test_resume_is_exact_routing_biases_included(project: Path, two_ranks: dict,
     biases = [name for name in a if name.endswith("expert_bias")]
     assert biases == ["layers.1.feed_forward.expert_bias", "layers.2.feed_forward.expert_bias"]
     assert all(a[name].abs().max() > 0 for name in biases)
+
+
+def test_export_format_hf_is_mixtral_when_the_routing_is_mixtrals(
+    project: Path, two_ranks: dict, tmp_path: Path
+) -> None:
+    """Routed as Mixtral routes (softmax scores, no shared experts or dense blocks, biases left at 0), 2 steps
+    trained in one process: scripts/export.py --format hf writes a MixtralForCausalLM folder that from_pretrained
+    loads, with this model's logits. The 2-rank bias run (sigmoid, a shared expert, a dense block, biases moved) is
+    refused in one line naming the settings that would make it one, nothing written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, exported, refused_dir = tmp_path / "out", tmp_path / "exported", tmp_path / "refused"
+    mixtral = ["--model.score_func", "softmax", "--model.n_shared_experts", "0", "--model.n_dense_layers", "0",
+               "--model.expert_bias_rate", "0"]  # fmt: skip
+    export = ["scripts/export.py", "--format", "hf", "--output"]
+    trained, exported_run, refused = run_scripts(
+        project,
+        ["train.py", *TINY_MOE, *mixtral, "--training.steps", "2", "--job.output_dir", str(out)],
+        [*export, str(exported), str(out / "checkpoints" / "step-2")],
+        [*export, str(refused_dir), str(two_ranks["bias"] / "checkpoints" / "step-4")],
+    )
+    assert trained[0] == 0 and exported_run[0] == 0, (trained[2][-3000:], exported_run[2][-3000:])
+    assert refused[:2] == (2, ""), refused
+    assert refused[2] == (
+        "export.py: error: --format hf: no transformers class has this model's experts and routing; "
+        'MixtralForCausalLM would, with model.score_func "softmax" (this run\'s: "sigmoid"), model.n_shared_experts 0 '
+        "(this run's: 1), model.n_dense_layers 0 (this run's: 1), routing biases left at 0, model.expert_bias_rate 0 "
+        "(this run's moved them); or export --format native\n"
+    )
+    assert not refused_dir.exists()
+
+    theirs, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}, info
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    checkpoint = out / "checkpoints" / "step-2"
+    with project_modules(project):
+        model_module = importlib.import_module("model")
+        config = json.loads((checkpoint / "checkpoint.json").read_text())["config"]
+        ours = model_module.Model(model_module.ModelArgs(**config["model"]))
+        ours.init_weights(seed=0)
+        ours.load_state_dict(weights(checkpoint))
+    tokens = torch.randint(128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.eval()(tokens) - theirs.eval()(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_the_console_shows_the_load_and_the_active_parameters(two_ranks: dict) -> None:

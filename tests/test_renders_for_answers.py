@@ -64,7 +64,7 @@ MARKERS: dict[str, tuple[Callable[[Answers], bool], str]] = {
 # family, whose code is chosen by file name (model.py) and whose own names are each family's to keep.
 NO_CODE_OF_THEIR_OWN = {
     "project_name", "family", "pretrained", "gpus", "reshard_after_forward", "tokenizer",
-    "transformers_model", "model_presets", "block_class", "hf_adapter", "expert_parallel",
+    "transformers_model", "model_presets", "block_class", "hf_adapter", "expert_parallel", "saves_hf",
 }  # fmt: skip
 
 # (option, golden file) -> why it still holds that option's names. Goal: empty (and it is: a leak found later is

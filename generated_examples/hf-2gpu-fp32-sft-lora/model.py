@@ -368,6 +368,15 @@ def hub_layout(
     return layout, read_converted
 
 
+def save_run_tokenizer(spec: str, output: Path) -> None:
+    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
+    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
+    if spec:
+        from tokenizer import load_tokenizer
+
+        load_tokenizer(spec).backend.save_pretrained(output)
+
+
 def first_error(error: str | None) -> None:
     """Every rank raises the lowest rank's error together, if any rank had one."""
     errors: list[str | None] = [None] * dist.get_world_size()

@@ -22,11 +22,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as WriteFuture
 
-from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed, save_hf_checkpoint
 from checkpoint_files import file_record
 from config import Config
 from errors import reason, stop, stop_if_rank0_failed
-from hf_checkpoint import save_hf_checkpoint
 
 
 class DcpState(Stateful):
@@ -147,7 +146,7 @@ class Checkpointer(CheckpointerBase):
         writer = ChecksummedWriter(staging)
         future = dcp.async_save(app_state, storage_writer=writer, process_group=self.group, async_stager=self.stager)
         self.in_flight = BackgroundSave(future, writer, info, config.checkpoint.keep_last, self.stager)
-        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/ (hf_checkpoint.py)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/
             save_hf_checkpoint(state.model, self.checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:

@@ -20,10 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed, save_hf_checkpoint
 from checkpoint_files import file_record
 from errors import reason, stop_if_rank0_failed
-from hf_checkpoint import save_hf_checkpoint
 
 
 class Checkpointer(CheckpointerBase):
@@ -69,7 +68,7 @@ class Checkpointer(CheckpointerBase):
             except Exception as exc:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
-        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/ (hf_checkpoint.py)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/
             save_hf_checkpoint(state.model, checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import CheckpointError, checkpoint_tensors, export_checkpoint, export_parser  # noqa: E402
+from model import save_run_tokenizer  # noqa: E402
 from model_args import ModelArgs  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -86,13 +86,6 @@ def export_lora(checkpoint: Path, output: Path, adapter_only: bool) -> None:
     save_run_tokenizer(config["data"]["tokenizer"], output)
     kind = "adapter (PEFT format)" if adapter_only else "merged model"
     print(f"exported {checkpoint} -> {output}: {kind}, {len(adapters)} adapter tensors on {model_args.path}")
-
-
-def save_run_tokenizer(spec: str, output: Path) -> None:
-    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
-    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
-    if spec:
-        load_tokenizer(spec).backend.save_pretrained(output)
 
 
 if __name__ == "__main__":

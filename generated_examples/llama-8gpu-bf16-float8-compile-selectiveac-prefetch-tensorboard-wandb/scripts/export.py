@@ -28,7 +28,7 @@ from pathlib import Path
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import export_checkpoint, export_parser, open_for_export, write_safetensors  # noqa: E402
-from hf_checkpoint import to_hf_key, write_hf_side_files  # noqa: E402
+from hf_checkpoint import hf_layout, write_hf_side_files  # noqa: E402
 from model_args import ModelArgs  # noqa: E402
 
 
@@ -46,15 +46,14 @@ def main() -> None:
     partial = args.output / "model.safetensors.tmp"
     if args.format == "hf":
         model_args = ModelArgs(**config["model"])
-        # transformers' names (hf_checkpoint.py); a tied output weight is the embedding's, left out as
-        # transformers' own files leave it out.
-        tied = {"output.weight"} if model_args.tie_embeddings else set()
-        names = {to_hf_key(name): name for name in weights if name not in tied}
-        write_safetensors(partial, {key: weights[name] for key, name in names.items()}, lambda key: read(names[key]))
+        # transformers' names (hf_checkpoint.py), one tensor in memory at a time.
+        layout, read_key = hf_layout(weights, read, model_args.tie_embeddings)
+        write_safetensors(partial, layout, read_key)
         partial.replace(target)
         hf_source = config["model"].get("hf_checkpoint", "")
         write_hf_side_files(args.output, model_args, config["data"]["tokenizer"], hf_source)
-        print(f"exported {checkpoint} -> {args.output} (Hugging Face LlamaForCausalLM, {len(names)} tensors)")
+        architecture = json.loads((args.output / "config.json").read_text())["architectures"][0]
+        print(f"exported {checkpoint} -> {args.output} (Hugging Face {architecture}, {len(layout)} tensors)")
         return
     write_safetensors(partial, weights, read)
     partial.replace(target)
