@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as WriteFuture
 
-from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
+from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed, save_hf_checkpoint
 from checkpoint_files import file_record
 from errors import reason, stop, stop_if_rank0_failed
 
@@ -130,6 +130,8 @@ class Checkpointer(CheckpointerBase):
             except OSError as exc:
                 error = save_failed(staging, exc)
         stop_if_rank0_failed(error)
+        if config.checkpoint.save_format == "hf":  # also a Hugging Face folder, outside step-N/
+            save_hf_checkpoint(state.model, self.checkpoint_dir.parent / "hf", state.step, config)
 
     def load_state(self, path: Path, info: dict, state: TrainState) -> str | None:
         """Load the checkpoint `path` into `state` (resharding if the world size changed); None, or why its tensors

@@ -373,3 +373,24 @@ def os_error_of(exc: BaseException) -> OSError | None:
             seen += [failure[0] for _, failure in sorted(failures.items())]
         seen += [cause for cause in (current.__cause__, current.__context__) if cause is not None]
     return None
+
+
+def save_hf_checkpoint(model: nn.Module, hf_dir: Path, step: int, config: Config) -> None:
+    """checkpoint.save_format = "hf", at each checkpoint, on every rank: the model as hf_dir/step-N/ (written as
+    step-N.tmp/, renamed once complete), the newest checkpoint.keep_last of them kept. Resume never reads them:
+    it reads the checkpoints' own folders, which this does not touch."""
+    from model import save_hf_folder  # the family's names and files
+
+    staging, final = hf_dir / f"step-{step}.tmp", hf_dir / f"step-{step}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftover: never complete
+    dist.barrier()
+    save_hf_folder(model, staging, config)
+    if dist.get_rank() == 0:
+        if final.exists():  # a folder of another save (a run resumed from an older checkpoint): kept beside
+            final.rename(free_name(final, "replaced"))
+        staging.rename(final)
+        saved = sorted((p for p in hf_dir.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for old in saved[: -config.checkpoint.keep_last]:
+            shutil.rmtree(old)
+    dist.barrier()

@@ -114,6 +114,9 @@ class CheckpointConfig:
     keep_last: int = setting(2, low=1, high=MAX_COUNT, resume=True)
     model_only_final: bool = setting(False, resume=True)
     resume: Literal["auto", "never"] = setting("auto", resume=True)
+    # "hf": each checkpoint is also written as a Hugging Face transformers folder, job.output_dir/hf/step-N/ (the
+    # newest keep_last kept), which from_pretrained loads as it is; resume still reads checkpoints/step-N/ only.
+    save_format: Literal["native", "hf"] = setting("native", resume=True)
 
 
 @dataclass

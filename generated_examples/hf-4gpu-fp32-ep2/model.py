@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import math
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -361,6 +362,63 @@ def hub_layout(
         return done[name][key]
 
     return layout, read_converted
+
+
+def save_hf_folder(model: PreTrainedModel, folder: Path, config: Config) -> None:
+    """checkpoint.save_format = "hf" (checkpoint_common.save_hf_checkpoint): the sharded model as the folder
+    scripts/export.py writes from a checkpoint, on every rank together. Each rank writes the slices of its own
+    shards (DCP's HuggingFaceStorageWriter), consolidated into whole tensors, under the names of the files the model
+    came from (hub_layout), tied weights once. A weight saved in another layout than the model holds it (fused
+    experts, saved per expert as save_pretrained does) is gathered whole, one at a time, converted, and its parts
+    shared out among the ranks to write. Rank 0 then adds config.json, generation_config.json and the tokenizer."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    tensors = {}
+    for tensor, name in state_names(model):
+        tensors.setdefault(id(tensor), (name, tensor))  # a tied weight: its first name, as save_pretrained keeps
+    whole = {name: tensor for name, tensor in tensors.values()}
+    shapes = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in whole.items()}
+
+    def gathered(name: str) -> torch.Tensor:  # a collective: every rank asks for the same names in order
+        tensor = whole[name].detach()
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    layout, read = hub_layout(config.model, shapes, gathered)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state: dict[str, torch.Tensor] = {}
+    for index, key in enumerate(layout):
+        if key in whole and layout[key] == shapes[key]:
+            state[key] = whole[key].detach()  # this rank's shard, written as it is
+        else:
+            part = read(key)
+            if index % world == rank:
+                state[key] = part.clone()  # a copy: the gathered tensor is freed once its parts are read
+    writer = HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+    if rank == 0:
+        shutil.rmtree(folder / "sharded", ignore_errors=True)  # the per-rank slices, now consolidated
+        write_side_files(folder, config.model, config.data.tokenizer)
+    dist.barrier()
+
+
+def write_side_files(output: Path, model_args: ModelArgs, tokenizer: str) -> None:
+    """Beside the weights of an exported or saved folder: the model folder's config.json, generation_config.json and
+    tokenizer files (no other weights), then the run's tokenizer, data.tokenizer (a folder or hub id), saved over
+    them as transformers saves it ("": the model's own, already copied)."""
+    for source in model_args.folder.iterdir():
+        if source.is_file() and any(source.match(pattern) for pattern in HUB_FILES):
+            if not source.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copyfile(source, output / source.name)
+    save_run_tokenizer(tokenizer, output)
+
+
+def save_run_tokenizer(spec: str, output: Path) -> None:
+    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
+    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
+    if spec:
+        from tokenizer import load_tokenizer
+
+        load_tokenizer(spec).backend.save_pretrained(output)
 
 
 def first_error(error: str | None) -> None:

@@ -20,16 +20,14 @@ scripts/generate.py.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from checkpoint_reader import export_checkpoint, export_parser, open_for_export, write_safetensors  # noqa: E402
-from model import hub_layout  # noqa: E402
-from model_args import HUB_FILES, ModelArgs  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from model import hub_layout, write_side_files  # noqa: E402
+from model_args import ModelArgs  # noqa: E402
 
 
 def main() -> None:
@@ -45,20 +43,9 @@ def main() -> None:
     partial = args.output / "model.safetensors.tmp"
     write_safetensors(partial, weights, read)
     partial.replace(args.output / "model.safetensors")
-    # config.json, generation_config.json and the tokenizer, as the model came (no other weights).
-    for source in model_args.folder.iterdir():
-        if source.is_file() and any(source.match(pattern) for pattern in HUB_FILES):
-            if not source.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copyfile(source, args.output / source.name)
-    save_run_tokenizer(config["data"]["tokenizer"], args.output)
+    # config.json, generation_config.json and the tokenizer, as the model came (no other weights), or the run's.
+    write_side_files(args.output, model_args, config["data"]["tokenizer"])
     print(f"exported {checkpoint} -> {args.output} ({len(weights)} tensors; the other files of {model_args.path})")
-
-
-def save_run_tokenizer(spec: str, output: Path) -> None:
-    """The tokenizer the run trained with, data.tokenizer (a folder or hub id), saved into `output` as transformers
-    saves it, over the model folder's own; "" (the model's own, copied with its files): nothing to add."""
-    if spec:
-        load_tokenizer(spec).backend.save_pretrained(output)
 
 
 if __name__ == "__main__":
