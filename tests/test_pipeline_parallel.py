@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.several_runs import launch_several
 from tests.test_launchers import launch_two_nodes
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
@@ -124,18 +125,58 @@ def one_process(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return output_dir
 
 
+# The runs of the plain pp project on 4 ranks, made in ONE torchrun launch (tests/helpers/several_runs.py: torch
+# imported and the process group joined once, then train.train() per run, each with its own config, mesh, seed and
+# output folder): 1F1B and the two zero-bubble schedules the plain project runs (pp 2 x dp_shard 2), and the resume
+# of one process's step-2 checkpoint with pp 2 x dp_replicate 2. A launch of 4 ranks costs ~14 CPU-s before it
+# trains; each of these runs ~2.
+PROJECT_RUNS = {
+    "1F1B": SCHEDULES["1F1B"],
+    "InterleavedZeroBubble": ["--parallel.pp_schedule", "InterleavedZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+    "ZBVZeroBubble": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+    "hsdp-resume": ["--parallel.dp_replicate", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def project_runs(
+    project: Path, one_process: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[], tuple[dict[str, Path], str]]:
+    """PROJECT_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
+    stdout. The hsdp-resume run starts from a copy of one process's run without its step-4 checkpoint."""
+    made: list[tuple[dict[str, Path], str]] = []
+
+    def runs() -> tuple[dict[str, Path], str]:
+        if not made:
+            root = tmp_path_factory.mktemp("pp-project-runs")
+            folders = {name: root / name for name in PROJECT_RUNS}
+            shutil.copytree(one_process, folders["hsdp-resume"])
+            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
+            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in PROJECT_RUNS.items()]
+            result = launch_several(project, argv, root / "runs.json", nproc=4)
+            made.append((folders, result.stdout))
+        return made[0]
+
+    return runs
+
+
 @pytest.fixture(scope="module")
 def schedule_runs(
-    project: Path, async_project: Path, selective_project: Path, tmp_path_factory: pytest.TempPathFactory
+    project_runs: Callable[[], tuple[dict[str, Path], str]],
+    async_project: Path,
+    selective_project: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str], Path]:
     """pp 2 x dp_shard 2 on 4 ranks under a schedule of SCHEDULES, in the project of SCHEDULE_OPTIONS: ranks 0-1
     hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each schedule's run is made once, by the first
     test that asks for it, and its output folder shared (a fixture parametrized by schedule would be torn down and
     run again for each test that names its schedule out of order)."""
-    projects = {"1F1B": project, "GPipe": async_project, "Interleaved1F1B": selective_project}
+    projects = {"GPipe": async_project, "Interleaved1F1B": selective_project}
     runs: dict[str, Path] = {}
 
     def run(schedule: str) -> Path:
+        if schedule == "1F1B":  # the plain project's: made in its launch of several runs
+            return project_runs()[0]["1F1B"]
         if schedule not in runs:
             output_dir = tmp_path_factory.mktemp(f"pp2-dp2-{schedule}")
             ran(train(projects[schedule], output_dir, *SCHEDULES[schedule], nproc=4))
@@ -251,17 +292,14 @@ def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
 
 
 def test_a_checkpoint_saved_by_one_process_resumes_with_pp2_x_hsdp_as_the_uninterrupted_run(
-    one_process: Path, project: Path, tmp_path: Path
+    one_process: Path, project_runs: Callable[[], tuple[dict[str, Path], str]]
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(one_process, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
     # The whole model's checkpoint of step 2, each stage loading its own blocks and their optimizer state, on
     # pp 2 x dp_replicate 2 x dp_shard 1: each stage replicated on 2 ranks, its gradients all-reduced between them
-    # (steps 3 and 4, validated and checkpointed, equal one process: the HSDP layout's proof).
-    result = train(project, run, "--parallel.dp_replicate", "2", nproc=4)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # (steps 3 and 4, validated and checkpointed, equal one process: the HSDP layout's proof). (PROJECT_RUNS)
+    folders, stdout = project_runs()
+    run = folders["hsdp-resume"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     diffs = differences(run, one_process, [3, 4])
     print(diffs)  # the figures README.md quotes (pytest -s)
     assert max(diffs.values()) <= TOLERANCE, diffs
@@ -660,15 +698,19 @@ ZERO_BUBBLE = {
 
 @pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
 def test_zero_bubble_schedules_on_pp2_x_dp_shard2_equal_one_process(
-    schedule: str, project: Path, one_process: Path, tmp_path: Path
+    schedule: str, project_runs: Callable[[], tuple[dict[str, Path], str]], one_process: Path, tmp_path: Path
 ) -> None:
     options, args = ZERO_BUBBLE[schedule]
-    if options:
+    if options:  # DualPipeV, in its own project (launched alone)
         project = generate(tmp_path / "p", "--gpus", "4", "--pp", "2", "--precision", "fp32", *options)
-    ran(train(project, tmp_path / "out", *args, "--parallel.pp_stages_per_rank", "2", nproc=4))
+        out = tmp_path / "out"
+        ran(train(project, out, *args, "--parallel.pp_stages_per_rank", "2", nproc=4))
+    else:  # the plain project's, in its launch of several runs
+        assert PROJECT_RUNS[schedule] == [*args, "--parallel.pp_stages_per_rank", "2"]
+        out = project_runs()[0][schedule]
     # Validation too: under a V it runs the schedule's forwards only (pipeline.forward_only_order).
-    assert all("val_loss" in numbers(tmp_path / "out")[step] for step in (2, 4))
-    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    assert all("val_loss" in numbers(out)[step] for step in (2, 4))
+    diffs = differences(out, one_process, [1, 2, 3, 4])
     print(diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
 
