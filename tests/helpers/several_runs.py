@@ -20,12 +20,18 @@ from pathlib import Path
 
 
 def launch_several(project: Path, runs: list[list[str]], runs_file: Path, nproc: int) -> subprocess.CompletedProcess:
-    """The runs (train.py's argument lists) in one launch of `nproc` gloo ranks in `project`, the list written to
-    `runs_file`; fails the test with the output's tail unless every run succeeds."""
-    from tests.conftest import torchrun
+    """The runs (train.py's argument lists) in one launch of `nproc` gloo ranks in `project` (1: a plain process,
+    a group of one, as `python train.py` runs), the list written to `runs_file`; fails the test with the output's
+    tail unless every run succeeds."""
+    from tests.conftest import torchrun, torchrun_env
 
     runs_file.write_text(json.dumps(runs))
-    return torchrun(project, __file__, str(runs_file), nproc=nproc)
+    if nproc > 1:
+        return torchrun(project, __file__, str(runs_file), nproc=nproc)
+    result = subprocess.run([sys.executable, __file__, str(runs_file)], cwd=project, capture_output=True, text=True,
+                            env={**torchrun_env(), "PYTHONPATH": str(project)}, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def main() -> None:
