@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, generate, metrics, project_modules, torchrun_env
+from tests.helpers.several_runs import flipped, launch_several
 
 STYLES = ("dcp", "dcp-async", "full")
 # The file of the newest checkpoint that the tests damage: rank 1's shard, or the full style's weights.
@@ -41,13 +42,28 @@ def project(style: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """6 uninterrupted steps, checkpoints at steps 2, 4 and 6: the run the others are made from and compared to."""
-    output_dir = tmp_path_factory.mktemp("straight")
-    result = launch(project, output_dir, "--training.steps", "6")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert checkpoint_names(output_dir) == ["step-2", "step-4", "step-6"]
-    return output_dir
+def launched(style: str, project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One launch of 2 ranks, two runs (tests/helpers/several_runs.py: train.train() per run, each with its own
+    config, seed and output folder): "straight", 6 uninterrupted steps, checkpoints at steps 2, 4 and 6 (the run
+    the others are made from and compared to); then "corrupt", its resume from a copy of its folder without step-6
+    and with step-4's DAMAGED file corrupted (test_a_corrupt_newest_...). And the launch's stderr."""
+    root = tmp_path_factory.mktemp("launched")
+    straight, corrupt = root / "straight", root / "corrupt"
+    damaged = {
+        "from": str(straight),
+        "remove": ["checkpoints/step-6"],
+        "flip": [f"checkpoints/step-4/{DAMAGED[style]}"],
+    }
+    common = [*TINY, *SAVES, "--training.steps", "6", "--job.output_dir"]
+    runs = [[*common, str(straight)], {"args": [*common, str(corrupt)], "interrupted": damaged}]
+    result = launch_several(project, runs, root / "runs.json", nproc=2)
+    return {"straight": straight, "corrupt": corrupt, "stdout": result.stdout, "stderr": result.stderr}
+
+
+@pytest.fixture(scope="module")
+def straight(launched: dict) -> Path:
+    assert checkpoint_names(launched["straight"]) == ["step-2", "step-4", "step-6"]
+    return launched["straight"]
 
 
 def launch(
@@ -77,13 +93,11 @@ def copy_run(straight: Path, dest: Path, keep: list[str]) -> Path:
 
 
 def flip_64_bytes(path: Path) -> bytes:
-    """Invert 64 bytes in the middle of `path` (tensor data, past every header: the file still parses and keeps
-    its size, as after silent corruption on disk); its new content."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + 64] = bytes(byte ^ 0xFF for byte in data[middle : middle + 64])
+    """Invert 64 bytes in the middle of `path` (tests/helpers/several_runs.py's flipped(): as after silent corruption
+    on disk); its new content."""
+    data = flipped(path.read_bytes())
     path.write_bytes(data)
-    return bytes(data)
+    return data
 
 
 def by_step(output_dir: Path) -> dict[int, dict]:
@@ -92,20 +106,21 @@ def by_step(output_dir: Path) -> dict[int, dict]:
 
 
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly_from_the_previous_one(
-    style: str, project: Path, straight: Path, tmp_path: Path
+    style: str, launched: dict, straight: Path
 ) -> None:
-    run = copy_run(straight, tmp_path / "run", keep=["step-2", "step-4"])
+    # The launched fixture's second run: the straight run's folder with checkpoints step-2 and step-4, step-4's
+    # DAMAGED file corrupted (64 bytes inverted in the middle: it still parses and keeps its size).
+    run = launched["corrupt"]
     newest = run / "checkpoints" / "step-4"
-    damaged = flip_64_bytes(newest / DAMAGED[style])
-    result = launch(project, run, "--training.steps", "6")
-    assert result.returncode == 0, result.stderr[-3000:]
+    damaged = flipped((straight / "checkpoints" / "step-4" / DAMAGED[style]).read_bytes())
     # One line names the checkpoint, the file and the checkpoint used instead; each rank verified its share of the
-    # files (2 ranks), and the damaged file is found whichever rank read it.
-    assert re.findall(r"^.*(?:warning|error): .*$", result.stderr, flags=re.M) == [
+    # files (2 ranks), and the damaged file is found whichever rank read it. (The launch's stderr: the straight run
+    # before it says nothing of the kind.)
+    assert re.findall(r"^.*(?:warning|error): .*$", launched["stderr"], flags=re.M) == [
         f"train.py: warning: checkpoint {newest} is corrupt ({DAMAGED[style]}: checksum mismatch); kept as "
         "step-4.corrupt, resuming from step-2"
-    ], result.stderr[-3000:]
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    ], launched["stderr"][-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in launched["stdout"]
     # Never deleted, and not replaced by the new save of step 4: set aside, as it was.
     assert checkpoint_names(run) == ["step-2", "step-4", "step-4.corrupt", "step-6"]
     assert (run / "checkpoints" / "step-4.corrupt" / DAMAGED[style]).read_bytes() == damaged

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.conftest import TINY, generate, metrics, save_tiny_llama, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 # name -> (fsdp2gen new options, ranks). fp32: the chunks may only reorder float sums.
 PROJECTS = {
@@ -39,18 +40,12 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits(name: str, tmp_path: 
     else:
         shape = TINY
     project = generate(tmp_path / "project", *options, "--gpus", "2", "--precision", "fp32")
-    runs = {}
-    for chunks in (1, 4):
-        out = tmp_path / f"chunks-{chunks}"
-        args = [*shape, *STEPS, "--training.loss_chunks", str(chunks), "--job.output_dir", str(out)]
-        if nproc > 1:
-            torchrun(project, "train.py", *args, nproc=nproc)
-        else:
-            run = subprocess.run([sys.executable, "train.py", *args], cwd=project, env=torchrun_env(),
-                                 capture_output=True, text=True)  # fmt: skip
-            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        runs[chunks] = metrics(out)
-    whole, chunked = runs[1], runs[4]
+    # Both runs in one launch (tests/helpers/several_runs.py: train.train() per run, each with its own config, seed
+    # and output folder; 1 rank: a plain process).
+    launch_several(project, [[*shape, *STEPS, "--training.loss_chunks", str(chunks), "--job.output_dir",
+                              str(tmp_path / f"chunks-{chunks}")] for chunks in (1, 4)],
+                   tmp_path / "runs.json", nproc=nproc)  # fmt: skip
+    whole, chunked = metrics(tmp_path / "chunks-1"), metrics(tmp_path / "chunks-4")
     assert [r["step"] for r in whole] == [r["step"] for r in chunked] == [1, 2, 3]
     for a, b in zip(whole, chunked, strict=True):
         # The loss before each step and the gradient norm of each step (after 2 optimizer steps at lr 1e-2, a

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
 # top 2, one shared expert). 4 steps of 2 micro-batches per rank, validation and checkpoints after steps 2 and 4.
@@ -90,30 +91,55 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("ep") / "ep2", "--gpus", "4", "--moe", "--ep", "2", "--precision", "fp32")
 
 
-@pytest.fixture(scope="module")
-def one_process(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same run in one process: every expert local, no all-to-all (the reference), balanced by the
-    auxiliary-loss-free bias updates (the default)."""
-    output_dir = tmp_path_factory.mktemp("one-process")
-    ran(train(project, output_dir, nproc=1))
-    return output_dir
+# 2 experts (each token to 1) over ep 2 x dp_shard_mod_ep 2: each rank holds 1 expert, its 2 FSDP ranks shard its
+# rows (test_ep2_x_dp_shard2_with_experts_split_by_rows_equals_one_process).
+ROWS = ["--model.n_experts", "2", "--model.top_k", "1", "--training.steps", "2", "--training.grad_accum_steps", "1"]
+# The project's runs, by launch: the one-process references in ONE plain process, the 4-rank runs in ONE torchrun
+# launch (tests/helpers/several_runs.py: torch imported and the process group joined once, then train.train() per
+# run, each with its own config, mesh, seed and output folder; a 4-rank launch costs ~14 CPU-s before it trains).
+ONE_PROCESS_RUNS = {
+    # Every expert local, no all-to-all (the reference), balanced by the auxiliary-loss-free bias updates (the
+    # default).
+    "one-process": [],
+    # The reference balanced by the sequence-wise balance loss alone.
+    "one-process-aux-loss": AUX_LOSS,
+    "rows-one-process": ROWS,
+}
+FOUR_RANK_RUNS = {
+    # ep 2 borrowed from dp_shard 4 on 4 ranks: the mesh is dp_shard_mod_ep 2 x ep 2, each rank holds 4 experts of
+    # every MoE layer, sharded over the 2 ranks that hold the same ones.
+    "ep2-dp2": [],
+    # One process's step-2 checkpoint (of one-process-aux-loss) resumed with hsdp 2 x ep 2.
+    "hsdp-resume": [*AUX_LOSS, "--parallel.dp_replicate", "2"],
+    "rows-four-ranks": ROWS,
+}
 
 
 @pytest.fixture(scope="module")
-def one_process_aux_loss(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference balanced by the sequence-wise balance loss alone."""
-    output_dir = tmp_path_factory.mktemp("one-process-aux-loss")
-    ran(train(project, output_dir, *AUX_LOSS, nproc=1))
-    return output_dir
+def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], str]:
+    """Every run of ONE_PROCESS_RUNS and FOUR_RANK_RUNS, in two launches: run -> output folder, and the 4-rank
+    launch's stdout. The hsdp-resume run starts from a copy of one-process-aux-loss without its step-4 checkpoint."""
+    root = tmp_path_factory.mktemp("ep-runs")
+    folders = {name: root / name for name in [*ONE_PROCESS_RUNS, *FOUR_RANK_RUNS]}
+
+    def argv(table: dict[str, list[str]]) -> list[list[str]]:
+        return [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in table.items()]
+
+    launch_several(project, argv(ONE_PROCESS_RUNS), root / "one-process.json", nproc=1)
+    shutil.copytree(folders["one-process-aux-loss"], folders["hsdp-resume"])
+    shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
+    result = launch_several(project, argv(FOUR_RANK_RUNS), root / "four-ranks.json", nproc=4)
+    return folders, result.stdout
 
 
 @pytest.fixture(scope="module")
-def ep2_dp2(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ep 2 borrowed from dp_shard 4 on 4 ranks: the mesh is dp_shard_mod_ep 2 x ep 2, each rank holds 4 experts
-    of every MoE layer, sharded over the 2 ranks that hold the same ones."""
-    output_dir = tmp_path_factory.mktemp("ep2-dp2")
-    ran(train(project, output_dir, nproc=4))
-    return output_dir
+def one_process(runs: tuple[dict[str, Path], str]) -> Path:
+    return runs[0]["one-process"]
+
+
+@pytest.fixture(scope="module")
+def ep2_dp2(runs: tuple[dict[str, Path], str]) -> Path:
+    return runs[0]["ep2-dp2"]
 
 
 def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_process: Path) -> None:
@@ -140,20 +166,16 @@ def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
 
 
 def test_a_checkpoint_saved_by_one_process_resumes_with_hsdp_2_x_ep2_as_the_uninterrupted_run(
-    one_process_aux_loss: Path, project: Path, tmp_path: Path
+    runs: tuple[dict[str, Path], str],
 ) -> None:
-    one_process = one_process_aux_loss
-    run = tmp_path / "run"
-    shutil.copytree(one_process, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
+    folders, stdout = runs
+    one_process, run = folders["one-process-aux-loss"], folders["hsdp-resume"]
     # Whole stacked experts in the checkpoint of step 2, each of 4 ranks loading its share: two replicas of
     # dp_shard 2, all of it lent to ep (dp_shard_mod_ep = 1), so each rank loads half the experts whole, and their
     # gradients are all-reduced across the replicas. Balanced by the sequence-wise balance loss alone (its value,
     # summed over the ranks' sequences, is one of the compared figures). Steps 3 and 4, validated and checkpointed,
-    # equal one process: the HSDP x EP layout's proof.
-    result = train(project, run, *AUX_LOSS, "--parallel.dp_replicate", "2", nproc=4)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # equal one process: the HSDP x EP layout's proof. (FOUR_RANK_RUNS)
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     assert all("moe_aux_loss" in numbers(run)[step] for step in (3, 4))
     # The loss acted and the biases stayed still: the run exercised the balancing it compares.
     assert numbers(run)[4]["moe_bias_abs_max"] == 0 and 0 < numbers(run)[4]["moe_aux_loss"] < 0.1, numbers(run)[4]
@@ -176,16 +198,13 @@ def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, t
     assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
 
 
-def test_ep2_x_dp_shard2_with_experts_split_by_rows_equals_one_process(project: Path, tmp_path: Path) -> None:
+def test_ep2_x_dp_shard2_with_experts_split_by_rows_equals_one_process(runs: tuple[dict[str, Path], str]) -> None:
     # ep 2 x dp_shard_mod_ep 2 on 4 ranks, and 2 experts (each token to 1): each rank holds 1 expert and its 2 FSDP
     # ranks shard its rows (Shard(1), as torchtitan does when experts are fewer than their shard ranks; the user's
     # node of 8 GPUs with ep 4 and 4 experts is the same layout). (Across 2 launched nodes, and at 8 ranks in one
     # node: test_pipeline_parallel.py's pp x tp, test_launchers.py's HSDP and test_context_parallel.py's cp x tp.)
-    experts = ["--model.n_experts", "2", "--model.top_k", "1", "--training.steps", "2", "--training.grad_accum_steps",
-               "1"]  # fmt: skip
-    ran(train(project, tmp_path / "one", *experts, nproc=1))
-    ran(train(project, tmp_path / "four", *experts, nproc=4))
-    diffs = differences(tmp_path / "four", tmp_path / "one", [1, 2])
+    folders = runs[0]
+    diffs = differences(folders["rows-four-ranks"], folders["rows-one-process"], [1, 2])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 

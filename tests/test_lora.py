@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun
 from tests.helpers.scripts import run_scripts
+from tests.helpers.several_runs import launch_several
 
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "0",
          "--training.lr", "1e-2", "--job.device", "cpu", "--job.log_every", "1", "--eval.every", "0",
@@ -24,17 +25,22 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--tra
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run saved at steps 2 and 4."""
+    """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run saved at steps 2 and 4; and
+    (in the same launch: tests/helpers/several_runs.py) its resume from step 2, in `resumed`, from a copy of the
+    run's folder without the step-4 checkpoint and with the metrics of steps 1-2."""
     root = tmp_path_factory.mktemp("lora")
     save_tiny_llama(root / "model", "the cat sat on the mat " * 50)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(root / "model"), "--lora", "--gpus", "2",
                        "--fp32")  # fmt: skip
-    out = root / "out"
-    result = torchrun(project, "train.py", *TRAIN, "--training.steps", "4", "--checkpoint.interval", "2",
-                      "--job.output_dir", str(out))  # fmt: skip
+    out, resumed = root / "out", root / "resumed"
+    run = [*TRAIN, "--training.steps", "4", "--checkpoint.interval", "2"]
+    interrupted = {"from": str(out), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
+    result = launch_several(project, [[*run, "--job.output_dir", str(out)],
+                                      {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted}],
+                            root / "runs.json", nproc=2)  # fmt: skip
     # rank 4: (64 + 64) x 4 per attention projection (k, v: 64 + 32), (64 + 128) x 4 per MLP one, x 2 blocks.
     assert "model: 123,200 parameters, 8,192 of them trainable (the others frozen)" in result.stdout
-    return {"root": root, "project": project, "model": root / "model", "out": out}
+    return {"root": root, "project": project, "model": root / "model", "out": out, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +83,9 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: P
     assert code == 0, stderr[-3000:]
     one = [r["loss"] for r in metrics(tmp_path / "one")]
     assert len(two) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, two, strict=True)), (one, two)
-    # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files).
-    resumed = tmp_path / "resumed"
-    shutil.copytree(lora["out"], resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-4")
-    (resumed / "metrics.jsonl").write_text("".join((resumed / "metrics.jsonl").read_text().splitlines(True)[:2]))
-    torchrun(lora["project"], "train.py", *TRAIN, "--training.steps", "4", "--checkpoint.interval", "2",
-             "--job.output_dir", str(resumed))  # fmt: skip
-    assert [r["loss"] for r in metrics(resumed)] == two
+    # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files): the
+    # lora fixture's second run.
+    assert [r["loss"] for r in metrics(lora["resumed"])] == two
 
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:

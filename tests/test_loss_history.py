@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import HELPERS, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun
+from tests.helpers.several_runs import launch_several
 
 HISTORY = Path(__file__).parent / "data" / "loss_history.json"
 RECORD = os.environ.get("FSDP2GEN_RECORD_LOSSES") == "1"
@@ -68,22 +69,30 @@ STEPS = ["--job.device", "cpu", "--training.steps", "4"]
 
 
 @pytest.fixture(scope="module")
-def rendered() -> dict[tuple[str, ...], Path]:
-    """The projects rendered so far, by their `fsdp2gen new` options: projects that differ only in train.py's
-    overrides (llama-fp32 and llama-fp32-hsdp) train in one rendering, each into its own output folder."""
+def rendered() -> dict[str, list[list[float]]]:
+    """The losses and grad norms of the PROJECTS runs made so far, by name. Projects that differ only in train.py's
+    overrides (llama-fp32 and llama-fp32-hsdp) render once and train in one launch (tests/helpers/several_runs.py:
+    train.train() per run, each with its own config, mesh, seed and output folder), made by the first that runs."""
     return {}
 
 
-def losses_of(name: str, root: Path, tiny_llama: Path, rendered: dict[tuple[str, ...], Path]) -> list[list[float]]:
-    options, overrides = PROJECTS[name]
-    family = options[options.index("--family") + 1] if "--family" in options else "llama"
-    model_options = ["--hf-model", str(tiny_llama)] if family == "hf" else []
-    key = (*options, *model_options)
-    if key not in rendered:
-        rendered[key] = generate(root / "run", *key)
-    project = rendered[key]
-    sizes = {"llama": TINY, "custom": CUSTOM_TINY, "hf": HF_TINY}[family]
-    return train(project, root / "out", *sizes, *overrides)
+def losses_of(name: str, root: Path, tiny_llama: Path, rendered: dict[str, list[list[float]]]) -> list[list[float]]:
+    def key_of(name: str) -> tuple[str, ...]:
+        options = PROJECTS[name][0]
+        family = options[options.index("--family") + 1] if "--family" in options else "llama"
+        return (*options, *(["--hf-model", str(tiny_llama)] if family == "hf" else []))
+
+    if name not in rendered:
+        key = key_of(name)
+        family = key[key.index("--family") + 1] if "--family" in key else "llama"
+        sizes = {"llama": TINY, "custom": CUSTOM_TINY, "hf": HF_TINY}[family]
+        project = generate(root / "run", *key)
+        names = [other for other in PROJECTS if key_of(other) == key]
+        runs = [[*sizes, *PROJECTS[other][1], *STEPS, "--job.output_dir", str(root / other)] for other in names]
+        launch_several(project, runs, root / "runs.json", nproc=2)
+        for other in names:
+            rendered[other] = [[record["loss"], record["grad_norm"]] for record in metrics(root / other)]
+    return rendered[name]
 
 
 def train(project: Path, output_dir: Path, *overrides: str) -> list[list[float]]:
@@ -129,7 +138,7 @@ def test_reduced_precision_matches_the_reference_computed_on_this_machine(name: 
 
 @pytest.mark.parametrize("name", PROJECTS)
 def test_losses_and_grad_norms_are_those_recorded(
-    name: str, tmp_path: Path, tiny_llama: Path, rendered: dict[tuple[str, ...], Path]
+    name: str, tmp_path: Path, tiny_llama: Path, rendered: dict[str, list[list[float]]]
 ) -> None:
     got = losses_of(name, tmp_path, tiny_llama, rendered)
     assert len(got) == 4 and all(math.isfinite(value) for step in got for value in step), got

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun, torchrun_env
 from tests.helpers.scripts import run_scripts
+from tests.helpers.several_runs import launch_several
 
 # A tiny MoE llama: 3 blocks (the first dense, then 2 MoE blocks of 8 experts, top 2, one shared expert).
 TINY_MOE = [
@@ -308,14 +309,19 @@ def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_exper
     model = [arg for pair in pairs if pair[0] != "--model.vocab_size" for arg in pair]
     common = [*model, "--data.path", str(tmp_path / "data"), "--training.seq_len", "64",
               "--training.global_batch_size", "8", "--training.warmup_steps", "10", "--training.lr", "3e-3",
-              "--training.loss_chunks", "1", "--training.steps", "200", "--job.log_every", "50", "--eval.every",
-              "25", "--eval.batches", "4", "--job.device", "cpu"]  # fmt: skip
-    runs = {}
-    for rate in ("1e-2", "0"):
-        out = tmp_path / f"rate-{rate}"
-        result = torchrun(project, "train.py", *common, "--model.expert_bias_rate", rate, "--job.output_dir", str(out))
-        runs[rate] = metrics(out)
-        printed = re.findall(r"^step +\d+/200 \| .* \| experts max/mean (\d\.\d\d) \|", result.stdout, re.M)
+              "--training.loss_chunks", "1", "--job.log_every", "50", "--eval.every", "25", "--eval.batches", "4",
+              "--job.device", "cpu"]  # fmt: skip
+    # The control without biases runs 100 steps, by which the routing has collapsed (measured: max/mean 3.76 over
+    # its steps 51-100, the balanced run's last 50 steps 1.67). Both runs in one launch of 2 ranks
+    # (tests/helpers/several_runs.py: train.train() per run, each with its own config, seed and output folder); the
+    # console tells them apart by their step counts.
+    steps = {"1e-2": 200, "0": 100}
+    result = launch_several(project, [[*common, "--training.steps", str(steps[rate]), "--model.expert_bias_rate", rate,
+                                       "--job.output_dir", str(tmp_path / f"rate-{rate}")] for rate in steps],
+                            tmp_path / "runs.json", nproc=2)  # fmt: skip
+    runs = {rate: metrics(tmp_path / f"rate-{rate}") for rate in steps}
+    for rate, total in steps.items():
+        printed = re.findall(rf"^step +\d+/{total} \| .* \| experts max/mean (\d\.\d\d) \|", result.stdout, re.M)
         assert printed == [f"{r['moe_load_max_mean']:.2f}" for r in runs[rate] if r["step"] % 50 == 0]
     balanced, unbalanced = runs["1e-2"], runs["0"]
     validation = [r["val_loss"] for r in balanced if "val_loss" in r]
@@ -325,6 +331,7 @@ def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_exper
     def late_load(records: list[dict]) -> float:
         return sum(r["moe_load_max_mean"] for r in records[-50:]) / 50
 
+    print(f"late max/mean: balanced {late_load(balanced):.2f}, unbalanced {late_load(unbalanced):.2f}")
     assert late_load(balanced) < 2.0 < 3.5 < late_load(unbalanced), (late_load(balanced), late_load(unbalanced))
     assert balanced[-1]["moe_bias_abs_max"] > 0.1 and unbalanced[-1]["moe_bias_abs_max"] == 0
 
@@ -335,13 +342,13 @@ def test_activation_checkpointing_modes_give_the_same_moe_numbers(tmp_path: Path
     2nd block recomputed, the other not) and "full" give no AC's losses, grad norms and load figures. A recomputed
     block runs its router again in backward: its tokens must not count twice."""
     project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--activation-checkpointing", "selective")
-    runs = {}
-    for mode in ("none", "selective", "layer", "full"):
-        out = tmp_path / mode
-        plain_process(project, *TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01",
-                      "--training.steps", "3", "--parallel.activation_checkpointing", mode, "--job.output_dir",
-                      str(out))  # fmt: skip
-        runs[mode] = metrics(out)
+    # The 4 runs in one plain process (tests/helpers/several_runs.py: train.train() per run, each with its own
+    # config, seed and output folder).
+    modes = ("none", "selective", "layer", "full")
+    launch_several(project, [[*TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01",
+                              "--training.steps", "3", "--parallel.activation_checkpointing", mode, "--job.output_dir",
+                              str(tmp_path / mode)] for mode in modes], tmp_path / "runs.json", nproc=1)  # fmt: skip
+    runs = {mode: metrics(tmp_path / mode) for mode in modes}
     figures = ["loss", "grad_norm", "moe_aux_loss", *MOE_FIGURES]
     for mode in ("selective", "layer", "full"):
         for a, b in zip(runs["none"], runs[mode], strict=True):

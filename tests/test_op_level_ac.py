@@ -21,7 +21,8 @@ import pytest
 from fsdp2gen.plan_activations import block_activation_bytes, op_level_kept_bytes
 from fsdp2gen.plan_shapes import FP32
 from fsdp2gen.sizes import LlamaShape
-from tests.conftest import HELPERS, TINY, generate, metrics, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 MODES = ("selective", "layer", "full")
 
@@ -34,12 +35,13 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_ac_mode_trains_to_the_numbers_of_no_ac(project: Path, tmp_path: Path) -> None:
     assert 'activation_checkpointing = "selective"' in (project / "config.toml").read_text()
-    runs = {}
-    for mode in ("none", *MODES):
-        out = tmp_path / mode
-        torchrun(project, "train.py", *TINY, "--model.n_layers", "3", "--training.steps", "3", "--job.device", "cpu",
-                 "--parallel.activation_checkpointing", mode, "--job.output_dir", str(out), nproc=2)  # fmt: skip
-        runs[mode] = [(record["loss"], record["grad_norm"]) for record in metrics(out)]
+    # The 4 runs in one launch of 2 ranks (tests/helpers/several_runs.py: train.train() per run, each with its own
+    # config, seed and output folder).
+    modes = ("none", *MODES)
+    launch_several(project, [[*TINY, "--model.n_layers", "3", "--training.steps", "3", "--job.device", "cpu",
+                              "--parallel.activation_checkpointing", mode, "--job.output_dir", str(tmp_path / mode)]
+                             for mode in modes], tmp_path / "runs.json", nproc=2)  # fmt: skip
+    runs = {mode: [(record["loss"], record["grad_norm"]) for record in metrics(tmp_path / mode)] for mode in modes}
     assert len(runs["none"]) == 3
     for mode in MODES:
         for (loss, norm), (plain_loss, plain_norm) in zip(runs[mode], runs["none"], strict=True):

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 STEPS = 10
 # max_norm far below the gradient norms (~1): every step is clipped, so clipping must be right everywhere.
@@ -54,25 +55,48 @@ def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("tp") / "run-tp", "--gpus", "4", "--fp32", "--tp", "2")
 
 
-@pytest.mark.parametrize(
-    "nproc,options",
-    [
-        (2, []),
-        # (An int reshard_after_forward, keeping parameters sharded over groups between forward and backward: the
-        # 8-GPU project's own test_resharding_to_groups_changes_memory_not_numbers, 8 ranks in groups of 4 with 2
-        # micro-batches equal to one process, run by test_training_runs.py.)
-        # HSDP: 2 replicas, each sharded over 2 ranks.
-        (4, ["--parallel.dp_replicate", "2"]),
-        # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
-        # after every micro-batch (the default), and held unsharded until the last one.
-        (2, ["--training.grad_accum_steps", "4"]),
-        (2, ["--training.grad_accum_steps", "4", "--training.grad_sync", "last_micro_batch"]),
-    ],
-    ids=["2-ranks", "4-ranks-hsdp-2x2", "2-ranks-accumulate-4", "2-ranks-accumulate-4-sync-last"],
-)
+SHARDED = {
+    "2-ranks": (2, []),
+    # (An int reshard_after_forward, keeping parameters sharded over groups between forward and backward: the
+    # 8-GPU project's own test_resharding_to_groups_changes_memory_not_numbers, 8 ranks in groups of 4 with 2
+    # micro-batches equal to one process, run by test_training_runs.py.)
+    # HSDP: 2 replicas, each sharded over 2 ranks.
+    "4-ranks-hsdp-2x2": (4, ["--parallel.dp_replicate", "2"]),
+    # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
+    # after every micro-batch (the default), and held unsharded until the last one.
+    "2-ranks-accumulate-4": (2, ["--training.grad_accum_steps", "4"]),
+    "2-ranks-accumulate-4-sync-last": (2, ["--training.grad_accum_steps", "4", "--training.grad_sync",
+                                           "last_micro_batch"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The 2-rank cases of SHARDED in ONE torchrun launch (tests/helpers/several_runs.py: torch imported and the
+    process group joined once, then train.train() per case, each with its own config, seed and output folder; a
+    launch costs ~8 CPU-s before it trains): case -> output folder."""
+    root = tmp_path_factory.mktemp("sharded")
+    cases = {case: options for case, (nproc, options) in SHARDED.items() if nproc == 2}
+    several_runs(projects["fp32"], {root / case: options for case, options in cases.items()}, nproc=2)
+    return {case: root / case for case in cases}
+
+
+def several_runs(project: Path, runs: dict[Path, list[str]], nproc: int) -> None:
+    """train.py's run of RUN + options into each output folder, all in one launch of `nproc` ranks."""
+    argv = [[*RUN, *options, "--checkpoint.model_only_final", "true", "--job.output_dir", str(output_dir)]
+            for output_dir, options in runs.items()]  # fmt: skip
+    launch_several(project, argv, next(iter(runs)).parent / "runs.json", nproc)
+
+
+@pytest.mark.parametrize("case", list(SHARDED))
 def test_sharded_run_equals_plain_pytorch(
-    projects: dict[str, Path], reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
+    projects: dict[str, Path],
+    reference: tuple[list[dict], dict],
+    sharded_runs: dict[str, Path],
+    tmp_path: Path,
+    case: str,
 ) -> None:
+    nproc, options = SHARDED[case]
     if "--training.grad_sync" in options:
         # The option reaches train_step (not only the config): the default is the other mode, and train_step
         # reads it from the config it is given. tests/test_plan.py measures that last_micro_batch holds the
@@ -84,20 +108,35 @@ def test_sharded_run_equals_plain_pytorch(
         )
         sync = 'set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)'
         assert source.count(sync) == 1 and source.count("train_step(state, batches, config)") == 1
-    assert_run_equals_reference(projects["fp32"], reference, tmp_path, nproc, options)
+    if nproc == 2:  # run in sharded_runs' launch
+        assert_equals_reference(sharded_runs[case], reference)
+    else:
+        torchrun(projects["fp32"], "train.py", *RUN, *options, "--checkpoint.model_only_final", "true",
+                 "--job.output_dir", str(tmp_path), nproc=nproc)  # fmt: skip
+        assert_equals_reference(tmp_path, reference)
+
+
+TIED = ["--model.tie_embeddings", "true"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """The untied and the tied tp run, in ONE launch of 4 ranks (as sharded_runs): tied -> output folder."""
+    root = tmp_path_factory.mktemp("tp-runs")
+    several_runs(tp_project, {root / "untied": [], root / "tied": TIED}, nproc=4)
+    return {False: root / "untied", True: root / "tied"}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_tensor_parallel_run_equals_plain_pytorch(
-    tp_project: Path, reference: tuple[list[dict], dict], tmp_path: Path, tied: bool
+    tp_project: Path, reference: tuple[list[dict], dict], tp_runs: dict[bool, Path], tmp_path: Path, tied: bool
 ) -> None:
     """4 ranks, tp 2 x FSDP 2, torchtitan's layout: sequence-parallel norms, vocabulary-split embedding and
     output, loss_parallel, block linears split; all parameters on the 2-D mesh, clipping on every step. Tied:
     the embedding and output share one vocabulary-split parameter (train.py re-ties them after TP)."""
     assert "tp = 2\n" in (tp_project / "config.toml").read_text()
-    options = ["--model.tie_embeddings", "true"] if tied else []
-    expected = reference_run(tp_project, tmp_path / "reference", options) if tied else reference
-    worst = assert_run_equals_reference(tp_project, expected, tmp_path / "run", 4, options)
+    expected = reference_run(tp_project, tmp_path / "reference", TIED) if tied else reference
+    worst = assert_equals_reference(tp_runs[tied], expected)
     print(f"\ntp 2 x dp 2, tied={tied}: max |diff| vs plain PyTorch {worst}")
 
 
@@ -115,12 +154,8 @@ def test_tensor_parallel_needs_seq_len_divisible_by_tp(tp_project: Path, tmp_pat
     assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)
 
 
-def assert_run_equals_reference(
-    project: Path, reference: tuple[list[dict], dict], tmp_path: Path, nproc: int, options: list[str]
-) -> dict[str, float]:
-    """Fail unless the run equals the reference within TOLERANCE; the largest differences seen."""
-    torchrun(project, "train.py", *RUN, *options, "--checkpoint.model_only_final", "true",
-             "--job.output_dir", str(tmp_path), nproc=nproc)  # fmt: skip
+def assert_equals_reference(tmp_path: Path, reference: tuple[list[dict], dict]) -> dict[str, float]:
+    """Fail unless the run in `tmp_path` equals the reference within TOLERANCE; the largest differences seen."""
     expected_metrics, expected_params = reference
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

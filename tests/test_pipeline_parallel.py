@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.several_runs import launch_several
 from tests.test_launchers import launch_two_nodes
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
@@ -47,12 +48,15 @@ SCHEDULES = {
 # Each schedule's run carries one more option of the project it runs in, so that one launch proves both: GPipe
 # writes its checkpoints in the background (dcp-async; test_dcp_async_checkpoints_of_pp2_resume_... resumes them),
 # Interleaved1F1B recomputes its stages' blocks under op-level selective activation checkpointing (full
-# checkpointing runs under DualPipeV below). 1F1B runs the plain project.
+# checkpointing runs under DualPipeV below). 1F1B runs the plain project. GPipe and Interleaved1F1B run in one
+# project rendered with both options (options_project), in one launch: GPipe with activation checkpointing off
+# (SCHEDULE_ARGS), Interleaved1F1B with its checkpoints written in the background too.
 SCHEDULE_OPTIONS = {
     "1F1B": [],
     "GPipe": ["--checkpoint", "dcp-async"],
     "Interleaved1F1B": ["--activation-checkpointing", "selective"],
 }
+SCHEDULE_ARGS = {"GPipe": ["--parallel.activation_checkpointing", "none"], "Interleaved1F1B": []}
 
 
 def train(project: Path, output_dir: Path, *args: str, nproc: int) -> subprocess.CompletedProcess:
@@ -103,17 +107,11 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def async_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pp project with background-saved checkpoints (--checkpoint dcp-async)."""
-    return generate(tmp_path_factory.mktemp("pp-async") / "pp2", "--gpus", "4", "--pp", "2", "--fp32",
-                    *SCHEDULE_OPTIONS["GPipe"])  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def selective_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pp project with op-level selective activation checkpointing."""
-    return generate(tmp_path_factory.mktemp("pp-sac") / "pp2", "--gpus", "4", "--pp", "2", "--fp32",
-                    *SCHEDULE_OPTIONS["Interleaved1F1B"])  # fmt: skip
+def options_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pp project with background-saved checkpoints (--checkpoint dcp-async) and op-level selective activation
+    checkpointing (--activation-checkpointing selective, config.toml's default; GPipe's runs turn it off)."""
+    return generate(tmp_path_factory.mktemp("pp-options") / "pp2", "--gpus", "4", "--pp", "2", "--fp32",
+                    *SCHEDULE_OPTIONS["GPipe"], *SCHEDULE_OPTIONS["Interleaved1F1B"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -124,22 +122,63 @@ def one_process(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return output_dir
 
 
+# The runs of the plain pp project on 4 ranks, made in ONE torchrun launch (tests/helpers/several_runs.py: torch
+# imported and the process group joined once, then train.train() per run, each with its own config, mesh, seed and
+# output folder): 1F1B and the two zero-bubble schedules the plain project runs (pp 2 x dp_shard 2), and the resume
+# of one process's step-2 checkpoint with pp 2 x dp_replicate 2. A launch of 4 ranks costs ~14 CPU-s before it
+# trains; each of these runs ~2.
+PROJECT_RUNS = {
+    "1F1B": SCHEDULES["1F1B"],
+    "InterleavedZeroBubble": ["--parallel.pp_schedule", "InterleavedZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+    "ZBVZeroBubble": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+    "hsdp-resume": ["--parallel.dp_replicate", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def project_runs(
+    project: Path, one_process: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[], tuple[dict[str, Path], str]]:
+    """PROJECT_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
+    stdout. The hsdp-resume run starts from a copy of one process's run without its step-4 checkpoint."""
+    made: list[tuple[dict[str, Path], str]] = []
+
+    def runs() -> tuple[dict[str, Path], str]:
+        if not made:
+            root = tmp_path_factory.mktemp("pp-project-runs")
+            folders = {name: root / name for name in PROJECT_RUNS}
+            shutil.copytree(one_process, folders["hsdp-resume"])
+            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
+            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in PROJECT_RUNS.items()]
+            result = launch_several(project, argv, root / "runs.json", nproc=4)
+            made.append((folders, result.stdout))
+        return made[0]
+
+    return runs
+
+
 @pytest.fixture(scope="module")
 def schedule_runs(
-    project: Path, async_project: Path, selective_project: Path, tmp_path_factory: pytest.TempPathFactory
+    project_runs: Callable[[], tuple[dict[str, Path], str]],
+    options_project: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str], Path]:
     """pp 2 x dp_shard 2 on 4 ranks under a schedule of SCHEDULES, in the project of SCHEDULE_OPTIONS: ranks 0-1
-    hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each schedule's run is made once, by the first
-    test that asks for it, and its output folder shared (a fixture parametrized by schedule would be torn down and
-    run again for each test that names its schedule out of order)."""
-    projects = {"1F1B": project, "GPipe": async_project, "Interleaved1F1B": selective_project}
+    hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each launch is made once, by the first test
+    that asks for one of its runs, and its output folders shared (a fixture parametrized by schedule would be torn
+    down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS' launch, GPipe's
+    and Interleaved1F1B's together in options_project (tests/helpers/several_runs.py)."""
     runs: dict[str, Path] = {}
 
     def run(schedule: str) -> Path:
-        if schedule not in runs:
-            output_dir = tmp_path_factory.mktemp(f"pp2-dp2-{schedule}")
-            ran(train(projects[schedule], output_dir, *SCHEDULES[schedule], nproc=4))
-            runs[schedule] = output_dir
+        if schedule == "1F1B":  # the plain project's: made in its launch of several runs
+            return project_runs()[0]["1F1B"]
+        if not runs:
+            root = tmp_path_factory.mktemp("pp2-dp2-options")
+            runs.update({name: root / name for name in SCHEDULE_ARGS})
+            argv = [[*RUN, "--job.output_dir", str(runs[name]), *SCHEDULES[name], *SCHEDULE_ARGS[name]]
+                    for name in SCHEDULE_ARGS]  # fmt: skip
+            launch_several(options_project, argv, root / "runs.json", nproc=4)
         return runs[schedule]
 
     return run
@@ -251,17 +290,14 @@ def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
 
 
 def test_a_checkpoint_saved_by_one_process_resumes_with_pp2_x_hsdp_as_the_uninterrupted_run(
-    one_process: Path, project: Path, tmp_path: Path
+    one_process: Path, project_runs: Callable[[], tuple[dict[str, Path], str]]
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(one_process, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
     # The whole model's checkpoint of step 2, each stage loading its own blocks and their optimizer state, on
     # pp 2 x dp_replicate 2 x dp_shard 1: each stage replicated on 2 ranks, its gradients all-reduced between them
-    # (steps 3 and 4, validated and checkpointed, equal one process: the HSDP layout's proof).
-    result = train(project, run, "--parallel.dp_replicate", "2", nproc=4)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # (steps 3 and 4, validated and checkpointed, equal one process: the HSDP layout's proof). (PROJECT_RUNS)
+    folders, stdout = project_runs()
+    run = folders["hsdp-resume"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     diffs = differences(run, one_process, [3, 4])
     print(diffs)  # the figures README.md quotes (pytest -s)
     assert max(diffs.values()) <= TOLERANCE, diffs
@@ -280,7 +316,7 @@ def test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_without_the_pipeline(tmp_pat
 
 
 def test_dcp_async_checkpoints_of_pp2_resume_with_pp1_as_the_uninterrupted_run(
-    schedule_runs: Callable[[str], Path], one_process: Path, async_project: Path, tmp_path: Path
+    schedule_runs: Callable[[str], Path], one_process: Path, options_project: Path, tmp_path: Path
 ) -> None:
     # The step-2 checkpoint written by two stages (each sharded over 2 ranks), loaded by 2 ranks holding every block.
     # In the background-saved style: the same state dicts (keyed by parameter name) as dcp's, staged and written
@@ -291,7 +327,7 @@ def test_dcp_async_checkpoints_of_pp2_resume_with_pp1_as_the_uninterrupted_run(
     run = tmp_path / "pp2"
     shutil.copytree(schedule_runs("GPipe"), run)
     shutil.rmtree(run / "checkpoints" / "step-4")
-    result = train(async_project, run, "--parallel.pp", "1", nproc=2)
+    result = train(options_project, run, "--parallel.pp", "1", *SCHEDULE_ARGS["GPipe"], nproc=2)
     ran(result)
     assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
     diffs = differences(run, one_process, [3, 4])
@@ -660,15 +696,19 @@ ZERO_BUBBLE = {
 
 @pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
 def test_zero_bubble_schedules_on_pp2_x_dp_shard2_equal_one_process(
-    schedule: str, project: Path, one_process: Path, tmp_path: Path
+    schedule: str, project_runs: Callable[[], tuple[dict[str, Path], str]], one_process: Path, tmp_path: Path
 ) -> None:
     options, args = ZERO_BUBBLE[schedule]
-    if options:
+    if options:  # DualPipeV, in its own project (launched alone)
         project = generate(tmp_path / "p", "--gpus", "4", "--pp", "2", "--precision", "fp32", *options)
-    ran(train(project, tmp_path / "out", *args, "--parallel.pp_stages_per_rank", "2", nproc=4))
+        out = tmp_path / "out"
+        ran(train(project, out, *args, "--parallel.pp_stages_per_rank", "2", nproc=4))
+    else:  # the plain project's, in its launch of several runs
+        assert PROJECT_RUNS[schedule] == [*args, "--parallel.pp_stages_per_rank", "2"]
+        out = project_runs()[0][schedule]
     # Validation too: under a V it runs the schedule's forwards only (pipeline.forward_only_order).
-    assert all("val_loss" in numbers(tmp_path / "out")[step] for step in (2, 4))
-    diffs = differences(tmp_path / "out", one_process, [1, 2, 3, 4])
+    assert all("val_loss" in numbers(out)[step] for step in (2, 4))
+    diffs = differences(out, one_process, [1, 2, 3, 4])
     print(diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
 
@@ -718,7 +758,7 @@ ZERO_BUBBLE_REFUSALS = {
 
 @pytest.mark.parametrize("case", list(ZERO_BUBBLE_REFUSALS))
 def test_what_the_zero_bubble_schedules_cannot_run_is_refused_in_one_line(
-    case: str, refusals: tuple[Path, dict[str, list]], selective_project: Path, tmp_path: Path
+    case: str, refusals: tuple[Path, dict[str, list]], options_project: Path, tmp_path: Path
 ) -> None:
     # Measured without the refusals: DualPipeV raises in torch's constructor, InterleavedZeroBubble too, and
     # selective checkpointing "Trying to backward an extra time" in the first step's weight gradients.
@@ -729,8 +769,8 @@ def test_what_the_zero_bubble_schedules_cannot_run_is_refused_in_one_line(
     # The selective project's refusal: `python preflight.py` itself, launched.
     command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, "--job.output_dir", str(tmp_path / "o"),
                *args]  # fmt: skip
-    result = subprocess.run(command, cwd=selective_project, capture_output=True, text=True, timeout=120,
-                            env={**torchrun_env(), "PYTHONPATH": str(selective_project)})  # fmt: skip
+    result = subprocess.run(command, cwd=options_project, capture_output=True, text=True, timeout=120,
+                            env={**torchrun_env(), "PYTHONPATH": str(options_project)})  # fmt: skip
     assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
     assert not (tmp_path / "o").exists()  # nothing written
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun, torchrun_env
+from tests.helpers.several_runs import launch_several
 from tests.test_lora import export_merged_and_adapter
 
 TEMPLATE = (
@@ -57,13 +58,18 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     prepare = [sys.executable, "scripts/prepare_chat.py", str(root / "chats.jsonl"), "--output", str(root / "data")]
     result = subprocess.run(prepare, cwd=project, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    out = root / "out"
+    out, resumed = root / "out", root / "resumed"
     train = [*TRAIN, "--data.path", str(root / "data")]
-    result = torchrun(project, "train.py", *train, "--training.steps", "4", "--checkpoint.interval", "2",
-                      "--job.output_dir", str(out))  # fmt: skip
+    # The run, and (in the same launch: tests/helpers/several_runs.py) its resume from step 2 in `resumed`, from a
+    # copy of the run's folder without the step-4 checkpoint and with the metrics of steps 1-2.
+    run = [*train, "--training.steps", "4", "--checkpoint.interval", "2"]
+    interrupted = {"from": str(out), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
+    result = launch_several(project, [[*run, "--job.output_dir", str(out)],
+                                      {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted}],
+                            root / "runs.json", nproc=2)  # fmt: skip
     # rank 4 on the 7 linear layers of 2 blocks: (256 + 256) x 4 x 4 attention, (256 + 512) x 4 x 3 MLP, per block.
     assert "model: 1,510,656 parameters, 34,816 of them trainable (the others frozen)" in result.stdout
-    return {"root": root, "project": project, "model": root / "model", "out": out, "train": train}
+    return {"root": root, "project": project, "model": root / "model", "out": out, "train": train, "resumed": resumed}
 
 
 def probe(qlora: dict, nproc: int, output_dir: Path, **env: str) -> dict:
@@ -118,15 +124,10 @@ def test_on_4_ranks_nf4_shards_equal_torchao_and_a_step_equals_one_process(qlora
     check_probe(probe(qlora, 4, tmp_path / "out"))
 
 
-def test_resume_is_bit_exact(qlora: dict, tmp_path: Path) -> None:
+def test_resume_is_bit_exact(qlora: dict) -> None:
+    # The qlora fixture's second run: steps 3 and 4 resumed from the step-2 checkpoint.
     two = [r["loss"] for r in metrics(qlora["out"])]
-    resumed = tmp_path / "resumed"
-    shutil.copytree(qlora["out"], resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-4")
-    (resumed / "metrics.jsonl").write_text("".join((resumed / "metrics.jsonl").read_text().splitlines(True)[:2]))
-    torchrun(qlora["project"], "train.py", *qlora["train"], "--training.steps", "4", "--checkpoint.interval", "2",
-             "--job.output_dir", str(resumed))  # fmt: skip
-    assert len(two) == 4 and [r["loss"] for r in metrics(resumed)] == two
+    assert len(two) == 4 and [r["loss"] for r in metrics(qlora["resumed"])] == two
 
 
 def test_exported_adapter_on_the_dequantized_base_and_merged_model_give_the_trained_logits(

@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
 from tests.helpers.scripts import run_scripts
+from tests.helpers.several_runs import launch_several
 
 WORDS = "the a cat dog bird sat ran flew on under over mat log tree house quickly slowly red blue big small".split()
 # A tiny llama: a step takes well under a second on 2 CPU ranks.
@@ -186,9 +187,19 @@ def wandb_history(output_dir: Path) -> list[tuple[str, list[dict], tuple[str, fl
 def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, tmp_path: Path) -> None:
     project, out = llama["project"], tmp_path / "out"
     common = [*TINY, *TRAIN, "--data.path", str(llama["data"]), "--wandb.mode", "offline", "--eval.every", "4"]
-    first = torchrun(project, "train.py", *common, "--job.output_dir", str(out), "--training.steps", "8",
-                     "--checkpoint.interval", "4", "--profile.start", "2", "--profile.steps", "2")  # fmt: skip
-    assert "data: " + str(llama["data"]) in first.stdout
+    # Both runs in one launch (tests/helpers/several_runs.py: train.train() per run, each with its own config, seed
+    # and output folder): the first, then its resume (checked below) from the folder as a crash during step 5
+    # would leave it, a copy without the step-8 checkpoint and with the metrics of steps 1-4.
+    resumed = tmp_path / "resumed"
+    interrupted = {"from": str(out), "remove": ["checkpoints/step-8"], "metrics_lines": 4}
+    both = launch_several(project, [
+        [*common, "--job.output_dir", str(out), "--training.steps", "8", "--checkpoint.interval", "4",
+         "--profile.start", "2", "--profile.steps", "2"],
+        {"args": [*common, "--job.output_dir", str(resumed), "--training.steps", "8", "--checkpoint.interval", "4"],
+         "interrupted": interrupted},
+    ], tmp_path / "runs.json", nproc=2)  # fmt: skip
+    first, second = both.stdout.split("\nrun 1: ")
+    assert "data: " + str(llama["data"]) in first
     # model.vocab_size followed data.tokenizer (300 tokens): the config.toml of the project sets none.
     saved = json.loads((out / "checkpoints" / "step-8" / "checkpoint.json").read_text())
     assert saved["config"]["model"]["vocab_size"] == 300
@@ -216,14 +227,7 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
 
     # Resume from the step-4 checkpoint (as after a crash during step 5) repeats steps 5-8 bit for bit, though
     # every batch crosses shard boundaries, and logs into the same W&B run.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(out, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-8")
-    lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (resumed / "metrics.jsonl").write_text("".join(lines[:4]))
-    second = torchrun(project, "train.py", *common, "--job.output_dir", str(resumed), "--training.steps", "8",
-                      "--checkpoint.interval", "4")  # fmt: skip
-    assert f"resumed from {resumed}/checkpoints/step-4 at step 4" in second.stdout
+    assert f"resumed from {resumed}/checkpoints/step-4 at step 4" in second
     again = metrics(resumed)
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in again] == [
         (r["step"], r["loss"], r.get("val_loss")) for r in records
@@ -241,7 +245,7 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
     resharded, single = tmp_path / "resharded", tmp_path / "single"
     shutil.copytree(resumed, resharded)
     shutil.rmtree(resharded / "checkpoints" / "step-8")
-    (resharded / "metrics.jsonl").write_text("".join(lines[:4]))
+    (resharded / "metrics.jsonl").write_text("".join((out / "metrics.jsonl").read_text().splitlines(True)[:4]))
     results = run_scripts(
         project,
         ["train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8", "--checkpoint.interval",
