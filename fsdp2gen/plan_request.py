@@ -217,9 +217,7 @@ def _check_experts(request: PlanRequest) -> None:
         if ep > 1 and model.lora is not None:
             raise PlanError(f"--ep {ep}: an hf project's expert parallelism is not built with LoRA (peft adapts fused "
                             "experts as whole tensors); use --ep 1")  # fmt: skip
-        if ep > 1 and request.tp > 1:
-            raise PlanError(f"--ep {ep} with --tp {request.tp}: an hf project's expert parallelism is not built with "
-                            "tensor parallelism; use --ep 1 or --tp 1")  # fmt: skip
+        # (--tp with an hf model never gets here: plan refuses hf tensor parallelism first, HF_TP_NOT_PLANNED.)
         if ep > 1:
             _check_expert_layout(request, model.n_experts)
         return
