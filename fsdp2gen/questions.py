@@ -184,27 +184,72 @@ def _llama_checkpoint_problem(value: str, config: dict[str, Any]) -> str | None:
     return None
 
 
-def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
-    """--tp N for a local Hugging Face model whose type declares no tensor-parallel plan: refused now rather than
-    at run time. The plans are those the installed transformers declared when scripts/hf_plans.py wrote
-    templates/hf_plans.json (fsdp2gen never imports transformers, which imports torch); a model type it does not
-    list (a newer transformers) is left to preflight, which asks transformers itself."""
+def _local_hf_config(value: int, answers: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """(config.json's path, its content) of the local Hugging Face model a dimension of `value` > 1 is asked of;
+    None when there is nothing to check here: a dimension of 1, another family, or a hub id or config.json that
+    hf_model's own check speaks for."""
     if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
         return None
     config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # a hub id, or a config hf_model's own check speaks for
+        loaded = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return (config, loaded) if isinstance(loaded, dict) else None
+
+
+def _undeclared_plan(dimension: str, name: str, config: Path, loaded: dict[str, Any]) -> str | None:
+    """The start of the line for a model type whose `dimension` plan (its config class's base_model_<dimension>_plan)
+    is empty, as the installed transformers declared it when scripts/hf_plans.py wrote templates/hf_plans.json
+    (fsdp2gen never imports transformers, which imports torch); None if it declares one, or if the file does not list
+    the type (a newer transformers): preflight asks transformers itself."""
+    model_type = loaded.get("model_type")
     plans = json.loads((template_dir() / "hf_plans.json").read_text())
-    declared = plans["models"].get(model_type)
-    if declared is None or declared["tp"]:
+    declared = plans["models"].get(model_type) if isinstance(model_type, str) else None
+    if declared is None or declared[dimension]:
         return None
     return (
-        f"{declared['class']} ({config}: model_type {model_type}) declares no tensor-parallel plan in transformers "
-        f"{plans['transformers']} (its config class's base_model_tp_plan is empty); use --tp 1 (FSDP shards it over "
-        "every GPU)"
+        f"{declared['class']} ({config}: model_type {model_type}) declares no {name} plan in transformers "
+        f"{plans['transformers']} (its config class's base_model_{dimension}_plan is empty"
     )
+
+
+def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--tp N for a local Hugging Face model whose type declares no tensor-parallel plan: refused now rather than
+    at run time."""
+    found = _local_hf_config(value, answers)
+    if found and (undeclared := _undeclared_plan("tp", "tensor-parallel", *found)):
+        return f"{undeclared}); use --tp 1 (FSDP shards it over every GPU)"
+    return None
+
+
+def _pp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--pp N for a local Hugging Face model whose type declares no pipeline plan (which of the base model's
+    children are cut into stages): refused now rather than at run time."""
+    found = _local_hf_config(value, answers)
+    if found and (undeclared := _undeclared_plan("pp", "pipeline", *found)):
+        return f"{undeclared}); use --pp 1 (FSDP shards it over every GPU)"
+    return None
+
+
+# The config.json keys that hold a mixture-of-experts model's number of (routed) experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _ep_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
+    """--ep N for a local Hugging Face model: refused now, rather than at run time, if its type declares no
+    expert-parallel plan (a dense model) or its config.json's number of experts is not divisible by N."""
+    if not (found := _local_hf_config(value, answers)):
+        return None
+    if undeclared := _undeclared_plan("ep", "expert-parallel", *found):
+        return f"{undeclared}: a dense model has no experts to share out); use --ep 1"
+    config, loaded = found
+    # transformers' MoE configs name the count differently (Mixtral: num_local_experts; DeepSeek: n_routed_experts).
+    key = next((key for key in EXPERT_COUNT_KEYS if isinstance(loaded.get(key), int) and loaded[key] > 0), None)
+    if key is not None and loaded[key] % value:
+        fitting = max(d for d in range(1, value + 1) if loaded[key] % d == 0)
+        return f"{config} has {key} {loaded[key]}, which {value} GPUs cannot share out equally; e.g. --ep {fitting}"
+    return None
 
 
 # config.json keys of attention that ring attention (context parallelism: causal SDPA over the whole sequence, in
@@ -221,78 +266,21 @@ def _cp_attention_problem(value: int, answers: dict[str, Any]) -> str | None:
     """--cp N for a local Hugging Face model whose config.json says its attention is more than causal softmax
     attention (RING_CANNOT), or that some of its layers do not attend (layer_types: mamba, linear attention):
     refused now rather than at run time."""
-    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
+    if not (found := _local_hf_config(value, answers)):
         return None
-    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
-    try:
-        loaded = json.loads(config.read_text())
-        loaded = loaded.get("text_config") or loaded  # a multimodal config: its language model's
-    except (OSError, ValueError, AttributeError):
-        return None  # a hub id, or a config hf_model's own check speaks for
+    config, loaded = found
+    if isinstance(loaded.get("text_config"), dict):
+        loaded = loaded["text_config"]  # a multimodal config: its language model's
     what = [text for key, (none, text) in RING_CANNOT.items() if loaded.get(key, none) not in (none, 0)]
-    layers = sorted(set(loaded.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    layers = sorted(set(map(str, loaded.get("layer_types") or [])) - {"full_attention", "sliding_attention"})
     if layers:
-        what.append(f"has {', '.join(map(str, layers))} layers (state carried along the sequence)")
+        what.append(f"has {', '.join(layers)} layers (state carried along the sequence)")
     if not what:
         return None
     name = (loaded.get("architectures") or [loaded.get("model_type")])[0]
     return (
         f"{name} ({config}) {' and '.join(what)}, which ring attention (causal SDPA over the whole sequence, in "
         "pieces) cannot split; use --cp 1"
-    )
-
-
-def _ep_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
-    """--ep N for a local Hugging Face model: refused now, rather than at run time, if its type declares no
-    expert-parallel plan (a dense model; templates/hf_plans.json, as for --tp) or its config.json's number of experts
-    is not divisible by N. A model type the file does not list is left to preflight."""
-    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
-        return None
-    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
-    try:
-        loaded = json.loads(config.read_text())
-        model_type = loaded.get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # a hub id, or a config hf_model's own check speaks for
-    plans = json.loads((template_dir() / "hf_plans.json").read_text())
-    declared = plans["models"].get(model_type)
-    if declared is not None and not declared["ep"]:
-        return (
-            f"{declared['class']} ({config}: model_type {model_type}) declares no expert-parallel plan in "
-            f"transformers {plans['transformers']} (its config class's base_model_ep_plan is empty: a dense model has "
-            "no experts to share out); use --ep 1"
-        )
-    # transformers' MoE configs name the count differently (Mixtral: num_local_experts; DeepSeek: n_routed_experts).
-    key = next((key for key in EXPERT_COUNT_KEYS if isinstance(loaded.get(key), int) and loaded[key] > 0), None)
-    if key is not None and loaded[key] % value:
-        fitting = max(d for d in range(1, value + 1) if loaded[key] % d == 0)
-        return f"{config} has {key} {loaded[key]}, which {value} GPUs cannot share out equally; e.g. --ep {fitting}"
-    return None
-
-
-# The config.json keys that hold a mixture-of-experts model's number of (routed) experts.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def _pp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
-    """--pp N for a local Hugging Face model whose type declares no pipeline plan (its config class's
-    base_model_pp_plan: which of the base model's children are cut into stages): refused now, from
-    templates/hf_plans.json, as _tp_plan_problem does for --tp; preflight asks transformers itself."""
-    if value <= 1 or answers.get("family") != "hf" or not answers.get("hf_model"):
-        return None
-    config = Path(os.path.expanduser(answers["hf_model"])) / "config.json"
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # a hub id, or a config hf_model's own check speaks for
-    plans = json.loads((template_dir() / "hf_plans.json").read_text())
-    declared = plans["models"].get(model_type)
-    if declared is None or declared["pp"]:
-        return None
-    return (
-        f"{declared['class']} ({config}: model_type {model_type}) declares no pipeline plan in transformers "
-        f"{plans['transformers']} (its config class's base_model_pp_plan is empty); use --pp 1 (FSDP shards it over "
-        "every GPU)"
     )
 
 
