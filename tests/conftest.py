@@ -17,7 +17,7 @@ from fsdp2gen.cli import app
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = REPO / "tests" / "helpers"  # probes and reference loops, run by path inside generated projects
 
-# pytest-xdist (addopts: --dist loadfile --no-loadscope-reorder) hands whole files to the 2 workers in collection
+# pytest-xdist (addopts: --dist loadfile --no-loadscope-reorder) hands whole files to the 3 workers in collection
 # order. The files that take minutes go first, longest first, so that none of them is left running alone at the end
 # while the other worker idles (xdist's own reordering puts files with many tests first, which left these last).
 SLOW_FILES_FIRST = (
