@@ -316,9 +316,9 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
         raise PlanError(str(error)) from None
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
-    if tp is None and _project_tp(config, answers) > 1:
+    if tp is None and (project_tp := _project_tp(config, answers)) > 1:
         # Not planned as tp 1: that plan would be wrong (FSDP over every rank, each holding whole activations).
-        raise PlanError(f"{config}: parallel.tp = {_project_tp(config, answers)}: {HF_TP_NOT_PLANNED}")
+        raise PlanError(f"{config}: parallel.tp = {project_tp}: {HF_TP_NOT_PLANNED}")
     if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
         if model.moe_layers:
             raise PlanError(
