@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
-from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable
+from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable, wait_for_job
 
 
 def start_two_nodes(
@@ -228,20 +228,24 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
         yield env
 
 
-def sbatch(project: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
+def sbatch(project: Path, env: dict[str, str], *overrides: str) -> tuple[int, str]:
+    """Submit scripts/slurm.sbatch and wait for the job to end: its exit code and job id."""
     # The test cluster has 2 CPUs and no GPUs: command-line options override the script's #SBATCH lines.
-    options = ["--wait", "--gpus-per-node=0", "--cpus-per-task=2", "--export=ALL,DEVICE=cpu,NPROC=2,OMP_NUM_THREADS=1"]
+    options = ["--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
+               "--export=ALL,DEVICE=cpu,NPROC=2,OMP_NUM_THREADS=1"]  # fmt: skip
     command = ["sbatch", *options, "scripts/slurm.sbatch", *TINY, *overrides]
-    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    submitted = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    return wait_for_job(job_id, env), job_id
 
 
 def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_path: Path) -> None:
     project = generate(tmp_path / "run", "--launcher", "slurm", "--gpus", "2", "--fp32")
-    first = sbatch(project, slurm, "--training.steps", "3")
+    code, job_id = sbatch(project, slurm, "--training.steps", "3")
     logs = {p.name: p.read_text() for p in (project / "logs").iterdir() if p.name != ".gitignore"}
-    assert first.returncode == 0, (first.stdout, first.stderr, logs)
+    assert code == 0, logs
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3]
-    job_id = first.stdout.split()[-1]
     assert "step      3/3 | loss" in logs[f"run-{job_id}.out"]
     # The rendezvous port comes from the job id (two jobs on one head node do not collide), and the CPUs given to
     # sbatch reach torchrun's task.
@@ -251,10 +255,9 @@ def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_pat
         in logs[f"run-{job_id}.out"]
     )
     # A requeued or resubmitted job continues from the newest checkpoint.
-    second = sbatch(project, slurm, "--training.steps", "5")
-    assert second.returncode == 0, second.stderr
+    code, job_id = sbatch(project, slurm, "--training.steps", "5")
+    assert code == 0, (project / "logs" / f"run-{job_id}.err").read_text()[-3000:]
     assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3, 4, 5]
-    job_id = second.stdout.split()[-1]
     assert "resumed from outputs/checkpoints/step-3 at step 3" in (project / "logs" / f"run-{job_id}.out").read_text()
 
 
@@ -280,11 +283,9 @@ def test_a_requeued_new_run_continues_itself(slurm: dict[str, str], tmp_path: Pa
     while "BeginTime" not in subprocess.run(["squeue", "-h", "-o", "%r", "-j", job_id], env=slurm,
                                             capture_output=True, text=True).stdout:  # fmt: skip
         assert time.monotonic() < deadline + 60, "the job was not requeued within 60 s"
-        time.sleep(0.5)
+        time.sleep(0.25)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True, timeout=60)
-    while subprocess.run(["squeue", "-h", "-j", job_id], env=slurm, capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline + 300, "the requeued job did not end within 300 s"
-        time.sleep(1)
+    wait_for_job(job_id, slurm, timeout=300)  # TimeoutError: the requeued job did not end within 300 s
     log = (project / "logs" / f"run-{job_id}.out").read_text()
     errors = (project / "logs" / f"run-{job_id}.err").read_text()
     assert re.search(r"resumed from outputs/checkpoints/step-\d+ at step", log), (log[-2000:], errors[-2000:])

@@ -114,3 +114,28 @@ def local_slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict[str, str]]:
         _stop(root / "slurmctld.pid")
         if started_munged:
             subprocess.run(["pkill", "-x", "munged"])
+
+
+# Job states after which a job never runs again (`scontrol show job`'s JobState).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE"}  # fmt: skip
+
+
+def job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    """`scontrol show job -o JOB_ID`'s fields (JobState, ExitCode, ...), as a dict."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+                           timeout=60, check=True)  # fmt: skip
+    return dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
+
+
+def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 300) -> int:
+    """Wait until the job has ended; its exit code, as `sbatch --wait` returns it. `sbatch --wait` itself sleeps
+    2 s, then 8 s, then 10 s between its polls, which leaves the test waiting on an ended job for up to 10 s; this
+    asks slurmctld every 0.25 s (the job is kept there for MinJobAge, 300 s, after it ends)."""
+    deadline = time.monotonic() + timeout
+    while (fields := job_fields(job_id, env))["JobState"] not in ENDED:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {fields['JobState']} after {timeout} s")
+        time.sleep(0.25)
+    code, signal_number = (int(part) for part in fields["ExitCode"].split(":"))
+    return code or (128 + signal_number if signal_number else 0) or int(fields["JobState"] != "COMPLETED")
