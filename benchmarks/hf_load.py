@@ -5,8 +5,8 @@
 Saves a random Llama (hidden 1024, 8 layers, vocab 8192: 111M parameters, 445 MB of fp32 safetensors in one
 file, as save_pretrained writes a model under 5 GB) in a temporary folder, generates a project for it
 (`fsdp2gen new --family hf --pretrained --fp32`) and runs this file again under `torchrun` (CPU, gloo) once
-per path and world size. Each rank builds the sharded model with random weights, then times the generated
-model.py filling it from the files:
+per path and world size (--tiny: once per world size, for both paths). Each rank builds the sharded model with
+random weights, then times the generated model.py filling it from the files:
 
 - dcp: `load_pretrained`, every rank reading the slices of its own shards (HuggingFaceStorageReader);
 - broadcast: `load_from_rank0` + `finish_pretrained`, rank 0 reading each file whole and broadcasting every
@@ -37,8 +37,9 @@ TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 172,
 PATHS = ("dcp", "broadcast")
 
 
-def worker(project: Path, folder: Path, path: str, out: Path) -> None:
-    """Runs on every rank under torchrun; rank 0 writes the measurement to `out`."""
+def worker(project: Path, folder: Path, paths: list[str], outs: list[Path]) -> None:
+    """Runs on every rank under torchrun: each of `paths` in turn, on a model of its own; rank 0 writes each
+    measurement to its `outs` file."""
     import torch.distributed as dist
 
     sys.path.insert(0, str(project))
@@ -50,27 +51,28 @@ def worker(project: Path, folder: Path, path: str, out: Path) -> None:
     config = parse_args(["--config", str(project / "config.toml"), "--job.device", "cpu", "--model.path", str(folder)])
     device, mesh = init_distributed(config)
     config.model = ModelArgs(path=str(folder), pretrained=False)  # random weights: the load is measured alone
-    model = build_model_meta(config, mesh, device)
-    gc.collect()
-    dist.barrier()
-    meter = PeakRSS()
-    baseline = meter.start()
-    start = time.perf_counter()
-    if path == "dcp":
-        model_module.load_pretrained(model, folder)
-    else:
-        model_module.load_from_rank0(model, folder)
-        model_module.finish_pretrained(model)
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    measured = {"increase": meter.peak() - baseline, "seconds": seconds, "method": meter.method}
-    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, measured)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(gathered))
-    del model
-    gc.collect()
-    dist.barrier()
+    for path, out in zip(paths, outs, strict=True):
+        model = build_model_meta(config, mesh, device)
+        gc.collect()
+        dist.barrier()
+        meter = PeakRSS()
+        baseline = meter.start()
+        start = time.perf_counter()
+        if path == "dcp":
+            model_module.load_pretrained(model, folder)
+        else:
+            model_module.load_from_rank0(model, folder)
+            model_module.finish_pretrained(model)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        measured = {"increase": meter.peak() - baseline, "seconds": seconds, "method": meter.method}
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, measured)
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps(gathered))
+        del model
+        gc.collect()
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -78,11 +80,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default: %(default)s)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, for a quick check that the script runs")
-    parser.add_argument("--worker", nargs=4, metavar=("PROJECT", "FOLDER", "PATH", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, metavar=("PROJECT", "FOLDER", "PATHS", "OUTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        project, folder, path, out = args.worker
-        worker(Path(project), Path(folder), path, Path(out))
+        project, folder, paths, outs = args.worker
+        worker(Path(project), Path(folder), paths.split(","), [Path(out) for out in outs.split(",")])
         return
 
     import torch
@@ -106,19 +108,25 @@ def main() -> None:
         print(f"{'path':<10} {'world':>5} {'rank 0 peak MB':>14} {'load s':>7}")
         results: dict[tuple[str, int], dict] = {}
         method = ""
+        # One launch per path and world size, so that neither path's load runs in a process the other has used
+        # (its allocator's free memory, its page-cache mappings). --tiny, whose figures mean nothing: one launch
+        # per world size, both paths in it (each on a model of its own), a torchrun launch less.
+        groups = [PATHS] if args.tiny else [(path,) for path in PATHS]
         for world in worlds:
-            for path in PATHS:
-                out = root / f"{path}-{world}.json"
+            for group in groups:
+                outs = [root / f"{path}-{world}.json" for path in group]
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-                launch = [*torchrun, __file__, "--worker", str(project), str(folder), path, str(out)]
+                launch = [*torchrun, __file__, "--worker", str(project), str(folder), ",".join(group),
+                          ",".join(map(str, outs))]  # fmt: skip
                 result = subprocess.run(launch, env=env, capture_output=True, text=True)
                 if result.returncode != 0:
-                    sys.exit(f"{path} world {world} failed:\n{result.stderr[-4000:]}")
-                ranks = json.loads(out.read_text())
-                method = ranks[0]["method"]
-                results[path, world] = {"rss": ranks[0]["increase"], "seconds": max(r["seconds"] for r in ranks)}
-                row = results[path, world]
-                print(f"{path:<10} {world:>5} {row['rss'] / 1e6:14.1f} {row['seconds']:7.2f}")
+                    sys.exit(f"{', '.join(group)} world {world} failed:\n{result.stderr[-4000:]}")
+                for path, out in zip(group, outs, strict=True):
+                    ranks = json.loads(out.read_text())
+                    method = ranks[0]["method"]
+                    results[path, world] = {"rss": ranks[0]["increase"], "seconds": max(r["seconds"] for r in ranks)}
+                    row = results[path, world]
+                    print(f"{path:<10} {world:>5} {row['rss'] / 1e6:14.1f} {row['seconds']:7.2f}")
         print(f"peak measured as: {method}")
         for world in worlds:
             dcp, broadcast = results["dcp", world], results["broadcast", world]
