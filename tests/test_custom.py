@@ -76,11 +76,15 @@ def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) 
 
 
 def test_generated_custom_projects_own_training_tests_pass(project: Path) -> None:
-    # Loss falls, 2 ranks equal 1 process, meta init equals eager init, unknown keys refused.
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py"],
-                            cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+    # 2 ranks equal 1 process (and chunked loss the whole), meta init equals eager init, unknown keys refused. The
+    # loss falling on a repeated batch is test_a_user_edited_model_trains_on_two_ranks above (8 samples, the global
+    # batch, every step), on the user's edited block; the metrics' fields that its own test checks too are
+    # metrics.py's, the same in every family (the `full` project's own loss_decreases, test_training_runs.py).
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py",
+                             "-k", "not loss_decreases"], cwd=project, env=torchrun_env(), capture_output=True,
+                            text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
-    assert re.search(r"^5 passed in ", result.stdout, flags=re.M), result.stdout[-2000:]
+    assert re.search(r"^4 passed, 1 deselected in ", result.stdout, flags=re.M), result.stdout[-2000:]
 
 
 # The user's block computes its linear layers with einsum (aten.bmm), where op-level AC looks for aten.mm/addmm.
