@@ -262,8 +262,9 @@ def rank_process(out: Path, rank: int) -> int | None:
 def test_a_crash_is_restarted_and_a_new_run_continues_itself(project: Path, tmp_path: Path) -> None:
     # The launch script's own restart (one torchrun per attempt): rank 1 killed mid-run, every rank starts again
     # and the new run (checkpoint.resume = "never") continues itself, as the run of this same launch.
-    # Killed after its checkpoint of step 4, far from its end (the kill lands within a poll of the 6th row).
-    out, steps = tmp_path / "out", 30
+    # Killed after its checkpoint of step 4, far from its end (the kill lands within a poll of the 6th row; the
+    # restarted run resumes from step 4 or 8 and trains to the end: the steps past 16 would prove nothing more).
+    out, steps = tmp_path / "out", 16
     args = ["--training.steps", str(steps), "--checkpoint.interval", "4", "--checkpoint.resume", "never"]
     launcher = launch(project, out, tmp_path / "launch", *args)
     wait_for(lambda: rank_process(out, 1) is not None, 300, "rank 1 started")
