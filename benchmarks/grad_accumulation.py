@@ -19,7 +19,7 @@ Memory, per rank, as multiples of the rank's gradient shard (= its fp32 paramete
   process touches (gloo buffers, the allocator's slack): compare the modes with each other, not with the plan.
 Step time: median over repetitions of the slowest rank's mean step, the settings interleaved; each ratio is
 against every_micro_batch measured in the same run. Timed in a second torchrun launch without the mmap
-threshold (a page fault per allocation would swamp the step time).
+threshold (a page fault per allocation would swamp the step time); --tiny times in the memory launch.
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[str], memory_file: Path) -> None:
+def worker(
+    project: Path, steps: int, repeat: int, accum: int, overrides: list[str], memory_file: Path, one_launch: bool
+) -> None:
     """Runs on every rank under torchrun: measures memory into `memory_file` if it does not exist yet (first
-    launch), else times the settings and prints the results (rank 0)."""
+    launch), else times the settings and prints the results (rank 0). `one_launch`: both, in this launch."""
     import json
 
     measuring = not memory_file.exists()  # decided once, before rank 0 writes it
@@ -119,11 +121,12 @@ def worker(project: Path, steps: int, repeat: int, accum: int, overrides: list[s
         )
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the worst rank
         memory[name] = dict(zip(("held", "peak", "rss"), (figures / shard).tolist(), strict=True))
-    if measuring:
+    if measuring and not one_launch:
         if rank == 0:
             memory_file.write_text(json.dumps(memory))
         return
-    memory = json.loads(memory_file.read_text())
+    if not measuring:
+        memory = json.loads(memory_file.read_text())  # (every rank measured the same: all_reduce MAX)
 
     def seconds_per_step(name: str) -> float:
         dist.barrier()
@@ -171,12 +174,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model, for a quick check that the script runs")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set when started by torchrun
     parser.add_argument("--memory-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = TINY if args.tiny else FULL
     if args.worker:
         import torch.distributed as dist
 
-        worker(args.worker, args.steps, args.repeat, args.accum, overrides, args.memory_file)
+        worker(args.worker, args.steps, args.repeat, args.accum, overrides, args.memory_file, args.one_launch)
         # Collect the models before tearing the group down, as the generated train.py does.
         gc.collect()
         dist.barrier()
@@ -197,7 +201,11 @@ def main() -> None:
         worker_args += ["--accum", str(args.accum), "--memory-file", str(Path(tmp) / "memory.json")]
         command = [*torchrun, __file__, *worker_args, *(["--tiny"] if args.tiny else [])]
         # Memory first, with freed tensors going back to the OS at once (RSS then follows the live tensors).
-        memory = subprocess.run(command, env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        memory_env = {**env, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        if args.tiny:
+            # Its figures mean nothing: the times too are taken in the memory launch (a torchrun launch less).
+            sys.exit(subprocess.run([*command, "--one-launch"], env=memory_env).returncode)
+        memory = subprocess.run(command, env=memory_env)
         if memory.returncode:
             sys.exit(memory.returncode)
         sys.exit(subprocess.run(command, env=env).returncode)
