@@ -295,14 +295,36 @@ def test_a_killed_torchrun_leaves_no_rank(project: Path, tmp_path: Path) -> None
     print(f"all ranks gone {gone:.1f} s after torchrun's SIGKILL")
 
 
+# The finished run's settings: 5 steps on the same 8 samples (the global batch) every step, a checkpoint after each
+# step, the last 2 kept.
+FINISHED = ["--training.steps", "5", "--data.synthetic_samples", "8", "--checkpoint.interval", "1",
+            "--checkpoint.keep_last", "2"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def finished(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding a finished 2-step run, a checkpoint after each step (launch_local.sh, 2 ranks)."""
+def finished_launch(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A folder holding a finished run of FINISHED (launch_local.sh, 2 ranks), and the launch's stdout."""
     out = tmp_path_factory.mktemp("finished") / "run-a"
-    result = run(project, out, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.keep_last", "2")
+    result = run(project, out, *FINISHED)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
-    return out
+    return out, result.stdout
+
+
+@pytest.fixture(scope="module")
+def finished(finished_launch: tuple[Path, str]) -> Path:
+    return finished_launch[0]
+
+
+def test_launch_local_script_trains_on_two_cpu_ranks(finished_launch: tuple[Path, str]) -> None:
+    out, stdout = finished_launch
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    losses = [r["loss"] for r in records]
+    # The same 8 samples every step: the loss must fall steadily.
+    assert losses[-1] < 0.8 * losses[0] and losses == sorted(losses, reverse=True), losses
+    assert len(re.findall(r"^step +\d+/5 \| loss .* \| ETA \d+:\d\d:\d\d$", stdout, flags=re.M)) == 5
+    # A checkpoint after every step, the older ones pruned (keep_last 2).
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4", "step-5"]
 
 
 @pytest.fixture
@@ -318,7 +340,7 @@ def test_a_new_run_restarted_never_continues_another_launchs_run(
     never = ["--training.steps", "4", "--checkpoint.interval", "1", "--checkpoint.keep_last", "1",
              "--checkpoint.resume", "never"]  # fmt: skip
     refusal = (
-        f"job.output_dir {finished_run} already holds a run (run.json; metrics.jsonl; checkpoints step-1, step-2); "
+        f"job.output_dir {finished_run} already holds a run (run.json; metrics.jsonl; checkpoints step-4, step-5); "
         "checkpoint.resume = 'never' starts a new run, which must not mix with it: give the new run its own "
         "--job.output_dir, or continue that run with --checkpoint.resume auto"
     )
@@ -352,7 +374,7 @@ def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, fini
     # preflight.py's refusals, in one process: launch_local.sh stops with them before torchrun starts
     # (tests/test_bad_input_runtime.py's test_launch_script_stops_before_torchrun_starts).
     before = tree(finished_run)
-    inside = ("checkpoints/step-1/run-b", "checkpoints", "notes/run-b")
+    inside = ("checkpoints/step-4/run-b", "checkpoints", "notes/run-b")
     results = launch_local_preflight(
         project, {case: ["--job.output_dir", str(finished_run / case), "--training.steps", "2"] for case in inside},
         tmp_path,
@@ -380,10 +402,10 @@ def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Pat
     )
     assert (other.returncode, other.stdout, other.stderr) == (2, "", expected)
     assert tree(out) == before
-    # The same model continues it (one process: which run a folder holds does not depend on the ranks).
+    # The same model and data continue it (one process: which run a folder holds does not depend on the ranks).
     same = subprocess.run(
         [sys.executable, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(out), "--training.steps",
-         "2"],
+         "2", "--data.synthetic_samples", "8"],
         cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert same.returncode == 0, same.stderr[-3000:]

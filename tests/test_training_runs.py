@@ -9,26 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, run_own_tests, torchrun, torchrun_env
 
-
-def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], tmp_path: Path) -> None:
-    project = projects["fp32"]
-    result = subprocess.run(
-        ["scripts/launch_local.sh", *TINY, "--training.steps", "5", "--data.synthetic_samples", "8",
-         "--job.output_dir", str(tmp_path)],
-        cwd=project, env={**torchrun_env(), "NPROC": "2", "DEVICE": "cpu"}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    records = metrics(tmp_path)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    losses = [r["loss"] for r in records]
-    # The same 8 samples every step: the loss must fall steadily.
-    assert losses[-1] < 0.8 * losses[0] and losses == sorted(losses, reverse=True), losses
-    assert len(re.findall(r"^step +\d+/5 \| loss .* \| ETA \d+:\d\d:\d\d$", result.stdout, flags=re.M)) == 5
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-5"]
-
-
+# scripts/launch_local.sh training on two CPU ranks (5 steps on a repeated batch: the loss falls steadily, one
+# progress line with its ETA per step, the checkpoints) is test_run_ownership.py's
+# test_launch_local_script_trains_on_two_cpu_ranks, on the launch that its tests of a finished run's folder read.
+#
 # 2 ranks == `python train.py` (no torchrun, a process group of one) in fp32 is the fp32 project's own
 # test_ranks_match_one_process, run below (runs.py launches nproc 1 as a plain process; 1e-5, with 2 accumulated
 # micro-batches), and test_option_numerics.py's 2-ranks case proves 2 ranks without accumulation against plain
@@ -38,8 +24,8 @@ def test_launch_local_script_trains_on_two_cpu_ranks(projects: dict[str, Path], 
 def test_generated_projects_own_tests_pass(projects: dict[str, Path]) -> None:
     # The whole suite once: 4 training tests + 7 checkpoint tests (resume, restart, reshard, export, bad
     # checkpoints, a run it cannot continue, a new run beside another). The loss falling on a repeated batch is
-    # test_launch_local_script_trains_on_two_cpu_ranks above in fp32, and the mixed-precision projects' own test
-    # below (with its checks of the metrics' fields).
+    # test_run_ownership.py's test_launch_local_script_trains_on_two_cpu_ranks in fp32, and the fp16 project's own
+    # test below (with its checks of the metrics' fields).
     stdout = run_own_tests(projects["fp32"], "-k", "not loss_decreases")
     assert re.search(r"^11 passed, 1 deselected in ", stdout, flags=re.M), stdout[-2000:]
 
