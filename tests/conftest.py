@@ -14,6 +14,13 @@ from typer.testing import CliRunner
 
 from fsdp2gen.cli import app
 
+# One compute thread per process, for this pytest worker (set before any test module imports torch) and every process
+# it starts. The suite runs 3 workers on 2 cores: a process with 2 intra-op threads spins its second thread waiting for
+# a core another process holds (a 1-process 10-step run of the default 1-GPU llama project under load: 65-75 CPU-s with
+# 2 threads, 30-31 with 1; the suite's tiny models lose less). torchrun sets it only for --nproc-per-node > 1. The
+# numbers a test compares are computed under the same setting on both sides.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = REPO / "tests" / "helpers"  # probes and reference loops, run by path inside generated projects
 
