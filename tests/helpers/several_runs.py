@@ -79,9 +79,23 @@ def preflight_answers(stdout: str) -> dict[str, list]:
     return json.loads(stdout.split("preflight ", 1)[1].splitlines()[0])
 
 
+def assert_resumed_bit_for_bit(stdout: str, run: Path, kill: dict, checkpoint: int, keys: tuple[str, ...]) -> None:
+    """The run in folder `run`, killed as `kill` says (the launch's `stdout`) and restarted by torchrun, resumed from
+    its checkpoint of step `checkpoint`, and the steps its first attempt had logged since then (metrics.rewound.jsonl)
+    came out the same again: `keys` of each row equal (==)."""
+    from tests.conftest import metrics
+
+    assert f"rank {kill['rank']}: SIGKILL in step {kill['step']}, before its optimizer step" in stdout, stdout[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step-{checkpoint}'} at step {checkpoint}" in stdout, stdout[-3000:]
+    first_attempt = metrics(run, "metrics.rewound.jsonl")
+    assert [row["step"] for row in first_attempt] == list(range(checkpoint + 1, kill["step"]))
+    resumed = {row["step"]: row for row in metrics(run)}
+    for row in first_attempt:
+        assert [resumed[row["step"]][key] for key in keys] == [row[key] for key in keys], row["step"]
+
+
 def main() -> None:
     import torch.distributed as dist
-    import train
 
     with open(sys.argv[1]) as file:
         spec = json.load(file)
@@ -91,7 +105,7 @@ def main() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if not first_attempt:  # a restart after a kill: the runs before the killed one are done
         runs = runs[next(index for index, run in enumerate(runs) if "kill" in run) :]
-    if os.environ.get("RANK", "0") == "0":
+    if first_attempt and os.environ.get("RANK", "0") == "0":
         for argv in scripts:
             run_script(argv)
     if cases and os.environ.get("RANK", "0") == "0":
@@ -126,14 +140,17 @@ def main() -> None:
                 return code
         return None
 
-    # The first run's config joins the process group (job.device, timeout); every run builds its own mesh.
-    train.run_on_every_rank(work, runs[0]["args"])
+    # The first run's config joins the process group (job.device, timeout); every run builds its own mesh. (Imported
+    # here, after the scripts: a script of another project makes the launch's modules be imported again.)
+    importlib.import_module("train").run_on_every_rank(work, runs[0]["args"])
 
 
 def run_script(argv: list[str]) -> None:
-    """`python SCRIPT ARGS` (argv), in this process; what it put on sys.path and the modules it imported from its
-    project (a script of another one may import that one's config.py) are forgotten after it."""
-    path, project = list(sys.path), Path(argv[0]).resolve().parents[1]
+    """`python SCRIPT ARGS` (argv), in this process, in the project SCRIPT is in (its modules and config.toml, as
+    `cd PROJECT && python scripts/SCRIPT` sees them); what it put on sys.path is taken away after it."""
+    launched, project = Path.cwd().resolve(), Path(argv[0]).resolve().parents[1]
+    use_project(project)
+    path = list(sys.path)
     sys.argv = argv
     try:
         runpy.run_path(argv[0], run_name="__main__")
@@ -141,7 +158,8 @@ def run_script(argv: list[str]) -> None:
         assert exit.code in (None, 0), f"{argv}: exit {exit.code}"
     finally:
         sys.path[:] = path
-        forget(project, project / "scripts")
+        forget(project / "scripts")
+        use_project(launched)
 
 
 def use_project(folder: Path) -> None:
