@@ -4,14 +4,16 @@ cannot span the first and the last stage), trained by a generated project on pp 
 process; both must agree in losses, gradient norms and final weights (fp32, 1e-5), and step 1's loss must be plain
 transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per
 rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
-merge of a rank's stages. The Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one
-process without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan;
-tied embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan
-names, so that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
+merge of a rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the
+responses' tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The
+Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process without a pipeline and
+equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; mixture of experts;
+Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage would scale them
+again) are refused in one line by `fsdp2gen new` and by preflight.
 
-Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs in one set of processes): the 4
-ranks' three runs, then one process's three references, the resume, plain transformers and the preflight cases.
-No network: every model is a local folder written by the test.
+Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
+of processes): the chat data's preparation and the 4 ranks' four runs, then one process's four references, the
+resume, plain transformers and the preflight cases. No network: every model is a local folder written by the test.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
+from tests.helpers.chats import chat_model, prepare_chats
 from tests.helpers.several_runs import launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -39,7 +42,11 @@ RUNS = {
     "qwen3": ("qwen3", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
+    # LoRA fine-tuning on chat data (only the responses' tokens are targets) of a tiny Llama with a chat tokenizer,
+    # by a `--lora --task sft` project (LORA_SFT), in the same launches (several_runs.py's "project").
+    "lora-sft": ("chat", [], []),
 }  # fmt: skip
+LORA_SFT = "lora-sft"
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +72,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
         ),  # fmt: skip
     }
-    return save_tiny_models(root, configs)
+    return save_tiny_models(root, configs) | {"chat": chat_model(root / "chat")}
 
 
 def run_options(models: dict[str, Path], output_dir: Path, name: str, pipeline: bool) -> list[str]:
     model, both, pipelined = RUNS[name]
-    options = [*TRAIN, "--model.path", str(models[model]), "--job.output_dir", str(output_dir), *both]
+    data = ["--data.path", str(output_dir.parent / "chats")] if name == LORA_SFT else []
+    options = [*TRAIN, "--model.path", str(models[model]), *data, "--job.output_dir", str(output_dir), *both]
     return options + (pipelined if pipeline else ["--parallel.pp", "1"])
 
 
@@ -81,13 +89,21 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
     root = tmp_path_factory.mktemp("hf-pp")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--gpus", "4",
                        "--pp", "2", "--fp32")  # fmt: skip
-    runs = [run_options(models, root / f"{name}-pp2", name, True) for name in RUNS]
-    launch_several(project, runs, root / "pp2.json", nproc=4)
+    lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["chat"]), "--lora", "--task", "sft",
+                    "--gpus", "4", "--pp", "2", "--fp32")  # fmt: skip
+
+    def run(name: str, pipeline: bool) -> dict:
+        output = root / f"{name}-{'pp2' if pipeline else 'one'}"
+        return {"args": run_options(models, output, name, pipeline)} | (
+            {"project": str(lora)} if name == LORA_SFT else {}
+        )
+
+    spec = {"scripts": [prepare_chats(lora, root)], "runs": [run(name, True) for name in RUNS]}
+    launch_several(project, spec, root / "pp2.json", nproc=4)
     # The Llama run as it was after step 2: resumed without a pipeline, in one process, for step 3.
     preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
     spec = {
-        "runs": [{"args": run_options(models, root / f"{name}-one", name, False), "reference": name != "qwen3-scratch"}
-                 for name in RUNS]
+        "runs": [run(name, False) | {"reference": name != "qwen3-scratch"} for name in RUNS]
         + [{"args": run_options(models, root / "resumed", "llama", False),
             "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-3"]}}],
         "preflight": {
