@@ -134,6 +134,20 @@ def save_tiny_llama(
     return folder
 
 
+def save_tiny_models(root: Path, configs: dict) -> dict[str, Path]:
+    """{name: folder}: each transformers config of `configs` ({name: config}) as a pretrained-model folder root/name,
+    as save_pretrained writes it (no tokenizer), with the random weights of from_config after seed 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        folders[name] = root / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    return folders
+
+
 def metrics(output_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     """The records of `output_dir/metrics.jsonl` (one per step), or of another file of rows: `name`."""
     return [json.loads(line) for line in (output_dir / name).read_text().splitlines()]

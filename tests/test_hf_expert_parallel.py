@@ -4,9 +4,12 @@ save_pretrained (one tensor per expert in the files, fused experts in the model)
 ep 2 x dp_shard_mod_ep 2 (4 gloo ranks, each holding 2 of the 4 experts of every layer, each of those sharded over
 2 ranks) and by one process: both agree in losses, gradient norms, load figures and final weights, step 1's loss is
 plain transformers' on the same batch, and the ep 2 checkpoint of step 2 resumes in one process (ep 1) equal to the
-uninterrupted run. A dense model is refused in one line by `fsdp2gen new --ep` and by preflight.
+uninterrupted run. The Qwen3-MoE run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun:
+it resumes bit for bit (and still equals one process). A dense model is refused in one line by `fsdp2gen new --ep`
+and by preflight.
 
-Two launches in all: the 4-rank one trains both models; the one-process launch runs the preflight cases, both
+Two launches in all (tests/helpers/several_runs.py), and torchrun's restart of the first: the 4-rank one trains both
+models; the one-process launch runs the preflight cases, both
 references (and plain transformers) and the resume. No network: every model is a local folder written here.
 """
 
@@ -14,21 +17,28 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
+from tests.helpers.chats import chat_model, prepare_chats
+from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
+# 4 steps, checkpoints after steps 2 and 4.
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--training.warmup_steps", "2",
-         "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0", "--job.device", "cpu",
+         "--training.lr", "1e-3", "--training.steps", "4", "--eval.every", "0", "--job.device", "cpu",
          "--job.log_every", "1", "--checkpoint.interval", "2"]  # fmt: skip
+STEPS = [1, 2, 3, 4]
+# The ep 2 run of Qwen3-MoE is killed in the middle of step 4 on torchrun's first attempt (several_runs.py's kill).
+KILL = {"rank": 3, "step": 4}
 MOE = ("qwen3-moe", "mixtral")
+# Full fine-tuning on chat data (--task sft: only the responses' tokens are targets; data.document_mask on, each
+# conversation attending to itself) of a Qwen3-MoE with a chat tokenizer, by a project generated for it, in the same
+# launches. (--lora with --ep is refused at `new`: peft adapts each fused expert tensor whole, which ep splits.)
+RUNS = (*MOE, "sft")
 TOLERANCE = 1e-5  # fp32: the all-to-all sums each token's experts in another order than one process
 # The final weights: Adam divides each gradient element by its magnitude, so an element whose terms nearly cancel
 # keeps its summation-order roundoff at up to lr x 1e-2 (tests/test_hf_parallel.py measured 1.0e-5 at lr 1e-3).
@@ -38,59 +48,59 @@ WEIGHTS_TOLERANCE = 2e-5
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """4 experts of hidden 16 in each of 2 layers, top 2: Qwen3-MoE and Mixtral; and a dense Qwen3."""
-    import torch
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-ep-models")
-    configs = {
+    folders = save_tiny_models(root, {
         "qwen3-moe": Qwen3MoeConfig(**SIZES, num_experts=4, moe_intermediate_size=16, head_dim=8),
         "mixtral": MixtralConfig(**SIZES, num_local_experts=4, intermediate_size=16),
         "qwen3": Qwen3Config(**SIZES, intermediate_size=32, head_dim=8),
-    }
-    folders = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        folders[name] = root / name
-        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
+    })  # fmt: skip
+    sizes = SIZES | {"vocab_size": 320}  # the chat tokenizer's 300 tokens
+    folders["sft"] = chat_model(
+        root / "sft", Qwen3MoeConfig(**sizes, num_experts=4, moe_intermediate_size=16, head_dim=8)
+    )
     # 3 experts, which 2 ep ranks cannot share out: its config.json only (trained from scratch, nothing loaded).
     folders["three-experts"] = root / "three-experts"
     Qwen3MoeConfig(**SIZES, num_experts=3, moe_intermediate_size=16, head_dim=8).save_pretrained(root / "three-experts")
     return folders
 
 
-def launch(project: Path, spec: dict, folder: Path, nproc: int) -> subprocess.CompletedProcess:
-    """tests/helpers/hf_runs.py with `spec` in `project`: under torchrun on `nproc` ranks, or one plain process."""
-    (folder / "spec.json").write_text(json.dumps(spec))
-    command = [str(HELPERS / "hf_runs.py"), str(folder / "spec.json")]
-    if nproc > 1:
-        return torchrun(project, *command, nproc=nproc)
-    result = subprocess.run([sys.executable, *command], cwd=project, capture_output=True, text=True, timeout=600,
-                            env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Both models at ep 2 on 4 ranks, then in one process (and the resume, and the preflight cases)."""
+    """Both models at ep 2 on 4 ranks (Qwen3-MoE's run killed mid-step and restarted), then in one process (and the
+    resume, and the preflight cases)."""
     root = tmp_path_factory.mktemp("hf-ep")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4",
                        "--ep", "2", "--fp32")  # fmt: skip
 
-    def options(name: str, run: str) -> list[str]:
-        return [*TRAIN, "--model.path", str(models[name]), "--job.output_dir", str(root / f"{run}-{name}")]
+    sft = generate(root / "sft", "--family", "hf", "--hf-model", str(models["sft"]), "--task", "sft", "--gpus", "4",
+                   "--ep", "2", "--fp32")  # fmt: skip
 
-    ep2 = launch(project, {"runs": [options(name, "ep2") for name in MOE]}, root, nproc=4)
-    # The ep 2 run's folder up to its checkpoint of step 2, resumed by one process with parallel.ep 1.
-    shutil.copytree(root / "ep2-qwen3-moe", root / "resume-qwen3-moe")
-    shutil.rmtree(root / "resume-qwen3-moe" / "checkpoints" / "step-3")
+    def options(name: str, run: str) -> list[str]:
+        data = ["--data.path", str(root / "chats")] if name == "sft" else []
+        return [*TRAIN, "--model.path", str(models[name]), *data, "--job.output_dir", str(root / f"{run}-{name}")]
+
+    def project_of(name: str) -> dict:
+        return {"project": str(sft)} if name == "sft" else {}
+
+    # Rank 3 SIGKILLs itself in step 4 (after its backward, before the optimizer step; the newest checkpoint is
+    # step 2's): torchrun restarts all 4 ranks, which resume from step 2 and compute steps 3 and 4 again.
+    ep2 = launch_several(project, {
+        "scripts": [prepare_chats(sft, root)],
+        "runs": [{"args": options("qwen3-moe", "ep2"), "kill": KILL}, options("mixtral", "ep2"),
+                 {"args": options("sft", "ep2"), **project_of("sft")}],
+    }, root / "ep2.json", nproc=4, restarts=1)  # fmt: skip
     dense = [*TRAIN, "--model.path", str(models["qwen3"]), "--job.output_dir", str(root / "refused")]
     three = [*TRAIN, "--model.path", str(models["three-experts"]), "--model.pretrained", "false", "--job.output_dir",
              str(root / "refused")]  # fmt: skip
-    one = launch(project, {
+    one = launch_several(project, {
         "preflight": {"dense": ["--world-size", "4", *dense], "three-experts": ["--world-size", "4", *three]},
-        "runs": [*(options(name, "one") for name in MOE), [*options("qwen3-moe", "resume"), "--parallel.ep", "1"]],
-    }, root, nproc=1)  # fmt: skip
+        "runs": [*({"args": options(name, "one"), "reference": True, **project_of(name)} for name in RUNS),
+                 # The ep 2 run's folder up to its checkpoint of step 2, resumed by one process with parallel.ep 1.
+                 {"args": [*options("qwen3-moe", "resume"), "--parallel.ep", "1"],
+                  "interrupted": {"from": str(root / "ep2-qwen3-moe"), "remove": ["checkpoints/step-4"]}}],
+    }, root / "one.json", nproc=1)  # fmt: skip
     return {"root": root, "ep2": ep2, "one": one, "project": project}
 
 
@@ -98,8 +108,8 @@ def final_weights(run: Path) -> dict:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(run / "checkpoints" / "step-3", run / "step-3.pt")
-    return torch.load(run / "step-3.pt", weights_only=True)["train"]["model"]
+    dcp_to_torch_save(run / "checkpoints" / "step-4", run / "step-4.pt")
+    return torch.load(run / "step-4.pt", weights_only=True)["train"]["model"]
 
 
 def assert_same_run(got: Path, expected: Path, steps: list[int]) -> None:
@@ -118,37 +128,48 @@ def assert_same_run(got: Path, expected: Path, steps: list[int]) -> None:
         torch.testing.assert_close(weights[key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
 
 
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", RUNS)
 def test_ep2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: dict, name: str) -> None:
     root = runs["root"]
     # Rank 0 says how the experts are shared out: 4 per layer over 2 ranks, each rank's 2 sharded over 2 ranks.
     shared_out = "expert parallelism: 2 of the 4 experts of each of 2 mixture-of-experts layers per rank, sharded over"
     assert f"{shared_out} the 2 ranks that hold the same ones" in runs["ep2"].stdout
-    assert_same_run(root / f"ep2-{name}", root / f"one-{name}", [1, 2, 3])
+    assert_same_run(root / f"ep2-{name}", root / f"one-{name}", STEPS)
     # Step 1's loss is plain transformers' (from_pretrained, its own logits) on the same batch: the experts each
     # rank read from the per-expert files are the right ones.
-    plain = [float(loss) for loss in re.findall(r"plain transformers step 1 loss (\S+)", runs["one"].stdout)]
+    plain = plain_losses(runs["one"].stdout)[str(root / f"one-{name}")]
     ep2 = metrics(root / f"ep2-{name}")[0]["loss"]
-    assert ep2 == pytest.approx(plain[MOE.index(name)], rel=TOLERANCE, abs=TOLERANCE)
+    assert ep2 == pytest.approx(plain, rel=TOLERANCE, abs=TOLERANCE)
+
+
+def test_a_rank_killed_mid_step_under_ep2_dp2_restarts_and_resumes_bit_for_bit(runs: dict) -> None:
+    # torchrun --max-restarts 1 restarts all 4 ranks from the step-2 checkpoint: each loads its 2 experts per layer
+    # (its FSDP shard of them) and of their Adam moments, the data position and the RNG states. Step 3, computed
+    # again, is the first attempt's exactly (==), load figures included. (The whole run equals one process: the
+    # test above, with this run.)
+    run = runs["root"] / "ep2-qwen3-moe"
+    assert sorted(row["step"] for row in metrics(run)) == STEPS
+    keys = ("loss", "grad_norm", "moe_load_max_mean", "moe_load_min_mean")
+    assert_resumed_bit_for_bit(runs["ep2"].stdout, run, KILL, 2, keys)
 
 
 def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict) -> None:
     root = runs["root"]
     assert f"resumed from {root / 'resume-qwen3-moe' / 'checkpoints' / 'step-2'} at step 2" in runs["one"].stdout
-    assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3])
+    assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3, 4])
 
 
 def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(
     runs: dict, models: dict[str, Path], tmp_path: Path
 ) -> None:
     # Run time: the ep project pointed at a dense Qwen3 stops in preflight, before anything is built.
-    code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["dense"]
+    code, _, stderr = preflight_answers(runs["one"].stdout)["dense"]
     assert (code, stderr) == (2, (
         "preflight.py: error: parallel.ep = 2: Qwen3ForCausalLM declares no expert-parallel plan (transformers' "
         "Qwen3Config.base_model_ep_plan is empty: a dense model has no experts to share out); use --parallel.ep 1\n"
     ))  # fmt: skip
     # A mixture-of-experts model whose experts the ep ranks cannot share out equally, from its config.json.
-    code, _, stderr = json.loads(runs["one"].stdout.splitlines()[0])["preflight"]["three-experts"]
+    code, _, stderr = preflight_answers(runs["one"].stdout)["three-experts"]
     assert (code, stderr) == (2, (
         "preflight.py: error: the model's 3 experts (its config.json) must be divisible by parallel.ep (2), which "
         "shares them out equally; e.g. --parallel.ep 1\n"

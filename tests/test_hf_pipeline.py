@@ -4,28 +4,28 @@ cannot span the first and the last stage), trained by a generated project on pp 
 process; both must agree in losses, gradient norms and final weights (fp32, 1e-5), and step 1's loss must be plain
 transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per
 rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
-merge of a rank's stages. The Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one
-process without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan;
-tied embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan
-names, so that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
+merge of a rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the
+responses' tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The
+Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process without a pipeline and
+equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; mixture of experts;
+Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage would scale them
+again) are refused in one line by `fsdp2gen new` and by preflight.
 
-Two launches for all of it (tests/helpers/hf_pipeline_runs.py runs several train.py runs in one set of processes): the 4
-ranks' three runs, then one process's three references, the resume, plain transformers and the preflight cases.
-No network: every model is a local folder written by the test.
+Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
+of processes): the chat data's preparation and the 4 ranks' four runs, then one process's four references, the
+resume, plain transformers and the preflight cases. No network: every model is a local folder written by the test.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
+from tests.helpers.chats import chat_model, prepare_chats
+from tests.helpers.several_runs import launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}  # fmt: skip
@@ -42,13 +42,16 @@ RUNS = {
     "qwen3": ("qwen3", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
+    # LoRA fine-tuning on chat data (only the responses' tokens are targets) of a tiny Llama with a chat tokenizer,
+    # by a `--lora --task sft` project (LORA_SFT), in the same launches (several_runs.py's "project").
+    "lora-sft": ("chat", [], []),
 }  # fmt: skip
+LORA_SFT = "lora-sft"
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import GPT2Config, GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-pp-models")
     configs = {
@@ -69,17 +72,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
         ),  # fmt: skip
     }
-    folders = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        folders[name] = root / name
-        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
-    return folders
+    return save_tiny_models(root, configs) | {"chat": chat_model(root / "chat")}
 
 
 def run_options(models: dict[str, Path], output_dir: Path, name: str, pipeline: bool) -> list[str]:
     model, both, pipelined = RUNS[name]
-    options = [*TRAIN, "--model.path", str(models[model]), "--job.output_dir", str(output_dir), *both]
+    data = ["--data.path", str(output_dir.parent / "chats")] if name == LORA_SFT else []
+    options = [*TRAIN, "--model.path", str(models[model]), *data, "--job.output_dir", str(output_dir), *both]
     return options + (pipelined if pipeline else ["--parallel.pp", "1"])
 
 
@@ -90,29 +89,29 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
     root = tmp_path_factory.mktemp("hf-pp")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--gpus", "4",
                        "--pp", "2", "--fp32")  # fmt: skip
-    plan = {"runs": [[name, run_options(models, root / f"{name}-pp2", name, True)] for name in RUNS]}
-    (root / "pp2.json").write_text(json.dumps(plan))
-    torchrun(project, str(HELPERS / "hf_pipeline_runs.py"), str(root / "pp2.json"), nproc=4)
+    lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["chat"]), "--lora", "--task", "sft",
+                    "--gpus", "4", "--pp", "2", "--fp32")  # fmt: skip
+
+    def run(name: str, pipeline: bool) -> dict:
+        output = root / f"{name}-{'pp2' if pipeline else 'one'}"
+        return {"args": run_options(models, output, name, pipeline)} | (
+            {"project": str(lora)} if name == LORA_SFT else {}
+        )
+
+    spec = {"scripts": [prepare_chats(lora, root)], "runs": [run(name, True) for name in RUNS]}
+    launch_several(project, spec, root / "pp2.json", nproc=4)
     # The Llama run as it was after step 2: resumed without a pipeline, in one process, for step 3.
-    shutil.copytree(root / "llama-pp2", root / "resumed")
-    shutil.rmtree(root / "resumed" / "checkpoints" / "step-3")
     preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
-    plan = {
-        "runs": [[name, run_options(models, root / f"{name}-one", name, False)] for name in RUNS]
-        + [["resumed", run_options(models, root / "resumed", "llama", False)]],
-        "reference": ["llama", "qwen3"],
+    spec = {
+        "runs": [run(name, False) | {"reference": name != "qwen3-scratch"} for name in RUNS]
+        + [{"args": run_options(models, root / "resumed", "llama", False),
+            "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-3"]}}],
         "preflight": {
             name: [*preflight, "--model.path", str(models[name])]
             for name in ("gpt2", "qwen3-tied", "qwen3-moe", "granite")
         },
-    }
-    (root / "one.json").write_text(json.dumps(plan))
-    one = subprocess.run(
-        [sys.executable, str(HELPERS / "hf_pipeline_runs.py"), str(root / "one.json")],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    return root, one.stdout
+    }  # fmt: skip
+    return root, launch_several(project, spec, root / "one.json", nproc=1).stdout
 
 
 def weights(run: Path, step: int) -> dict:
@@ -143,11 +142,11 @@ def assert_equal_runs(got: Path, expected: Path, steps: list[int]) -> None:
 def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: tuple[Path, str], name: str) -> None:
     root, stdout = runs
     assert_equal_runs(root / f"{name}-pp2", root / f"{name}-one", [1, 2, 3])
-    found = re.search(rf"plain transformers step 1 loss {name} (\S+)", stdout)
-    if found:  # the pretrained runs: transformers' own loss of the files, on step 1's batch
-        assert metrics(root / f"{name}-pp2")[0]["loss"] == pytest.approx(float(found.group(1)), rel=TOLERANCE)
-    else:
-        assert name == "qwen3-scratch"
+    plain = plain_losses(stdout).get(str(root / f"{name}-one"))
+    if name == "qwen3-scratch":
+        assert plain is None
+    else:  # the pretrained runs: transformers' own loss of the files, on step 1's batch
+        assert metrics(root / f"{name}-pp2")[0]["loss"] == pytest.approx(plain, rel=TOLERANCE)
 
 
 def test_a_pp2_checkpoint_resumes_in_one_process_as_the_uninterrupted_run(runs: tuple[Path, str]) -> None:
@@ -170,7 +169,7 @@ def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
         "every GPU)\n"
     ))  # fmt: skip
     assert not (tmp_path / "gpt2-pp").exists()
-    cases = json.loads(stdout.split("\npreflight ", 1)[1].splitlines()[0])
+    cases = preflight_answers(stdout)
     expected = {
         "gpt2": "parallel.pp = 2: GPT2LMHeadModel declares no pipeline plan (transformers' "
         "GPT2Config.base_model_pp_plan is empty); use --parallel.pp 1 (FSDP shards it over every rank)",
