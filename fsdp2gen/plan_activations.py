@@ -291,14 +291,53 @@ def routed_kept_bytes(model: HfShape, batch: int, seq_len: int, compute: int) ->
     return compute * (matmuls + tokens * q) + FP32 * batch * model.n_heads * seq_len
 
 
+def hf_tp_saving(
+    model: HfShape, batch: int, seq_len: int, compute: int, ac: str, tp: int, loss_chunks: int = 1, every: int = 2
+) -> int:
+    """What tensor parallelism takes off an hf model's activations (family_activation_bytes' count at tp 1), per
+    rank. The project's tensor_parallel.py applies the model's declared plan without sequence parallelism: between
+    the layers the activations are whole on every tp rank (each block's input, the norms, the inputs of q/k/v and
+    of gate/up, the final norm and the output layer's input), so only what the split layers compute is split: the
+    rotated q, k, v, the attention output and logsumexp (this rank's heads; Qwen3's q_norm and k_norm too), the
+    MLP's hidden units (gate, silu, up, their product), and the logits (by vocabulary, for loss_parallel).
+    Unlike the llama family's tp (block_activation_bytes: sequence parallelism splits all but two inputs)."""
+    if tp == 1:
+        return 0
+    tokens = batch * seq_len
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    attention = compute * (2 * q + 2 * kv) + FP32 * model.n_heads
+    if model.qk_norm:
+        attention += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
+    block = tokens * (attention + 4 * compute * model.ffn_dim)
+    # Selective AC's kept outputs (op_level_kept_bytes): q's, v's and gate's matmuls, attention's output and
+    # logsumexp are this rank's share; down_proj's output is a whole partial sum.
+    kept = compute * tokens * (q + kv + model.ffn_dim + q) + FP32 * tokens * model.n_heads
+    split = {
+        "none": model.n_layers * block,
+        "layer": (model.n_layers - len(range(0, model.n_layers, every))) * block + block,
+        "full": block,
+        "selective": model.n_layers * kept + block,
+    }[ac]
+    saving = split - split // tp  # the split parts: 1/tp of them on each rank
+    logits = FP32 * batch * math.ceil(seq_len / loss_chunks)  # one chunk's log-softmax (head_activation_bytes)
+    return saving + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
+
+
 def activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:
     """Each AC mode's activations per GPU (the plan shows them all, whichever is used), of a rank's local_seq_len
-    tokens."""
-    model, seq = request.model, request.local_seq_len
+    tokens. An hf model's tensor parallelism is counted from its tp 1 figure (hf_tp_saving)."""
+    model, batch, seq, chunks, every = (
+        request.model,
+        request.batch,
+        request.local_seq_len,
+        request.loss_chunks,
+        request.ac_every,
+    )
+    hf = isinstance(model, HfShape)
+    tp = 1 if hf else request.tp
     return {
-        mode: activation_bytes(
-            model, request.batch, seq, compute, mode, request.tp, request.loss_chunks, request.ep, request.ac_every
-        )
-        + family_activation_bytes(model, request.batch, seq, compute, mode, request.ac_every)
+        mode: activation_bytes(model, batch, seq, compute, mode, tp, chunks, request.ep, every)
+        + family_activation_bytes(model, batch, seq, compute, mode, every)
+        - (hf_tp_saving(model, batch, seq, compute, mode, request.tp, chunks, every) if hf else 0)
         for mode in AC_MODES
     }

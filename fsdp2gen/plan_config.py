@@ -228,20 +228,11 @@ def project_request(config: Path, tp: int | None, seq: int | None, cp: int | Non
     """The model, batch and setup of a generated project's config.toml and recorded answers."""
     family = read_answers_file(config.parent / ".copier-answers.yml").get("family", "llama")
     if family == "hf":
-        if cp is not None and cp > 1:
-            raise PlanError(f"--cp {cp}: the plan models context parallelism for family llama only; use --cp 1")
-        return hf_project_request(config, tp, seq)
+        return hf_project_request(config, tp, seq, cp)
     if family != "llama":
         raise PlanError(f"family {family}: only llama and hf are planned; plan a llama of similar shape with --size")
     model_keys, training, answers = _read_config(config)
-    cp = cp or _project_parallel(config, answers, "cp")
-    data = read_toml(config).get("data", {})
-    if cp > 1 and isinstance(data, dict) and data.get("document_mask") is True:
-        # As the project's preflight (context_parallel.py) refuses it.
-        raise PlanError(
-            f"{config}: cp {cp} cannot mask documents (ring attention is causal over the whole sequence); set "
-            "data.document_mask = false there, or plan with --cp 1"
-        )
+    cp = _project_cp(config, answers, cp)
     pipeline = _project_pipeline(config, answers)
     return PlanRequest(
         **pipeline,
@@ -260,6 +251,19 @@ def project_request(config: Path, tp: int | None, seq: int | None, cp: int | Non
         grad_sync=training["grad_sync"],
         loss_chunks=training["loss_chunks"],
     )
+
+
+def _project_cp(config: Path, answers: dict[str, Any], cp: int | None) -> int:
+    """The context-parallel degree to plan (--cp, else the project's), refused with data.document_mask as the
+    project's preflight (context_parallel.py) refuses it."""
+    cp = cp or _project_parallel(config, answers, "cp")
+    data = read_toml(config).get("data", {})
+    if cp > 1 and isinstance(data, dict) and data.get("document_mask") is True:
+        raise PlanError(
+            f"{config}: cp {cp} cannot mask documents (ring attention is causal over the whole sequence); set "
+            "data.document_mask = false there, or plan with --cp 1"
+        )
+    return cp
 
 
 def hf_request(path: Path, seq: int | None) -> PlanRequest:
@@ -295,16 +299,10 @@ def _hf_model_folder(config: Path, model_table: object) -> Path:
     return local
 
 
-# Tensor parallelism of an hf model keeps the activations between layers whole on every tp rank (tensor_parallel.py:
-# no sequence parallelism), unlike llama's layout, which plan models; so plan refuses rather than misplan it.
-HF_TP_NOT_PLANNED = "plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
-
-
-def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanRequest:
+def hf_project_request(config: Path, tp: int | None, seq: int | None, cp: int | None = None) -> PlanRequest:
     """A family hf project: the model of its [model] path's config.json (a local folder), its [lora] adapters, its
-    [training] batch, and the answers it was generated with."""
-    if tp is not None and tp > 1:
-        raise PlanError(f"--tp {tp}: {HF_TP_NOT_PLANNED}")
+    [training] batch, its [parallel] layout (tp, cp, pp: planned from the model's declared plans), and the answers
+    it was generated with."""
     raw = read_toml(config)
     model_table = raw.get("model", {})
     local = _hf_model_folder(config, model_table)
@@ -316,9 +314,6 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
         raise PlanError(str(error)) from None
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
-    if tp is None and (project_tp := _project_tp(config, answers)) > 1:
-        # Not planned as tp 1: that plan would be wrong (FSDP over every rank, each holding whole activations).
-        raise PlanError(f"{config}: parallel.tp = {project_tp}: {HF_TP_NOT_PLANNED}")
     if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
         if model.moe_layers:
             raise PlanError(
@@ -330,13 +325,15 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None) -> PlanReq
     lora = f" + {'QLoRA' if model.lora.nf4 else 'LoRA'} rank {model.lora.rank}" if model.lora else ""
     task = str(_default("task", answers))
     return PlanRequest(
+        **_project_pipeline(config, answers),
         **_parallel_settings(config, answers),
         model=model,
         label=f"{config} ({model.model_type} {model.source}{lora}, task {task})",
         gpus=_default("gpus", answers),
         nodes=_default("nodes", answers),
         precision=str(_default("precision", answers)),
-        tp=1,
+        tp=tp or _project_tp(config, answers),
+        cp=_project_cp(config, answers, cp),
         seq_len=seq or training["seq_len"],
         global_batch_size=training["global_batch_size"],
         grad_accum_steps=training["grad_accum_steps"],

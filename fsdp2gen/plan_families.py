@@ -11,10 +11,14 @@ transformers' blocks save them, which the same tests measure.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fsdp2gen.questions import template_dir
 from fsdp2gen.sizes import LlamaShape
 
 FP32 = 4
@@ -241,7 +245,68 @@ def _experts(config: dict[str, Any], source: str, model_type: str, layers: int) 
             "normalises_top_k": normalises}  # fmt: skip
 
 
-def hf_parameter_shapes(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
+# The dimension a tensor-parallel plan word splits a layer's weight on, as the project's tensor_parallel.py
+# translates the word into torch's styles: 0 (Colwise: output features; an embedding's vocabulary rows), 1
+# (Rowwise: input features; a bias stays whole), None (the weight stays whole on every tp rank). A word not listed
+# is one the project stops on (tensor_parallel.py's torch_style), and plan refuses.
+TP_SPLIT_DIM = {"colwise": 0, "colwise_gather_output": 0, "colwise_rep": 0, "rowwise": 1, "rowwise_rep": 1,
+                "rowwise_split_input": 1, "embedding_rowwise": 0, "embedding_colwise": 1,
+                "replicated_with_grad_allreduce": None, "sequence_parallel": None, "replicate": None}  # fmt: skip
+
+
+@cache
+def declared_tp_plan(model_type: str) -> dict[str, str]:
+    """The tensor-parallel plan the model type declares (its config class's base_model_tp_plan: {module pattern
+    relative to the base model, "*" for a layer index: word}), as templates/hf_plans.json records it from the
+    installed transformers (scripts/hf_plans.py); {} where none is declared or the type is not listed."""
+    plans = json.loads((template_dir() / "hf_plans.json").read_text())["models"]
+    return dict(plans.get(model_type, {}).get("tp_plan", {}))
+
+
+def tp_split_dim(model: HfShape, name: str) -> int | None:
+    """The dimension tensor parallelism splits parameter `name` on (TP_SPLIT_DIM), from the model's declared plan;
+    lm_head is split by vocabulary (the project keeps the logits split for loss_parallel, whatever its word). The
+    model's plan is its config's plus, unless that names them, the input embeddings as "embedding_rowwise"
+    (transformers' PreTrainedModel.init_parallel_plans adds them to every model with a plan and embed_tokens)."""
+    module = name.rsplit(".", 1)[0]
+    if module == "lm_head":
+        return 0
+    plan = {"embed_tokens": "embedding_rowwise"} | declared_tp_plan(model.model_type)
+    for pattern, word in plan.items():
+        if re.fullmatch(r"[^.]+".join(re.escape(part) for part in pattern.split("*")), module.removeprefix("model.")):
+            return TP_SPLIT_DIM[word]
+    return None
+
+
+def tp_unsupported(model: HfShape) -> str | None:
+    """Why plan cannot plan tensor parallelism of `model` (the problem, for a line naming the fix), or None."""
+    plan = declared_tp_plan(model.model_type)
+    if not plan:
+        return f"{model.model_type} declares no tensor-parallel plan (its config class's base_model_tp_plan is empty)"
+    odd = sorted({word for word in plan.values() if word not in TP_SPLIT_DIM})
+    if odd:
+        return f"{model.model_type}'s tensor-parallel plan uses {', '.join(odd)}, which the project does not translate"
+    if model.tie_embeddings and tp_split_dim(model, "model.embed_tokens.weight") != 0:
+        return f"{model.model_type}'s plan splits its tied input and output embeddings differently"
+    return None
+
+
+def hf_parameter_shapes(model: HfShape, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """hf_parameter_shapes_whole's parameters, each as its tensor-parallel rank holds it (tp_split_dim): the
+    weights the model's declared plan splits hold ceil(1/tp) of the split dimension."""
+    shapes = hf_parameter_shapes_whole(model)
+    if tp == 1:
+        return shapes
+    split = []
+    for name, shape in shapes:
+        dim = tp_split_dim(model, name)
+        if dim is not None and dim < len(shape):
+            shape = shape[:dim] + (math.ceil(shape[dim] / tp),) + shape[dim + 1 :]
+        split.append((name, shape))
+    return split
+
+
+def hf_parameter_shapes_whole(model: HfShape) -> list[tuple[str, tuple[int, ...]]]:
     """model.named_parameters() of AutoModelForCausalLM.from_config(config.json), peft's adapters included:
     an adapted layer's own weight moves to `base_layer`, then come lora_A (rank x in) and lora_B (out x rank)."""
     d, hd = model.dim, model.head_dim

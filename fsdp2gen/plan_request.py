@@ -9,10 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fsdp2gen import plan_pp
-from fsdp2gen.plan_config import FIX_CONFIG, HF_TP_NOT_PLANNED, LIMITS, hf_request, project_request, size_request
-from fsdp2gen.plan_families import (
-    HfShape,
-)
+from fsdp2gen.plan_config import FIX_CONFIG, LIMITS, hf_request, project_request, size_request
+from fsdp2gen.plan_families import HfShape, tp_unsupported
 from fsdp2gen.plan_layout import (
     AC_MODES,
     GPUS,
@@ -129,12 +127,7 @@ def _model_request(
     if size is not None:
         return size_request(size, seq)
     if hf_config is not None:
-        request = hf_request(hf_config, seq)
-        if tp is not None and tp > 1:
-            raise PlanError(f"--tp {tp}: {HF_TP_NOT_PLANNED}")
-        if cp is not None and cp > 1:
-            raise PlanError(f"--cp {cp}: the plan models context parallelism for family llama only; use --cp 1")
-        return request
+        return hf_request(hf_config, seq)
     raise PlanError(
         f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config PATH/config.json"
     )
@@ -161,6 +154,7 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
     if request.precision not in COMPUTE_BYTES:
         raise PlanError(f"precision {request.precision} in {config}: choose one of {', '.join(COMPUTE_BYTES)}")
     _check_experts(request)
+    _check_hf_layout(request)
     _check_pipeline(request)
     # layout.py's checks, as preflight.py runs them, worded with plan's options.
     cp = request.cp
@@ -175,7 +169,8 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
         if layout.tp != tp or layout.cp != cp:  # one rank has no mesh (layout.py gives it tp 1, cp 1)
             raise layout_module().LayoutError("", "ranks")
         layout.check_product()
-        layout.check_tensor_parallel(training, model)
+        if not isinstance(model, HfShape):  # an hf model's: _check_hf_layout (no sequence parallelism)
+            layout.check_tensor_parallel(training, model)
         if request.micro_batch is None and request.global_batch_size is not None:
             layout.check_batch(training)
         if cp > 1:
@@ -184,10 +179,37 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
         raise PlanError(_plan_wording(error.problem, request)) from None
 
 
+def _check_hf_layout(request: PlanRequest) -> None:
+    """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
+    not model with them (LoRA's adapters split or staged; a mixture-of-experts model's experts under tp, cp or pp)."""
+    model = request.model
+    if not isinstance(model, HfShape):
+        return
+    degrees = [(flag, degree) for flag, degree in (("--tp", request.tp), ("--cp", request.cp), ("--pp", request.pp))
+               if degree > 1]  # fmt: skip
+    for flag, degree in degrees:
+        if has_experts(model):
+            raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
+                            f"with {flag[2:]} > 1 yet; plan it with {flag} 1 (--ep splits the experts)")  # fmt: skip
+        if model.lora is not None and flag != "--cp":
+            raise PlanError(f"{flag} {degree}: plan does not model LoRA adapters with {flag[2:]} > 1 yet; plan with "
+                            f"{flag} 1")  # fmt: skip
+    if request.tp > 1:
+        problem = tp_unsupported(model)
+        if problem:
+            raise PlanError(f"--tp {request.tp}: {problem} ({model.source}); use --tp 1")
+        for key, value in (("num_attention_heads", model.n_heads), ("num_key_value_heads", model.n_kv_heads),
+                           ("intermediate_size", model.ffn_dim)):  # fmt: skip
+            if value % request.tp:
+                raise PlanError(f"--tp {request.tp} must divide {key} ({value}, {model.source}), which it splits; "
+                                f"e.g. --tp {math.gcd(value, request.tp)}")  # fmt: skip
+
+
 def _check_pipeline(request: PlanRequest) -> None:
     """Pipeline parallelism's rules (plan_pp.check_pipeline), and what the project does not build with it."""
     if request.pp > 1:
         if isinstance(request.model, HfShape):
+            # plan_pp's stages are llama's (its block names and activations); an hf model's are not modelled yet.
             raise PlanError(
                 f"--pp {request.pp}: plan models the pipeline stages of family llama only (an hf project trains with "
                 "--pp, unplanned); use --pp 1"
@@ -217,7 +239,6 @@ def _check_experts(request: PlanRequest) -> None:
         if ep > 1 and model.lora is not None:
             raise PlanError(f"--ep {ep}: an hf project's expert parallelism is not built with LoRA (peft adapts fused "
                             "experts as whole tensors); use --ep 1")  # fmt: skip
-        # (--tp with an hf model never gets here: plan refuses hf tensor parallelism first, HF_TP_NOT_PLANNED.)
         if ep > 1:
             _check_expert_layout(request, model.n_experts)
         return

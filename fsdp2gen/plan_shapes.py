@@ -52,7 +52,7 @@ def parameter_shapes(model: LlamaShape, tp: int = 1) -> list[tuple[str, tuple[in
     row-parallel ones (wo, w2) dim 1, as torchtitan does; norms are replicated.
     """
     if isinstance(model, HfShape):
-        return hf_parameter_shapes(model)  # the hf family has no tensor parallelism
+        return hf_parameter_shapes(model, tp)  # split as the model's declared tensor-parallel plan says
     d, hd = model.dim, model.head_dim
 
     def column(rows: int, cols: int) -> tuple[int, int]:

@@ -20,9 +20,10 @@ OUTPUT = Path(__file__).resolve().parent.parent / "templates" / "hf_plans.json"
 
 
 def declared_plans() -> dict:
-    """{"transformers": version, "models": {model_type: {"class", "tp", "ep", "pp"}}}: "class" the causal LM class,
-    "tp" / "ep" the sorted plan words of its tensor- / expert-parallel plan ([]: none declared), "pp" whether it
-    declares a pipeline-parallel plan. Config classes only: no modeling module is imported."""
+    """{"transformers": version, "models": {model_type: {"class", "tp", "tp_plan", "ep", "pp"}}}: "class" the causal LM
+    class, "tp" / "ep" the sorted plan words of its tensor- / expert-parallel plan ([]: none declared), "tp_plan" the
+    tensor-parallel plan itself ({module pattern: word}: which layers `fsdp2gen plan --tp` splits how), "pp" whether
+    it declares a pipeline-parallel plan. Config classes only: no modeling module is imported."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -33,6 +34,7 @@ def declared_plans() -> dict:
         models[model_type] = {
             "class": class_name,
             "tp": sorted(set((getattr(config, "base_model_tp_plan", None) or {}).values())),
+            "tp_plan": dict(getattr(config, "base_model_tp_plan", None) or {}),
             "ep": sorted(set((getattr(config, "base_model_ep_plan", None) or {}).values())),
             "pp": bool(getattr(config, "base_model_pp_plan", None)),
         }

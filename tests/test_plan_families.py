@@ -393,9 +393,8 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
     for options, message in (
         (["--ep", "16"], "--ep 16 must divide model.n_experts (8): each GPU holds n_experts / ep whole experts; "
          "e.g. --ep 8"),
-        # (the project refuses --ep with --tp at `new`; plan refuses hf tp before it looks at ep)
-        (["--ep", "2", "--tp", "2"], "--tp 2: plan does not model tensor parallelism of hf models yet (train.py runs "
-         "it); plan with --tp 1"),
+        (["--ep", "2", "--tp", "2"], "--tp 2: plan does not model a mixture-of-experts hf model (mixtral) with tp > 1 "
+         "yet; plan it with --tp 1 (--ep splits the experts)"),
     ):  # fmt: skip
         result = invoke("plan", "--hf-config", str(tmp_path), "--nodes", "2", *options)
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
@@ -519,8 +518,8 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
         return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
 
     config = projects["lora"] / "config.toml"
-    assert error("--config", str(config), "--tp", "2") == (
-        "--tp 2: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
+    assert error("--config", str(config), "--tp", "2", "--seq", "32") == (
+        "--tp 2: plan does not model LoRA adapters with tp > 1 yet; plan with --tp 1"
     )
     edited = tmp_path / "config.toml"
     (tmp_path / ".copier-answers.yml").write_bytes((projects["lora"] / ".copier-answers.yml").read_bytes())
@@ -542,18 +541,17 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
     assert error("--size", "8b", "--hf-config", "c.json") == (
         "--size and --hf-config both given; the model comes from one of them"
     )
-    # Tensor parallelism of an hf model (no sequence parallelism: activations whole between layers) is not planned
-    # as llama's: refused from --hf-config --tp, and from a tp project's config, never planned as tp 1 unasked.
-    assert error("--hf-config", str(projects["model"]), "--tp", "2") == (
-        "--tp 2: plan does not model tensor parallelism of hf models yet (train.py runs it); plan with --tp 1"
-    )
+    # Tensor parallelism of an hf model is planned from its declared plan (tests/test_plan_simulation.py's hf tp row):
+    # from --hf-config --tp, and from a tp project's config, whose heads it must divide.
     tp_config = tmp_path / "tp" / "config.toml"
     tp_config.parent.mkdir()
     (tp_config.parent / ".copier-answers.yml").write_bytes((projects["hf"] / ".copier-answers.yml").read_bytes())
     tp_config.write_text((projects["hf"] / "config.toml").read_text().replace("[parallel]\n", "[parallel]\ntp = 2\n"))
-    assert error("--config", str(tp_config)) == (
-        f"{tp_config}: parallel.tp = 2: plan does not model tensor parallelism of hf models yet (train.py runs it); "
-        "plan with --tp 1"
+    for args in (["--hf-config", str(projects["model"]), "--tp", "2"], ["--config", str(tp_config)]):
+        planned = invoke("plan", *args, "--seq", "32", "--json")
+        assert planned.exit_code == 0 and json.loads(planned.stdout)["setup"]["tp"] == 2, planned.stderr
+    assert error("--config", str(tp_config), "--tp", "8", "--seq", "32") == (
+        f"--tp 8 must divide num_attention_heads (4, {projects['model'] / 'config.json'}), which it splits; e.g. --tp 4"
     )
     planned = invoke("plan", "--config", str(tp_config), "--tp", "1", "--seq", "32")
     assert planned.exit_code == 0, planned.stderr

@@ -61,8 +61,9 @@ HF_CONFIGS = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG,
     "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
-# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft")
+# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft,
+# --tp 2).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp")
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,10 @@ class Row:
             model = {"model.size": self.model}
         else:
             model = {f"model.{key}": value for key, value in self.model.items()}
-        # The hf projects have neither key (TP is llama's; generated without --cpu-offload).
+        # The hf projects have no cpu_offload (generated without --cpu-offload), and parallel.tp only when
+        # generated with --tp.
         llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
+        llama |= {"parallel.tp": self.tp} if self.project == "hf-tp" else {}
         if self.blocks and self.project == "llama":
             model["model.n_layers"] = self.blocks  # hf: the config.json the test writes for the row (hf_config)
         return (
@@ -118,7 +121,7 @@ class Row:
         depth = f" ({self.blocks} of its {self.full_depth} blocks)" if self.blocks else ""
         name = f"llama {model}{depth}"
         if self.project != "llama":
-            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft",
+            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft", "hf-tp": "",
                      "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
             name = f"hf {self.model['path']} config.json{depth}{kind}"  # type: ignore[index]
