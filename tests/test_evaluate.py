@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -146,15 +147,16 @@ def test_a_bare_tokenizer_json_or_its_folder_loads_as_the_models_tokenizer(hf_pr
 
 
 def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_transformers_scores_it(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """The built-in llama started from a tiny Llama with Llama 3.1's rotary scaling, trained 2 steps in one process
     (TensorBoard on), exported by hand with export.py --format hf; a local multiple-choice task. evaluate.py (in this
     process) on the exported folder, in this one process; then on the newest checkpoint with --nproc 2: exported by
     export.py --format hf into a temporary folder, scored by two gloo ranks under torchrun (lm-eval's data-parallel
-    path, as on two GPUs). Both give transformers' per-item log-likelihoods by hand (1e-5) on the exported folder
-    and its accuracy; each evaluation writes its results once, the checkpoint's logged at its step with the run (a
-    line in evaluations.jsonl, one TensorBoard scalar), the temporary export gone."""
+    path, as on two GPUs), each scoring its share of the items. Both give transformers' per-item log-likelihoods by
+    hand (1e-5) on the exported folder and its accuracy; each evaluation writes its results once, the checkpoint's
+    logged at its step with the run (a line in evaluations.jsonl, one TensorBoard scalar), the temporary export
+    gone."""
     hub = save_tiny_llama(tmp_path / "model", TEXT, rope_parameters=LLAMA3_ROPE)
     project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(hub), "--gpus", "1", "--fp32",
                        "--tensorboard")  # fmt: skip
@@ -196,6 +198,10 @@ def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_tra
         assert not (out / "evaluations").exists()
         evaluate.run(evaluate.parse_args([str(exported), "--output-dir", str(out), *task]))
         evaluate.run(evaluate.parse_args(["--checkpoints", str(out / "checkpoints"), *task, "--nproc", "2"]))
+    # The work was shared: lm-eval's progress bar (rank 0's only) counted 5 items x 3 choices in one process, and
+    # rank 0's 3 items x 3 choices of the two (rank 1 scored the other 2 items, and one repeated to keep pace).
+    bars = re.findall(r"Running loglikelihood requests: 100%\|[^|\r\n]*\| (\d+)/\1", capfd.readouterr().err)
+    assert list(dict.fromkeys(bars)) == ["15", "9"], bars
     one, two = sorted((out / "evaluations").iterdir(), key=lambda folder: "step-2" in folder.name)
     assert one.name.endswith("-exported") and two.name.endswith("-step-2")
     reference = log_likelihoods_by_hand(exported)
