@@ -2,8 +2,9 @@
 and the results logged where the checkpoint's run logs (TensorBoard). lm-eval itself runs on an hf project in
 tests/test_newcomer_path.py's Hugging Face path (train, export, evaluate as the generated README prints them), and
 here on a built-in llama's checkpoint (started from a Llama 3.1-style Hugging Face folder, exported with
-export.py --format hf), in this process: both check its per-item log-likelihoods against transformers by hand
-(importing lm_eval costs ~5 CPU-seconds, one evaluate.py process ~30).
+export.py --format hf), in this process and in two gloo ranks under torchrun (evaluate.py --nproc 2, the path of
+N GPUs): both check its per-item log-likelihoods against transformers by hand (importing lm_eval costs ~5
+CPU-seconds, one evaluate.py process ~15, a 2-rank one ~30).
 
 Also here, as they need a Hugging Face project and model folder: the bare tokenizer.json that --tokenizer and
 data.tokenizer accept, and preflight's sequence-length line of hf projects.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -145,14 +147,19 @@ def test_a_bare_tokenizer_json_or_its_folder_loads_as_the_models_tokenizer(hf_pr
 
 
 def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_transformers_scores_it(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """The built-in llama started from a tiny Llama with Llama 3.1's rotary scaling, trained 2 steps in one process;
-    evaluate.py (in this process) on its newest checkpoint with a local multiple-choice task: exported by
-    export.py --format hf into a temporary folder, scored by lm-eval. Its per-item log-likelihoods are transformers'
-    by hand (1e-5) on the same checkpoint exported by hand, its accuracy theirs, the temporary export gone."""
+    """The built-in llama started from a tiny Llama with Llama 3.1's rotary scaling, trained 2 steps in one process
+    (TensorBoard on), exported by hand with export.py --format hf; a local multiple-choice task. evaluate.py (in this
+    process) on the exported folder, in this one process; then on the newest checkpoint with --nproc 2: exported by
+    export.py --format hf into a temporary folder, scored by two gloo ranks under torchrun (lm-eval's data-parallel
+    path, as on two GPUs), each scoring its share of the items. Both give transformers' per-item log-likelihoods by
+    hand (1e-5) on the exported folder and its accuracy; each evaluation writes its results once, the checkpoint's
+    logged at its step with the run (a line in evaluations.jsonl, one TensorBoard scalar), the temporary export
+    gone."""
     hub = save_tiny_llama(tmp_path / "model", TEXT, rope_parameters=LLAMA3_ROPE)
-    project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(hub), "--gpus", "1", "--fp32")
+    project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(hub), "--gpus", "1", "--fp32",
+                       "--tensorboard")  # fmt: skip
     out = tmp_path / "outputs"
     train = [sys.executable, "train.py", "--job.device", "cpu", "--job.output_dir", str(out), "--training.steps", "2",
              "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.warmup_steps", "1",
@@ -167,6 +174,7 @@ def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_tra
     with pytest.MonkeyPatch.context() as patch, evaluate_script(project) as evaluate:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("OMP_NUM_THREADS", "1")  # the torchrun ranks below: one thread each on 2 cores
         # A run on token ids (no data.tokenizer) cannot be scored on text: one line, before anything is exported.
         no_tokenizer = tmp_path / "no-tokenizer" / "checkpoints" / "step-2"
         no_tokenizer.mkdir(parents=True)
@@ -182,22 +190,40 @@ def test_a_llama_checkpoint_is_exported_to_hugging_face_format_and_scored_as_tra
         patch.setattr(sys, "argv", ["export.py", str(out / "checkpoints" / "step-2"), "--output", str(exported),
                                     "--format", "hf"])  # fmt: skip
         runpy.run_path(str(project / "scripts" / "export.py"), run_name="__main__")
-        args = ["--checkpoints", str(out / "checkpoints"), "--tasks", str(tasks / "tiny_mc.yaml"), "--device", "cpu"]
-        evaluate.run(evaluate.parse_args(args))
-    (folder,) = (out / "evaluations").iterdir()
-    assert sorted(p.name for p in folder.iterdir()) == ["results.json", "samples_tiny_mc.jsonl"]  # export removed
-    samples = sorted((json.loads(x) for x in (folder / "samples_tiny_mc.jsonl").read_text().splitlines()),
-                     key=lambda sample: sample["doc_id"])  # fmt: skip
-    scored = [[choice[0] for choice in sample["filtered_resps"]] for sample in samples]
+        task = ["--tasks", str(tasks / "tiny_mc.yaml"), "--device", "cpu"]
+        # More processes than items: one would score nothing (lm-eval fails in it); one line, nothing written.
+        with pytest.raises(evaluate.EvaluateError, match=r"^--nproc 6: task tiny_mc has 5 items and each process "
+                           r"needs at least one; use --nproc 5 or fewer$"):  # fmt: skip
+            evaluate.run(evaluate.parse_args(["--checkpoints", str(out / "checkpoints"), *task, "--nproc", "6"]))
+        assert not (out / "evaluations").exists()
+        evaluate.run(evaluate.parse_args([str(exported), "--output-dir", str(out), *task]))
+        evaluate.run(evaluate.parse_args(["--checkpoints", str(out / "checkpoints"), *task, "--nproc", "2"]))
+    # The work was shared: lm-eval's progress bar (rank 0's only) counted 5 items x 3 choices in one process, and
+    # rank 0's 3 items x 3 choices of the two (rank 1 scored the other 2 items, and one repeated to keep pace).
+    bars = re.findall(r"Running loglikelihood requests: 100%\|[^|\r\n]*\| (\d+)/\1", capfd.readouterr().err)
+    assert list(dict.fromkeys(bars)) == ["15", "9"], bars
+    one, two = sorted((out / "evaluations").iterdir(), key=lambda folder: "step-2" in folder.name)
+    assert one.name.endswith("-exported") and two.name.endswith("-step-2")
     reference = log_likelihoods_by_hand(exported)
-    assert len(scored) == len(ITEMS)
-    for ours, theirs in zip(scored, reference, strict=True):
-        assert ours == pytest.approx(theirs, abs=1e-5, rel=0)
+    accuracy = sum(row.index(max(row)) == item["answer"] for row, item in zip(reference, ITEMS, strict=True)) / 5
+    for folder in (one, two):
+        assert sorted(p.name for p in folder.iterdir()) == ["results.json", "samples_tiny_mc.jsonl"]  # export removed
+        samples = [json.loads(x) for x in (folder / "samples_tiny_mc.jsonl").read_text().splitlines()]
+        assert [sample["doc_id"] for sample in samples] == [0, 1, 2, 3, 4]  # every item once, in order
+        scored = [[choice[0] for choice in sample["filtered_resps"]] for sample in samples]
+        for ours, theirs in zip(scored, reference, strict=True):
+            assert ours == pytest.approx(theirs, abs=1e-5, rel=0)
+        results = json.loads((folder / "results.json").read_text())["results"]
+        assert results["tiny_mc"]["acc,none"] == pytest.approx(accuracy)
     # The trained checkpoint, not the folder it started from: training moved the log-likelihoods.
     untrained = [value for row in log_likelihoods_by_hand(hub) for value in row]
     assert max(abs(a - b) for a, b in zip(untrained, sum(reference, []), strict=True)) > 1e-3
-    accuracy = sum(row.index(max(row)) == item["answer"] for row, item in zip(reference, ITEMS, strict=True)) / 5
-    results = json.loads((folder / "results.json").read_text())["results"]
-    assert results["tiny_mc"]["acc,none"] == pytest.approx(accuracy)
-    (row,) = [json.loads(x) for x in (out / "evaluations.jsonl").read_text().splitlines()]
-    assert (row["run_id"], row["step"]) == (metrics(out)[0]["run_id"], 2)
+    # Written once (by rank 0 of the two): a line per evaluation; the checkpoint's names its run and step.
+    rows = [json.loads(x) for x in (out / "evaluations.jsonl").read_text().splitlines()]
+    assert [(row["run_id"], row["step"], row["folder"]) for row in rows] == [
+        (None, None, str(one)), (metrics(out)[0]["run_id"], 2, str(two))]  # fmt: skip
+    assert rows[1]["metrics"]["acc"] == pytest.approx(accuracy)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/tiny_mc/acc")] == [(2, pytest.approx(accuracy))]

@@ -34,8 +34,11 @@ each task's metrics and their standard errors, the configuration of each task, v
 evaluations.jsonl (run id, step, model, task, metrics).
 
 On GPUs the evaluation uses all visible GPUs (--nproc, default: their number): this script starts torchrun with
-one process per GPU, each holding the whole model and scoring its share of the items (lm-eval's data-parallel
-path through accelerate); rank 0 gathers the results and writes them. Without a GPU it runs in this one process.
+one process per GPU, each holding the whole model and scoring its share of each task's items (lm-eval's
+data-parallel path through accelerate); rank 0 gathers every rank's items and writes and logs the results, once.
+Without a GPU (or with --device cpu) it runs in this one process, or with --nproc N in N CPU processes (gloo): the
+same path, the same scores. --nproc may not exceed the visible GPUs (on GPUs) nor any task's items (a process
+without items has nothing to score).
 """
 
 from __future__ import annotations
@@ -43,10 +46,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))  # the project's modules, from any current folder
@@ -76,18 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], help="(default: cuda when a GPU is visible)")
     parser.add_argument("--nproc", type=int, help="processes, one per GPU (default: every visible GPU, or 1)")
     parser.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds (default: %(default)s)")
-    # Set by the launching process for its torchrun ranks: the folder they evaluate and where rank 0 writes.
-    parser.add_argument("--_model", help=argparse.SUPPRESS)
-    parser.add_argument("--_evaluation", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--_source", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main() -> None:
-    args = parse_args()
-    if args._evaluation is not None:  # a torchrun rank started below
-        evaluate(args, args._model, args._evaluation, json.loads(args._source))
+    if sys.argv[1:2] == ["--_rank"]:  # a torchrun rank started by run(): its arguments, model and folders
+        rank = json.loads(sys.argv[2])
+        evaluate(argparse.Namespace(**rank["args"]), rank["model"], Path(rank["evaluation"]), rank["source"])
         return
+    args = parse_args()
     try:
         run(args)
     except EvaluateError as error:
@@ -107,9 +112,16 @@ def run(args: argparse.Namespace) -> None:
             "scores text; give the tokenizer its token ids come from with --tokenizer (a folder or hub id)"
         )
     output_dir = args.output_dir or Path(source["run_dir"] or "outputs")
-    nproc = args.nproc or max(torch.cuda.device_count() if args.device != "cpu" else 1, 1)
-    if nproc > 1 and not torch.cuda.is_available():
-        raise EvaluateError(f"--nproc {nproc}: no CUDA GPU is visible here; run one CPU process (--nproc 1)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    nproc = args.nproc or max(gpus, 1)
+    if device == "cuda" and nproc > gpus:
+        raise EvaluateError(
+            f"--nproc {nproc}: {gpus} GPU{'s are' if gpus > 1 else ' is'} visible (one process per GPU); use --nproc "
+            f"{gpus} or fewer, or --device cpu for CPU processes"
+        )
+    if nproc > 1:
+        check_items(args, nproc)
     evaluation = new_evaluation_folder(output_dir, source["name"])
     model = source["model"]
     try:
@@ -119,12 +131,18 @@ def run(args: argparse.Namespace) -> None:
         if nproc == 1:
             evaluate(args, model, evaluation, source)
         else:
-            # One process per GPU; each rank evaluates its share of every task's items (accelerate reads torchrun's
-            # environment), and rank 0 writes the results.
+            # One process per GPU (or CPU process); each rank evaluates its share of every task's items (accelerate
+            # reads torchrun's environment), and rank 0 writes the results. The ranks get the parsed arguments, not
+            # the command line: torchrun would take --nproc for its own.
+            rank = {"args": vars(args), "model": model, "evaluation": str(evaluation), "source": source}
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                       __file__, *sys.argv[1:], "--_model", model, "--_evaluation", str(evaluation),
-                       "--_source", json.dumps(source)]  # fmt: skip
-            subprocess.run(command, check=True)
+                       __file__, "--_rank", json.dumps(rank, default=str)]  # fmt: skip
+            # accelerate's own switch to CPU processes (`accelerate launch --cpu` sets it): without it accelerate
+            # takes each CPU rank for a process of its own, not one of a gloo group.
+            cpu = {"ACCELERATE_USE_CPU": "true"} if device == "cpu" else {}
+            ranks = subprocess.run(command, env={**os.environ, **cpu})
+            if ranks.returncode != 0:
+                sys.exit(f"evaluate.py: the {nproc} evaluation processes failed (exit {ranks.returncode}); see above")
     finally:
         if model != source["model"]:
             shutil.rmtree(model, ignore_errors=True)  # the temporary export; the results stay
@@ -148,6 +166,39 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise EvaluateError(f"--tasks {task} declares no `task: NAME`; add one (lm-eval calls a task by it)")
     if importlib_missing("lm_eval"):
         raise EvaluateError("evaluation needs the lm-eval package: pip install -e '.[eval]'")
+
+
+def check_items(args: argparse.Namespace, nproc: int) -> None:
+    """Each of the `nproc` processes needs an item of every task (lm-eval gives rank r the items r, r + nproc, ...).
+    lm-eval's own task loading counts them; it also downloads a hub task's dataset here, once, not in each rank."""
+    from lm_eval.evaluator_utils import get_sample_size
+
+    names, task_manager = lm_eval_tasks(args)
+    for name, task in task_manager.load(names)["tasks"].items():
+        items = min(len(task.eval_docs), get_sample_size(task, args.limit) or len(task.eval_docs))
+        if items < nproc:
+            raise EvaluateError(
+                f"--nproc {nproc}: task {name} has {items} items{' within --limit' if args.limit else ''} and each "
+                f"process needs at least one; use --nproc {items} or fewer"
+            )
+
+
+def lm_eval_tasks(args: argparse.Namespace) -> tuple[list[str], TaskManager]:
+    """--tasks as lm-eval's task names, and lm-eval's TaskManager that finds them: --include-path and the folder of
+    each task given as a YAML file (then called by the name it declares) join lm-eval's own tasks. When every task is
+    a YAML file, lm-eval's own are not indexed (~7 CPU-seconds in each process): a file declaring one task needs none
+    of them (groups, which would, are refused by check_arguments: they declare no `task: NAME`)."""
+    from lm_eval.tasks import TaskManager
+
+    names, include = [], [str(args.include_path)] if args.include_path else []
+    for task in args.tasks.split(","):
+        if task.endswith((".yaml", ".yml")):
+            include.append(str(Path(task).resolve().parent))
+            names.append(task_name(Path(task)))
+        else:
+            names.append(task)
+    files_only = all(task.endswith((".yaml", ".yml")) for task in args.tasks.split(","))
+    return names, TaskManager(include_path=include or None, include_defaults=not files_only)
 
 
 def importlib_missing(name: str) -> bool:
@@ -213,24 +264,22 @@ def evaluate(args: argparse.Namespace, model: str, evaluation: Path, source: dic
     """lm-eval's simple_evaluate on `model` (a folder or hub id); rank 0 writes the results and logs them."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    tasks, include = [], [str(args.include_path)] if args.include_path else []
-    for task in args.tasks.split(","):
-        if task.endswith((".yaml", ".yml")):
-            # A task's own file: its folder joins the task index, the task is called by the name it declares.
-            include.append(str(Path(task).resolve().parent))
-            tasks.append(task_name(Path(task)))
-        else:
-            tasks.append(task)
+    tasks, task_manager = lm_eval_tasks(args)
     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
     lm = HFLM(pretrained=model, tokenizer=args.tokenizer, batch_size=args.batch_size, dtype=args.dtype, device=device)
+    accelerator = getattr(lm, "accelerator", None)  # HFLM keeps accelerate's Accelerator when it has several ranks
+    if accelerator is not None and lm.world_size == 1:
+        # CPU ranks: HFLM turns on its data parallelism only when it counts more than one CUDA GPU, although its
+        # Accelerator (accelerate's MULTI_CPU, gloo) holds them all; this sets the rank and world size its GPU
+        # branch sets, from that Accelerator. The rest (each rank's items, the padding, the gathering) is lm-eval's.
+        lm._rank, lm._world_size = accelerator.local_process_index, accelerator.num_processes
     results = simple_evaluate(
         model=lm,
         tasks=tasks,
         num_fewshot=args.num_fewshot,
         limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-        task_manager=TaskManager(include_path=include or None),
+        task_manager=task_manager,
         log_samples=True,
         random_seed=args.seed,
         numpy_random_seed=args.seed,
@@ -260,7 +309,8 @@ def write_results(results: dict, evaluation: Path, source: dict) -> None:
         json.dump(results, file, indent=2, default=handle_non_serializable)
     for task, items in samples.items():
         with open(evaluation / f"samples_{task}.jsonl", "x") as file:
-            for item in items:
+            # In item order: from N processes they arrive rank after rank (rank r scored items r, r + N, ...).
+            for item in sorted(items, key=lambda item: item["doc_id"]):
                 file.write(json.dumps(item, default=handle_non_serializable) + "\n")
     # lm-eval names a score "metric,filter" ("acc,none", "acc_stderr,none"); the filter is "none" for most tasks.
     scores = {task: {} for task in results["results"]}
