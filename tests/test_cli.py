@@ -212,10 +212,9 @@ BAD_INPUT = [
     (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
     (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
     (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
-    (["--float8", "--tp", "2"],
-     "fsdp2gen: error: --float8: float8 with tensor parallelism is not built in: the layers tp splits would need "
-     "torchao's float8 styles (Float8ColwiseParallel, Float8RowwiseParallel) in place of torch's; use --tp 1 (or "
-     "leave out --float8)\n"),
+    (["--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--float8", "--tp", "2"],
+     "fsdp2gen: error: --float8: float8 with tensor parallelism is built for --family llama only: the styles of an hf "
+     "model's declared tp plan are not mapped to torchao's float8 styles yet; use --tp 1 (or leave out --float8)\n"),
 ]  # fmt: skip
 
 

@@ -234,7 +234,7 @@ def convert_blocks_to_float8(blocks: list[nn.Module], device: torch.device) -> N
             f"but {torch.cuda.get_device_name(device)} has {major}.{minor}; run with --parallel.float8 false"
         )
     # FSDP all-gathers the weights already cast to float8 (half the bytes of bf16), with the scales
-    # train_step precomputes after each optimizer step.
+    # train_step precomputes before each step.
     float8_config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
 
     def float8_able(linear: nn.Linear, name: str) -> bool:
@@ -305,6 +305,11 @@ def train_step(
     # Counted on the host, where the batches still are (a count read from the device would be a sync per step).
     targets_in_step = sum((batch.targets != IGNORE).sum() for batch in batches).to(device)
     dist.all_reduce(targets_in_step, op=dist.ReduceOp.SUM)
+    if config.parallel.float8:
+        # The float8 scale of each weight comes from its absolute maximum over all its shards: computed
+        # here for every weight in one all-reduce, instead of one all-reduce per weight in the forward.
+        # Before every step, so that the first step and the first after a resume use the weights they train.
+        precompute_float8_dynamic_scale_for_fsdp(model)
     # FSDP averages the gradients over the ranks: multiplying by the world size makes that average their sum.
     scale = dist.get_world_size() / targets_in_step.clamp(min=1)
     loss_sum = forward_backward(state, batches, config, scale)
@@ -353,10 +358,6 @@ def optimizer_step(state: TrainState, config: Config) -> dict[str, torch.Tensor]
     grad_norm = clip_grad_norm(list(model.parameters()), limit)
     optimizer.step()
     numbers = {"grad_norm": grad_norm}
-    if config.parallel.float8:
-        # The float8 scale of each weight comes from its absolute maximum over all shards: computed here for
-        # every weight in one all-reduce, instead of one all-reduce per weight in the next forward.
-        precompute_float8_dynamic_scale_for_fsdp(model)
     optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
     return numbers

@@ -51,28 +51,25 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
         # parallelize_module gave each module a new parameter of its own: tie them again.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                # A norm works token by token: each rank normalises its own tokens.
-                "attention_norm": SequenceParallel(),
-                # Attention needs the whole sequence (causal mask, rotary positions 0..seq_len-1): gather it.
-                # The rotary tables (cos, sin) and the document mask (document_attention.py) pass as they are.
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-                ),
-                "attention.wq": ColwiseParallel(),  # this rank's heads; model.py views them as (-1, head_dim)
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+        plan = {
+            # A norm works token by token: each rank normalises its own tokens.
+            "attention_norm": SequenceParallel(),
+            # Attention needs the whole sequence (causal mask, rotary positions 0..seq_len-1): gather it.
+            # The rotary tables (cos, sin) and the document mask (document_attention.py) pass as they are.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
+            "attention.wq": ColwiseParallel(),  # this rank's heads; model.py views them as (-1, head_dim)
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, plan)
 
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:

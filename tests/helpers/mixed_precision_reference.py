@@ -17,6 +17,7 @@ grad_norm).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,6 +84,8 @@ with open(out / "metrics.jsonl", "w") as metrics:
                     grads[name] += p.grad.float() / loss_scale / ranks
         for name, p in params.items():
             p.grad = grads[name]
+        if step == 0 and os.environ.get("GRADS"):
+            torch.save(grads, os.environ["GRADS"])  # the first step's gradients (tests/helpers/float8_tp_probe.py)
         max_norm = training.max_norm if training.max_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
