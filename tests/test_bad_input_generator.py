@@ -444,8 +444,8 @@ CASES = [
     Case(
         "float8-tp-hf",
         (*NEW, "--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--float8", "--tp", "2"),
-        "--float8: float8 with tensor parallelism is built for --family llama only: the styles of an hf model's "
-        "declared tp plan are not mapped to torchao's float8 styles yet; use --tp 1 (or leave out --float8)",
+        "--float8: float8 with tensor parallelism is built for --family llama only: an hf model's "
+        "declared tp plan has not been tried on Float8Linear layers yet; use --tp 1 (or leave out --float8)",
     ),
     # project names
     Case("name-empty", (*NEW, "--project-name", ""), f"--project-name: {BAD_NAME}"),
