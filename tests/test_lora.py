@@ -105,7 +105,8 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, one_process
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
     """scripts/export.py of `checkpoint` twice, in one Python process (run_scripts): the merged model into
-    dest/merged, the PEFT adapter into dest/adapter."""
+    dest/merged, the PEFT adapter into dest/adapter. (test_qlora.py; test_lora.py makes the same two runs in its
+    one_process fixture.)"""
     runs = [["scripts/export.py", str(checkpoint), "--output", str(dest / kind), *args]
             for kind, args in {"merged": [], "adapter": ["--adapter"]}.items()]  # fmt: skip
     for code, _, stderr in run_scripts(project, *runs):
@@ -120,7 +121,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(
     from transformers import AutoModelForCausalLM
 
     expected = torch.load(probed / "model_output.pt")  # the sharded model's, from the step-4 checkpoint
-    # The exports of that checkpoint (export_merged_and_adapter's two runs, made in one_process's process).
+    # The exports of that checkpoint, the merged model and the PEFT adapter (made in one_process's process).
     for kind in ("merged", "adapter"):
         assert one_process[kind][0] == 0, one_process[kind][2][-3000:]
     exported = one_process["root"]
