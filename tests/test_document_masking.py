@@ -10,8 +10,10 @@ match a plain loop for any drawn document lengths.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import io
 import json
 import random
 import subprocess
@@ -27,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -92,12 +95,12 @@ def families(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 
 
 def probe(family: str, project: Path, data: Path) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(HELPERS / "document_probe.py"), str(data), *tiny(family)],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    """tests/helpers/document_probe.py's report: one process, nothing distributed, so run in this one
+    (run_in_this_process), its printed JSON captured."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(project, str(HELPERS / "document_probe.py"), str(data), *tiny(family))
+    return json.loads(printed.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ process (no mesh, no pipeline): losses, gradient norms, validation losses and th
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 from tests.test_launchers import launch_two_nodes
 
@@ -279,12 +282,15 @@ print(json.dumps({
 
 
 def test_the_model_line_counts_the_whole_model_and_each_pp_rank_s_flops_are_its_stages(
-    project: Path, uneven: tuple[Path, str]
+    project: Path, uneven: tuple[Path, str], tmp_path: Path
 ) -> None:
-    result = subprocess.run([sys.executable, "-c", COUNT_MODEL, *RUN, *UNEVEN], cwd=project, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
-    ran(result)
-    counts = json.loads(result.stdout)
+    # COUNT_MODEL in this process (on the meta device, nothing distributed): the project's modules imported here and
+    # forgotten after (run_in_this_process), what it prints captured.
+    script, printed = tmp_path / "count_model.py", io.StringIO()
+    script.write_text(COUNT_MODEL)
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(project, str(script), *RUN, *UNEVEN)
+    counts = json.loads(printed.getvalue())
     # Rank 0 holds one stage, but says the whole model's size (what a reader compares with the model card).
     assert f"model: {counts['whole']:,} parameters; {counts['rank_0']:,} in rank 0's pipeline stages\n" in uneven[1]
     # metrics.jsonl's mfu_pp_rank_N (on GPUs with a known peak) divides these by the step time.
