@@ -88,7 +88,7 @@ for kind in sys.argv[1:]:
                                    reduction=reduction)
         for chunks in (1, 4):
             got = loss(model, tokens, targets, reduction=reduction, chunks=chunks)
-            print(kind, reduction, chunks, float((got - expected).abs() / expected.abs()))
+            print(kind, reduction, chunks, ((got - expected).abs() / expected.abs()).item())
 """
 HF_KINDS = ["llama", "gpt2", "gemma2"]
 
