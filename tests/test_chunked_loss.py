@@ -10,13 +10,14 @@ projects whose own suites this repository runs without that test: hf, and tensor
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, save_tiny_llama, torchrun_env
+from tests.conftest import TINY, generate, metrics, save_tiny_llama
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 # name -> (fsdp2gen new options, ranks). fp32: the chunks may only reorder float sums.
@@ -87,20 +88,22 @@ for kind in sys.argv[1:]:
                                    reduction=reduction)
         for chunks in (1, 4):
             got = loss(model, tokens, targets, reduction=reduction, chunks=chunks)
-            print(kind, reduction, chunks, float((got - expected).abs() / expected.abs()))
+            print(kind, reduction, chunks, ((got - expected).abs() / expected.abs()).item())
 """
 HF_KINDS = ["llama", "gpt2", "gemma2"]
 
 
 @pytest.fixture(scope="module")
 def hf_losses(tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
-    """HF_LOSS's rows for every kind, in one hf project and one process."""
-    project = generate(tmp_path_factory.mktemp("hf-loss") / "project", "--family", "hf", "--hf-model",
-                       "models/unused", "--fp32")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", HF_LOSS, *HF_KINDS], cwd=project, capture_output=True, text=True,
-                            env={**torchrun_env(), "PYTHONPATH": str(project)}, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [line.split() for line in result.stdout.splitlines()]
+    """HF_LOSS's rows for every kind, in one hf project, run in this process (nothing distributed:
+    run_in_this_process, the project's modules forgotten after), what it prints captured."""
+    root = tmp_path_factory.mktemp("hf-loss")
+    project = generate(root / "project", "--family", "hf", "--hf-model", "models/unused", "--fp32")
+    (root / "hf_loss.py").write_text(HF_LOSS)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(project, str(root / "hf_loss.py"), *HF_KINDS)
+    return [line.split() for line in printed.getvalue().splitlines()]
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)

@@ -10,12 +10,15 @@ match a plain loop for any drawn document lengths.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import io
 import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -26,6 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun, torchrun_env
+from tests.helpers.scripts import run_in_this_process
+from tests.helpers.several_runs import launch_several
 
 HELPERS = Path(__file__).parent / "helpers"
 WORDS = "the a cat dog runs sleeps on under red blue small big house tree river stone bird sings".split()
@@ -90,17 +95,31 @@ def families(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 
 
 def probe(family: str, project: Path, data: Path) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(HELPERS / "document_probe.py"), str(data), *tiny(family)],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    """tests/helpers/document_probe.py's report: one process, nothing distributed, so run in this one
+    (run_in_this_process), its printed JSON captured."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(project, str(HELPERS / "document_probe.py"), str(data), *tiny(family))
+    return json.loads(printed.getvalue())
+
+
+@pytest.fixture(scope="module")
+def probed(families: dict) -> Callable[[str], dict]:
+    """family -> tests/helpers/document_probe.py's report, one process per family (made by the first test that asks),
+    read by the two tests below."""
+    made: dict[str, dict] = {}
+
+    def report(family: str) -> dict:
+        if family not in made:
+            made[family] = probe(family, families[family]["project"], families[family]["data"])
+        return made[family]
+
+    return report
 
 
 @pytest.mark.parametrize("family", ["llama", "custom"])
-def test_a_packed_batch_scores_as_its_documents_alone(family: str, families: dict) -> None:
-    found = probe(family, families[family]["project"], families[family]["data"])
+def test_a_packed_batch_scores_as_its_documents_alone(family: str, probed: Callable[[str], dict]) -> None:
+    found = probed(family)
     assert found["documents"] > 2 * 8  # several documents per window of the batch of 8
     # The cross-document targets (a document's last token -> the next one's first) are left out: each window
     # holds one fewer target than documents that start inside it.
@@ -109,8 +128,8 @@ def test_a_packed_batch_scores_as_its_documents_alone(family: str, families: dic
 
 
 @pytest.mark.parametrize("family", ["llama", "custom"])
-def test_a_token_never_sees_the_document_before_it(family: str, families: dict) -> None:
-    found = probe(family, families[family]["project"], families[family]["data"])
+def test_a_token_never_sees_the_document_before_it(family: str, probed: Callable[[str], dict]) -> None:
+    found = probed(family)
     assert found["last_document"] >= 3 and found["before_length"] > 0
     assert found["kept"] < 1e-6
     # The same change moves the logits when attention spans the window (--data.document_mask false).
@@ -145,14 +164,12 @@ def test_two_ranks_train_on_packed_documents(corpus: dict, families: dict, tmp_p
     project, data = families["llama"]["project"], families["llama"]["data"]
     common = [*tiny("llama"), "--data.path", str(data), "--eval.every", "2", "--eval.batches", "1",
               "--training.steps", "3"]  # fmt: skip
-    torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "masked"))
-    # Plain causal attention's first loss (before any update: one process computes it as 2 ranks do) is all the
-    # comparison needs.
+    # Plain causal attention's first loss (before any update) is all the comparison needs: its 1-step run rides in
+    # the masked run's launch (tests/helpers/several_runs.py: train.train() per run, each its own config).
     unmasked = [*common, "--training.steps", "1", "--data.document_mask", "false", "--job.output_dir",
                 str(tmp_path / "plain")]  # fmt: skip
-    plain_run = subprocess.run([sys.executable, "train.py", *unmasked], cwd=project, env=torchrun_env(),
-                               capture_output=True, text=True)  # fmt: skip
-    assert plain_run.returncode == 0, plain_run.stderr[-3000:]
+    launch_several(project, [[*common, "--job.output_dir", str(tmp_path / "masked")], unmasked],
+                   tmp_path / "runs.json", nproc=2)  # fmt: skip
     tp = generate(tmp_path / "tp", "--gpus", "2", "--tp", "2", "--fp32", "--tokenizer", str(corpus["tokenizer"]))
     torchrun(tp, "train.py", *common, "--job.output_dir", str(tmp_path / "tp-masked"))
     masked, plain, tp_masked = (metrics(tmp_path / run) for run in ("masked", "plain", "tp-masked"))

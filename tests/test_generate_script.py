@@ -67,44 +67,32 @@ def full(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactor
     return train("full", corpus, tmp_path_factory.mktemp("generate-full"), "--data.tokenizer", str(corpus[0]))
 
 
-@pytest.mark.parametrize("style", ["dcp", "full"])
-def test_greedy_continues_the_memorised_sentence_to_its_end(
-    style: str, corpus: tuple[Path, Path, int], request: pytest.FixtureRequest
-) -> None:
-    project, output = request.getfixturevalue(style)
+def greedy_runs(style: str, corpus: tuple[Path, Path, int], output: Path) -> list[list[str]]:
     # The full run has data.tokenizer; the dcp run trained on a token file only.
     text = [*(["--tokenizer", str(corpus[0])] if style == "dcp" else []), "--prompt", PROMPT]
-    full_length, three_tokens = run_generate(
-        project,
+    return [
         # The newest checkpoint (step-30) of --checkpoints; at most 50 tokens, but the end-of-text token comes first.
         ["--checkpoints", str(output / "checkpoints"), *text],
         [str(output / "checkpoints" / "step-30"), *text, "--max-new-tokens", "3"],
-    )
-    assert full_length == (0, CONTINUATION + "\n", "")
-    assert three_tokens == (0, " fox jumps over\n", "")
+    ]
 
 
-def test_sampling_is_reproducible_with_a_seed(dcp: tuple[Path, Path], corpus: tuple[Path, Path, int]) -> None:
-    project, output = dcp
+def sampling_runs(corpus: tuple[Path, Path, int], output: Path) -> list[list[str]]:
     common = ["--checkpoints", str(output / "checkpoints"), "--tokenizer", str(corpus[0]), "--prompt", PROMPT,
               "--max-new-tokens", "20"]  # fmt: skip
     hot = ["--temperature", "3", "--top-k", "20"]
-    first, again, other_seed, top_1 = run_generate(
-        project,
+    return [
         [*common, *hot, "--seed", "7"],
         [*common, *hot, "--seed", "7"],
         [*common, *hot, "--seed", "8"],
         # Only the most likely token left to draw: greedy, whatever the temperature.
         [*common, "--temperature", "3", "--top-k", "1"],
-    )
-    assert first[0] == 0 and first == again
-    # So hot that the memorised sentence is left: the seed decides the text.
-    assert first[1] != CONTINUATION + "\n" and other_seed[0] == 0 and other_seed != first
-    assert top_1 == (0, CONTINUATION + "\n", "")
+    ]
 
 
-def test_bad_input_stops_with_one_line(dcp: tuple[Path, Path], corpus: tuple[Path, Path, int], tmp_path: Path) -> None:
-    project, output = dcp
+def bad_input_cases(corpus: tuple[Path, Path, int], output: Path, tmp_path: Path) -> dict[str, list[str]]:
+    """The expected line (or its start, up to a "(") -> the arguments that must stop with it; the damaged
+    checkpoints they name are made in `tmp_path`."""
     checkpoint = output / "checkpoints" / "step-30"
     garbled = tmp_path / "garbled" / "step-1"
     garbled.mkdir(parents=True)
@@ -113,7 +101,7 @@ def test_bad_input_stops_with_one_line(dcp: tuple[Path, Path], corpus: tuple[Pat
     weightless.mkdir(parents=True)
     (weightless / "checkpoint.json").write_text((checkpoint / "checkpoint.json").read_text())
     text = [str(checkpoint), "--tokenizer", str(corpus[0]), "--prompt"]
-    cases = {
+    return {
         "no complete checkpoint (step-N folder) in nowhere; give one or --checkpoints":
             ["--checkpoints", "nowhere", "--prompt", PROMPT],
         f"{garbled} is not a complete checkpoint (Expecting property name enclosed in double quotes: line 1 "
@@ -137,8 +125,47 @@ def test_bad_input_stops_with_one_line(dcp: tuple[Path, Path], corpus: tuple[Pat
         f"the prompt has token id 9999, beyond the model's vocabulary ({corpus[2]} ids); is --tokenizer the one "
         "the model was trained with?": [str(checkpoint), "--prompt-ids", "3,9999"],
     }  # fmt: skip
-    results = run_generate(project, *cases.values())
-    for message, (code, stdout, stderr) in zip(cases, results, strict=True):
+
+
+@pytest.fixture(scope="module")
+def dcp_generated(
+    dcp: tuple[Path, Path], corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list]:
+    """Every generate.py run on the dcp run, the three tests' runs, in ONE Python process (run_scripts: torch imported
+    once): "greedy", "sampling" -> their (exit code, stdout, stderr), in order; "bad" -> (the expected message,
+    (exit code, stdout, stderr)) of each bad input case."""
+    project, output = dcp
+    cases = bad_input_cases(corpus, output, tmp_path_factory.mktemp("bad-input"))
+    groups = {"greedy": greedy_runs("dcp", corpus, output), "sampling": sampling_runs(corpus, output),
+              "bad": list(cases.values())}  # fmt: skip
+    results = iter(run_generate(project, *(run for runs in groups.values() for run in runs)))
+    generated = {name: [next(results) for _ in runs] for name, runs in groups.items()}
+    return {**generated, "bad": list(zip(cases, generated["bad"], strict=True))}
+
+
+@pytest.mark.parametrize("style", ["dcp", "full"])
+def test_greedy_continues_the_memorised_sentence_to_its_end(
+    style: str, corpus: tuple[Path, Path, int], request: pytest.FixtureRequest
+) -> None:
+    if style == "dcp":  # in dcp_generated's process
+        full_length, three_tokens = request.getfixturevalue("dcp_generated")["greedy"]
+    else:
+        project, output = request.getfixturevalue(style)
+        full_length, three_tokens = run_generate(project, *greedy_runs(style, corpus, output))
+    assert full_length == (0, CONTINUATION + "\n", "")
+    assert three_tokens == (0, " fox jumps over\n", "")
+
+
+def test_sampling_is_reproducible_with_a_seed(dcp_generated: dict[str, list]) -> None:
+    first, again, other_seed, top_1 = dcp_generated["sampling"]
+    assert first[0] == 0 and first == again
+    # So hot that the memorised sentence is left: the seed decides the text.
+    assert first[1] != CONTINUATION + "\n" and other_seed[0] == 0 and other_seed != first
+    assert top_1 == (0, CONTINUATION + "\n", "")
+
+
+def test_bad_input_stops_with_one_line(dcp_generated: dict[str, list]) -> None:
+    for message, (code, stdout, stderr) in dcp_generated["bad"]:
         assert (code, stdout) == (2, ""), (message, stderr)
         assert stderr.count("\n") == 1 and stderr.startswith("generate.py: error: " + message), (message, stderr)
         if not message.endswith("("):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, project_modules, save_tiny_llama, torchrun
+from tests.helpers.scripts import run_scripts
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
@@ -159,11 +160,12 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
     assert sorted(p.name for p in (out / "hf").iterdir()) == ["step-4", "step-6"]  # keep_last 2
 
     exported, native = tmp_path / "exported", tmp_path / "native"
-    for folder, form in ((exported, "hf"), (native, "native")):
-        command = [sys.executable, "scripts/export.py", str(out / "checkpoints" / "step-6"), "--output", str(folder),
-                   "--format", form]  # fmt: skip
-        result = subprocess.run(command, cwd=project, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+    # Both exports in one Python process (run_scripts): its imports cost seconds a process.
+    for code, _, stderr in run_scripts(project, *(
+        ["scripts/export.py", str(out / "checkpoints" / "step-6"), "--output", str(folder), "--format", form]
+        for folder, form in ((exported, "hf"), (native, "native"))
+    )):  # fmt: skip
+        assert code == 0, stderr
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in exported.iterdir()}  # fmt: skip
     # Llama 3.1's rotary scaling leaves with the model (the logits below depend on it).

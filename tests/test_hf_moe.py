@@ -130,30 +130,45 @@ def test_a_folder_only_rank_0_sees_is_converted_by_rank_0_equal_to_from_pretrain
     assert f"warning: rank(s) [1] do not see the files of {folder} that rank 0 sees" in stdout, stdout
 
 
+@pytest.fixture(scope="module")
+def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Qwen3-MoE trained 5 steps on 2 ranks (each holds half the experts, gathered whole by the export), also saved
+    as Hugging Face folders (checkpoint.save_format "hf": per-expert files too, each rank writing the parts of the
+    gathered experts it was given). Then in ONE Python process (run_scripts; an hf train.py's imports cost ~6 CPU-s
+    a process): its export; Mixtral's 5 steps and export (its names and its 12 experts' order do not depend on the
+    ranks: one process); the two runs train.py must refuse (REFUSED, each as a user's first try: one process, no
+    torchrun). "qwen3-moe", "mixtral" -> output folder (exported/ in it); "refused" -> name -> (exit code, stdout,
+    stderr)."""
+    root = tmp_path_factory.mktemp("hf-moe-runs")
+
+    def train(name: str) -> list[str]:
+        return ["train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir",
+                str(root / name)]  # fmt: skip
+
+    def export(name: str) -> list[str]:
+        return ["scripts/export.py", str(root / name / "checkpoints" / "step-5"), "--output", str(root / name /
+                "exported")]  # fmt: skip
+
+    torchrun(project, *train("qwen3-moe"), "--checkpoint.save_format", "hf")
+    refusals = refused_runs(models, root / "refused")
+    results = run_scripts(project, export("qwen3-moe"), train("mixtral"), export("mixtral"), *refusals.values())
+    assert [code for code, _, _ in results[:3]] == [0, 0, 0], results[2][2][-3000:]
+    return {"qwen3-moe": root / "qwen3-moe", "mixtral": root / "mixtral",
+            "refused": dict(zip(refusals, results[3:], strict=True))}  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
 def test_five_steps_then_export_writes_the_per_expert_files_from_pretrained_loads(
-    project: Path, models: dict[str, Path], name: str, tmp_path: Path
+    one_process: dict[str, object], models: dict[str, Path], name: str
 ) -> None:
     import torch
     from safetensors import safe_open
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    # Qwen3-MoE on 2 ranks (each holds half the experts, gathered whole by the export). Mixtral's names and its
-    # 12 experts' order do not depend on the ranks: one process trains and exports (run_scripts: one Python
-    # process, where an hf train.py's imports cost ~6 CPU-s a process).
-    train = ["train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir",
-             str(tmp_path)]  # fmt: skip
+    # The runs of the one_process fixture: Qwen3-MoE on 2 ranks, Mixtral in one process.
+    tmp_path = one_process[name]
     exported = tmp_path / "exported"
-    export = ["scripts/export.py", str(tmp_path / "checkpoints" / "step-5"), "--output", str(exported)]
-    if name == "qwen3-moe":
-        # Also saved as a Hugging Face folder (checkpoint.save_format "hf"): per-expert files too, each rank
-        # writing the parts of the gathered experts it was given.
-        torchrun(project, *train, "--checkpoint.save_format", "hf")
-        results = run_scripts(project, export)
-    else:
-        results = run_scripts(project, train, export)
-    assert [code for code, _, _ in results] == [0] * len(results), results[-1][2][-3000:]
     records = metrics(tmp_path)
     assert len(records) == 5 and records[-1]["loss"] < records[0]["loss"], records
     # How the tokens spread over the experts: the most and least loaded expert over the mean, worst layer.
@@ -236,14 +251,11 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
     ]
 
 
-@pytest.fixture(scope="module")
-def refused(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Two models train.py must refuse, each run as a user's first try (one process, no torchrun), the two runs in
-    one Python process (run_scripts): name -> (model folder, output folder, (exit code, stdout, stderr))."""
+def refused_runs(models: dict[str, Path], root: Path) -> dict[str, list[str]]:
+    """The two models train.py must refuse, made in `root`: name -> train.py's arguments (output folder root/NAME)."""
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig
 
-    root = tmp_path_factory.mktemp("hf-moe-refused")
     # Qwen3-MoE without one expert's up_proj in layer 1.
     missing = root / "model"
     shutil.copytree(models["qwen3-moe"], missing)
@@ -255,13 +267,19 @@ def refused(project: Path, models: dict[str, Path], tmp_path_factory: pytest.Tem
     LlamaConfig(**{key: value for key, value in SIZES.items() if key != "num_experts_per_tok"}, intermediate_size=64,
                 output_router_logits=True).save_pretrained(router)  # fmt: skip
     runs = {"missing-expert": (missing, []), "router-logits": (router, ["--model.pretrained", "false"])}
-    results = run_scripts(project, *(
-        ["train.py", *TRAIN, "--model.path", str(folder), *options, "--job.output_dir", str(root / name)]
-        for name, (folder, options) in runs.items()
-    ))  # fmt: skip
     return {
-        name: (folder, root / name, result) for (name, (folder, _)), result in zip(runs.items(), results, strict=True)
+        name: ["train.py", *TRAIN, "--model.path", str(folder), *options, "--job.output_dir", str(root / name)]
+        for name, (folder, options) in runs.items()
     }
+
+
+@pytest.fixture(scope="module")
+def refused(one_process: dict[str, object]) -> dict[str, tuple]:
+    """The two refused runs (in one_process's Python process): name -> (model folder, output folder, (exit code,
+    stdout, stderr))."""
+    root = one_process["mixtral"].parent / "refused"
+    folders = {"missing-expert": root / "model", "router-logits": root / "llama"}
+    return {name: (folders[name], root / name, result) for name, result in one_process["refused"].items()}
 
 
 def test_an_expert_missing_from_the_files_stops_with_one_line(refused: dict[str, tuple]) -> None:

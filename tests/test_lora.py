@@ -5,7 +5,6 @@ fully_shard, trained on 2 gloo ranks; a tiny Llama made here with transformers, 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -74,14 +73,30 @@ def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, probed: Pa
     assert all(".lora_" in key for key in keys if key.startswith("train.optimizer.state."))
 
 
-def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The project's one-process runs, in ONE Python process (run_scripts; an hf project's imports cost ~6 CPU-s a
+    process): "one", the 4-step run without torchrun; "merged" and "adapter", scripts/export.py of the 2-rank run's
+    step-4 checkpoint, the merged model and the PEFT adapter; "no-match", train.py with lora.target_modules that match
+    nothing. name -> (exit code, stdout, stderr); "root" -> the folder of their outputs (each in root/NAME)."""
+    root = tmp_path_factory.mktemp("lora-one-process")
+    step_4 = str(lora["out"] / "checkpoints" / "step-4")
+    runs = {
+        "one": ["train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(root / "one")],
+        "merged": ["scripts/export.py", step_4, "--output", str(root / "merged")],
+        "adapter": ["scripts/export.py", step_4, "--output", str(root / "adapter"), "--adapter"],
+        "no-match": ["train.py", *TRAIN, "--lora.target_modules", "attn_proj", "--job.output_dir",
+                     str(root / "no-match")],
+    }  # fmt: skip
+    return {"root": root, **dict(zip(runs, run_scripts(lora["project"], *runs.values()), strict=True))}
+
+
+def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, one_process: dict) -> None:
     two = [r["loss"] for r in metrics(lora["out"])]
-    # One process: train.py without torchrun, in run_scripts' Python process.
-    [(code, _, stderr)] = run_scripts(
-        lora["project"], ["train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(tmp_path / "one")]
-    )
+    # One process: train.py without torchrun, in one_process's Python process.
+    code, _, stderr = one_process["one"]
     assert code == 0, stderr[-3000:]
-    one = [r["loss"] for r in metrics(tmp_path / "one")]
+    one = [r["loss"] for r in metrics(one_process["root"] / "one")]
     assert len(two) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, two, strict=True)), (one, two)
     # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files): the
     # lora fixture's second run.
@@ -90,7 +105,8 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, tmp_path: P
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
     """scripts/export.py of `checkpoint` twice, in one Python process (run_scripts): the merged model into
-    dest/merged, the PEFT adapter into dest/adapter."""
+    dest/merged, the PEFT adapter into dest/adapter. (test_qlora.py; test_lora.py makes the same two runs in its
+    one_process fixture.)"""
     runs = [["scripts/export.py", str(checkpoint), "--output", str(dest / kind), *args]
             for kind, args in {"merged": [], "adapter": ["--adapter"]}.items()]  # fmt: skip
     for code, _, stderr in run_scripts(project, *runs):
@@ -98,31 +114,32 @@ def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> No
 
 
 def test_exported_adapter_and_merged_model_reproduce_the_trained_logits(
-    lora: dict, probed: Path, tmp_path: Path
+    lora: dict, probed: Path, one_process: dict
 ) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     expected = torch.load(probed / "model_output.pt")  # the sharded model's, from the step-4 checkpoint
-    export_merged_and_adapter(lora["project"], lora["out"] / "checkpoints" / "step-4", tmp_path)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    # The exports of that checkpoint, the merged model and the PEFT adapter (made in one_process's process).
+    for kind in ("merged", "adapter"):
+        assert one_process[kind][0] == 0, one_process[kind][2][-3000:]
+    exported = one_process["root"]
+    merged = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(lora["model"], dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
-    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    adapted = PeftModel.from_pretrained(base, exported / "adapter")
+    assert (exported / "adapter" / "adapter_config.json").is_file()
     with torch.no_grad():
         for model in (merged, adapted):
             logits = model.eval()(expected["tokens"]).logits
             assert (logits - expected["logits"]).abs().max().item() <= 1e-5
 
 
-def test_lora_target_modules_that_match_nothing_stop_with_one_line(lora: dict, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "train.py", *TRAIN, "--lora.target_modules", "attn_proj", "--job.output_dir", str(tmp_path)],
-        cwd=lora["project"], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
+def test_lora_target_modules_that_match_nothing_stop_with_one_line(one_process: dict) -> None:
+    # As `python train.py ... --lora.target_modules attn_proj` (in one_process's Python process).
+    code, _, stderr = one_process["no-match"]
+    assert code == 2
+    assert stderr.splitlines()[-1] == (
         "train.py: error: lora.target_modules ['attn_proj'] match no layer of the model; its linear layers are "
         "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"
     )
@@ -154,8 +171,9 @@ def test_the_run_sections_generate_command_works_on_a_lora_run(lora: dict, tmp_p
     shutil.copytree(lora["out"], project / "outputs")
     run_block = bash_blocks((project / "README.md").read_text().split("\n## Run\n", 1)[1])[0]
     lines = [line for line in run_block if "scripts/generate.py" in line or "scripts/export.py" in line]
-    assert [line.split()[1] for line in lines] == ["scripts/export.py", "scripts/generate.py"], run_block
-    for line in lines:
-        result = subprocess.run(shlex.split(line), cwd=project, capture_output=True, text=True)
-        assert result.returncode == 0, f"{line}: {result.stderr[-2000:]}"
-    assert result.stdout.strip(), "generate.py printed no continuation"
+    assert [line.split()[:2] for line in lines] == [["python", "scripts/export.py"], ["python", "scripts/generate.py"]]
+    # The lines as printed, after their `python`, one after the other in one Python process (run_scripts).
+    results = run_scripts(project, *(shlex.split(line)[1:] for line in lines))
+    for line, (code, _, stderr) in zip(lines, results, strict=True):
+        assert code == 0, f"{line}: {stderr[-2000:]}"
+    assert results[-1][1].strip(), "generate.py printed no continuation"

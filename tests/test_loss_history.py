@@ -17,18 +17,15 @@ FSDP2GEN_RECORD_LOSSES=1 rewrites the fp32 records (only ever from a template kn
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import HELPERS, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun
+from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 HISTORY = Path(__file__).parent / "data" / "loss_history.json"
@@ -105,15 +102,7 @@ def reference(project: Path, out: Path, compute: str, *overrides: str) -> list[l
     (nothing distributed: no process of its own needed), on one thread as a subprocess under torchrun_env would
     run. What it changes is set back after: the project's modules, the folder, sys.argv, the RNG, the threads."""
     script = str(HELPERS / "mixed_precision_reference.py")
-    argv, threads = sys.argv, torch.get_num_threads()
-    try:
-        with project_modules(project), contextlib.chdir(project), torch.random.fork_rng():
-            torch.set_num_threads(1)
-            sys.argv = [script, str(out), compute, "2", *TINY, *overrides, *STEPS]
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = argv
-        torch.set_num_threads(threads)
+    run_in_this_process(project, script, str(out), compute, "2", *TINY, *overrides, *STEPS)
     return [[record["loss"], record["grad_norm"]] for record in metrics(out)]
 
 

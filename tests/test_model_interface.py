@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,16 +68,16 @@ def run_in(project: Path, code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_model_py_exports_the_interface(rendered: dict[str, Path], family: str) -> None:
-    result = run_in(rendered[family], CHECK_INTERFACE)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_model_py_exports_the_interface(probed: Callable[[str], tuple[str, dict]], family: str) -> None:
+    # CHECK_INTERFACE's lines, printed by the family's probe process (probed) before its plain-module checks.
+    printed, _ = probed(family)
     # An hf model returns transformers' CausalLMOutputWithPast; the others the logits themselves.
     output = "CausalLMOutputWithPast" if family.startswith("hf") else "torch.Tensor"
     expected = EXPECTED.format(output=output)
     if family.startswith("hf"):
         # The model's class is transformers' PreTrainedModel (config.json names the subclass).
         expected = expected.replace("'Model'", "'PreTrainedModel'")
-    assert result.stdout == expected
+    assert printed == expected
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -146,24 +147,53 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
+# One process per family (torch imported once, an hf project's transformers too): CHECK_INTERFACE, a line that
+# marks its end, then tests/helpers/model_interface_probe.py SPEC as `python model_interface_probe.py SPEC` runs it.
+PROBE_AFTER_CHECK = """
+import runpy
+import sys
+
+print("-- interface checked", flush=True)
+sys.argv = [{probe!r}, sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def probed(rendered: dict[str, Path], pretrained: dict[str, Path]) -> Callable[[str], tuple[str, dict]]:
+    """family -> what CHECK_INTERFACE printed, and the probe's report; one process per family, made by the first
+    test that asks for it."""
+    made: dict[str, tuple[str, dict]] = {}
+
+    def probe(family: str) -> tuple[str, dict]:
+        if family not in made:
+            project = rendered[family]
+            table = interface_table((project / "AGENTS.md").read_text())
+            model = MODEL[family] if family in MODEL else {"path": str(pretrained[family])}
+            spec = {"table": table, "overrides": {f"model.{key}": value for key, value in model.items()}}
+            code = CHECK_INTERFACE + PROBE_AFTER_CHECK.format(probe=str(HELPERS / "model_interface_probe.py"))
+            result = subprocess.run(
+                [sys.executable, "-c", code, json.dumps(spec)], cwd=project,
+                env={"PYTHONPATH": str(project), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr[-3000:]
+            printed = result.stdout.split("-- interface checked\n", 1)[0]
+            made[family] = printed, json.loads(result.stdout.splitlines()[-1])
+        return made[family]
+
+    return probe
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_name_works_on_a_plain_module(
-    rendered: dict[str, Path], pretrained: dict[str, Path], family: str
+    rendered: dict[str, Path], probed: Callable[[str], tuple[str, dict]], family: str
 ) -> None:
     """Each name of AGENTS.md's table, called on a module never fully_shard-ed (one process, train.py's process group
     of one rank) gives what it gives on the sharded model, and initialize what the family's own init gives
     (hf: from_pretrained's weights and non-persistent buffers, and transformers' init with the seed)."""
-    project = rendered[family]
-    table = interface_table((project / "AGENTS.md").read_text())
-    model = MODEL[family] if family in MODEL else {"path": str(pretrained[family])}
-    spec = {"table": table, "overrides": {f"model.{key}": value for key, value in model.items()}}
-    result = subprocess.run(
-        [sys.executable, str(HELPERS / "model_interface_probe.py"), json.dumps(spec)], cwd=project,
-        env={"PYTHONPATH": str(project), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    checked = json.loads(result.stdout.splitlines()[-1])
+    table = interface_table((rendered[family] / "AGENTS.md").read_text())
+    checked = dict(probed(family)[1])
     unchecked = checked.pop("unchecked")
     assert not unchecked, f"AGENTS.md's model interface lists {unchecked}: add their checks to model_interface_probe.py"
     assert checked == dict.fromkeys(table, "ok")

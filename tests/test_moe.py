@@ -46,12 +46,21 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The bias balancing's 4-step run on 2 ranks (dp_shard 2), 2 micro-batches per step, checkpoints at 2 and 4; its
-    console output beside it (bias.stdout)."""
+    """The bias balancing's 4-step run on 2 ranks (dp_shard 2), 2 micro-batches per step, checkpoints at 2 and 4,
+    and (in the same launch: tests/helpers/several_runs.py) its resume from step 2 in `resumed`, from a copy of the
+    run's folder without the step-4 checkpoint and with the metrics of steps 1-2; each run's console output beside
+    its folder (bias.stdout, resumed.stdout)."""
     root = tmp_path_factory.mktemp("two-ranks")
-    result = torchrun(project, "train.py", *TINY_MOE, *STEPS, *BIAS, "--job.output_dir", str(root / "bias"))
-    (root / "bias.stdout").write_text(result.stdout)
-    return {"bias": root / "bias"}
+    run = [*TINY_MOE, *STEPS, *BIAS]
+    interrupted = {"from": str(root / "bias"), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
+    result = launch_several(project, [[*run, "--job.output_dir", str(root / "bias")],
+                                      {"args": [*run, "--job.output_dir", str(root / "resumed")],
+                                       "interrupted": interrupted}], root / "runs.json", nproc=2)  # fmt: skip
+    # Rank 0 prints "run 1: ARGS" before the second run.
+    bias, resumed = result.stdout.split("\nrun 1: ", 1)
+    (root / "bias.stdout").write_text(bias)
+    (root / "resumed.stdout").write_text(resumed)
+    return {"bias": root / "bias", "resumed": root / "resumed"}
 
 
 def weights(checkpoint: Path) -> dict:
@@ -84,15 +93,11 @@ def test_two_ranks_equal_one_process(project: Path, two_ranks: dict, tmp_path: P
         assert (a[name] - b[name]).abs().max() <= 1e-5, name
 
 
-def test_resume_is_exact_routing_biases_included(project: Path, two_ranks: dict, tmp_path: Path) -> None:
-    uninterrupted = two_ranks["bias"]
-    resumed = tmp_path / "resumed"
-    shutil.copytree(uninterrupted, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-4")
-    lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (resumed / "metrics.jsonl").write_text("".join(lines[:2]))
-    result = torchrun(project, "train.py", *TINY_MOE, *STEPS, *BIAS, "--job.output_dir", str(resumed))
-    assert "resumed from" in result.stdout
+def test_resume_is_exact_routing_biases_included(two_ranks: dict) -> None:
+    # The two_ranks fixture's second run: steps 3 and 4 resumed from the step-2 checkpoint.
+    uninterrupted, resumed = two_ranks["bias"], two_ranks["resumed"]
+    stdout = resumed.with_name("resumed.stdout").read_text()
+    assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in stdout, stdout
     keep = ["step", "loss", "grad_norm", *MOE_FIGURES]
     rows = [[{k: r[k] for k in keep} for r in metrics(folder)] for folder in (resumed, uninterrupted)]
     assert rows[0] == rows[1]

@@ -11,9 +11,9 @@ generated activation_checkpoint.py), proven on CPU:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,8 @@ import pytest
 from fsdp2gen.plan_activations import block_activation_bytes, op_level_kept_bytes
 from fsdp2gen.plan_shapes import FP32
 from fsdp2gen.sizes import LlamaShape
-from tests.conftest import HELPERS, TINY, generate, metrics, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, project_modules
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 MODES = ("selective", "layer", "full")
@@ -49,12 +50,14 @@ def test_every_ac_mode_trains_to_the_numbers_of_no_ac(project: Path, tmp_path: P
 
 
 def probe(project: Path, dim: int, heads: int, kv_heads: int, ffn: int, batch: int, seq: int) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(HELPERS / "op_sac_probe.py"), *(str(n) for n in (dim, heads, kv_heads, ffn, batch, seq))],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    """tests/helpers/op_sac_probe.py's report: one process, nothing distributed, so run in this one
+    (run_in_this_process), its printed JSON captured."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(
+            project, str(HELPERS / "op_sac_probe.py"), *map(str, (dim, heads, kv_heads, ffn, batch, seq))
+        )
+    return json.loads(printed.getvalue())
 
 
 @pytest.mark.parametrize("shape", [(64, 4, 2, 172, 2, 32), (96, 6, 6, 256, 1, 48)], ids=["gqa", "mha"])
@@ -121,9 +124,15 @@ print(all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True)))
 def test_selective_keeps_every_other_matmul_of_blocks_whose_linears_have_a_bias(tmp_path: Path) -> None:
     project = generate(tmp_path / "custom", "--family", "custom", "--gpus", "1", "--fp32",
                        "--activation-checkpointing", "selective")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", CUSTOM_BLOCK], cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    decisions, equal = result.stdout.strip().splitlines()
+    # In this process (nothing distributed): the project's modules imported here and forgotten after, the RNG set
+    # back, what it prints captured.
+    import torch
+
+    printed = io.StringIO()
+    with project_modules(project), contextlib.chdir(project), torch.random.fork_rng():
+        with contextlib.redirect_stdout(printed):
+            exec(compile(CUSTOM_BLOCK, "custom_block", "exec"), {"__name__": "__main__"})
+    decisions, equal = printed.getvalue().strip().splitlines()
     # qkv, attention_out, mlp_in, mlp_out: the first and third kept; the attention kept.
     assert decisions == str([
         ("aten.addmm.default", "MUST_SAVE"),

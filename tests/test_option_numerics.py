@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 STEPS = 10
@@ -29,13 +30,9 @@ TOLERANCE = 1e-5
 
 
 def reference_run(project: Path, out: Path, options: list[str]) -> tuple[list[dict], dict]:
-    """tests/helpers/reference_loop.py (plain PyTorch, one process) with the run's options: metrics, final weights."""
-    result = subprocess.run(
-        [sys.executable, str(HELPERS / "reference_loop.py"), str(out), *RUN, *options],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    """tests/helpers/reference_loop.py (plain PyTorch, one process) with the run's options: metrics, final weights.
+    Nothing distributed: it runs in this process (run_in_this_process), not a process of its own."""
+    run_in_this_process(project, str(HELPERS / "reference_loop.py"), str(out), *RUN, *options)
     return metrics(out), torch.load(out / "final.pt")
 
 

@@ -7,6 +7,8 @@ process (no mesh, no pipeline): losses, gradient norms, validation losses and th
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 from tests.test_launchers import launch_two_nodes
 
@@ -49,14 +52,17 @@ SCHEDULES = {
 # writes its checkpoints in the background (dcp-async; test_dcp_async_checkpoints_of_pp2_resume_... resumes them),
 # Interleaved1F1B recomputes its stages' blocks under op-level selective activation checkpointing (full
 # checkpointing runs under DualPipeV below). 1F1B runs the plain project. GPipe and Interleaved1F1B run in one
-# project rendered with both options (options_project), in one launch: GPipe with activation checkpointing off
-# (SCHEDULE_ARGS), Interleaved1F1B with its checkpoints written in the background too.
+# project rendered with both options and with CPU offload and prefetch (options_project), in one launch (OPTIONS_RUNS,
+# with DualPipeV's run and the uneven stages' run below): GPipe with activation checkpointing off (SCHEDULE_ARGS),
+# Interleaved1F1B with its checkpoints written in the background too; both without offload and prefetch.
 SCHEDULE_OPTIONS = {
     "1F1B": [],
     "GPipe": ["--checkpoint", "dcp-async"],
     "Interleaved1F1B": ["--activation-checkpointing", "selective"],
 }
-SCHEDULE_ARGS = {"GPipe": ["--parallel.activation_checkpointing", "none"], "Interleaved1F1B": []}
+# CPU offload and prefetch off (options_project's config.toml has them on: the uneven stages' run uses them).
+NO_OFFLOAD = ["--parallel.cpu_offload", "false", "--parallel.prefetch_blocks", "0"]
+SCHEDULE_ARGS = {"GPipe": ["--parallel.activation_checkpointing", "none", *NO_OFFLOAD], "Interleaved1F1B": NO_OFFLOAD}
 
 
 def train(project: Path, output_dir: Path, *args: str, nproc: int) -> subprocess.CompletedProcess:
@@ -108,10 +114,13 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def options_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pp project with background-saved checkpoints (--checkpoint dcp-async) and op-level selective activation
-    checkpointing (--activation-checkpointing selective, config.toml's default; GPipe's runs turn it off)."""
+    """The pp project with background-saved checkpoints (--checkpoint dcp-async), op-level selective activation
+    checkpointing (--activation-checkpointing selective, config.toml's default; GPipe's runs turn it off, DualPipeV's
+    runs full checkpointing, the same module's other mode), CPU offload and prefetch (--cpu-offload --prefetch: on in
+    config.toml, off in every run but the uneven stages')."""
     return generate(tmp_path_factory.mktemp("pp-options") / "pp2", "--gpus", "4", "--pp", "2", "--fp32",
-                    *SCHEDULE_OPTIONS["GPipe"], *SCHEDULE_OPTIONS["Interleaved1F1B"])  # fmt: skip
+                    *SCHEDULE_OPTIONS["GPipe"], *SCHEDULE_OPTIONS["Interleaved1F1B"], "--cpu-offload",
+                    "--prefetch")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -157,29 +166,52 @@ def project_runs(
     return runs
 
 
+# The runs of options_project on 4 ranks (pp 2 x dp_shard 2), made in ONE torchrun launch as PROJECT_RUNS are:
+# GPipe's and Interleaved1F1B's (SCHEDULE_ARGS), DualPipeV's under full activation checkpointing
+# (test_zero_bubble_schedules_...), and the uneven stages with CPU offload and prefetch (test_uneven_stages_...).
+OPTIONS_RUNS = {
+    **{name: [*SCHEDULES[name], *SCHEDULE_ARGS[name]] for name in SCHEDULE_ARGS},
+    "DualPipeV": ["--parallel.pp_schedule", "DualPipeV", "--parallel.pp_stages_per_rank", "2",
+                  "--parallel.activation_checkpointing", "full", *NO_OFFLOAD],
+    "uneven": ["--parallel.pp_layers", "1,3", "--parallel.activation_checkpointing", "none", "--parallel.cpu_offload",
+               "true", "--parallel.prefetch_blocks", "1"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def options_runs(
+    options_project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[], tuple[dict[str, Path], str]]:
+    """OPTIONS_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
+    stdout."""
+    made: list[tuple[dict[str, Path], str]] = []
+
+    def runs() -> tuple[dict[str, Path], str]:
+        if not made:
+            root = tmp_path_factory.mktemp("pp2-dp2-options")
+            folders = {name: root / name for name in OPTIONS_RUNS}
+            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in OPTIONS_RUNS.items()]
+            result = launch_several(options_project, argv, root / "runs.json", nproc=4)
+            made.append((folders, result.stdout))
+        return made[0]
+
+    return runs
+
+
 @pytest.fixture(scope="module")
 def schedule_runs(
-    project_runs: Callable[[], tuple[dict[str, Path], str]],
-    options_project: Path,
-    tmp_path_factory: pytest.TempPathFactory,
+    project_runs: Callable[[], tuple[dict[str, Path], str]], options_runs: Callable[[], tuple[dict[str, Path], str]]
 ) -> Callable[[str], Path]:
     """pp 2 x dp_shard 2 on 4 ranks under a schedule of SCHEDULES, in the project of SCHEDULE_OPTIONS: ranks 0-1
     hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each launch is made once, by the first test
     that asks for one of its runs, and its output folders shared (a fixture parametrized by schedule would be torn
     down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS' launch, GPipe's
-    and Interleaved1F1B's together in options_project (tests/helpers/several_runs.py)."""
-    runs: dict[str, Path] = {}
+    and Interleaved1F1B's in OPTIONS_RUNS' (tests/helpers/several_runs.py)."""
 
     def run(schedule: str) -> Path:
         if schedule == "1F1B":  # the plain project's: made in its launch of several runs
             return project_runs()[0]["1F1B"]
-        if not runs:
-            root = tmp_path_factory.mktemp("pp2-dp2-options")
-            runs.update({name: root / name for name in SCHEDULE_ARGS})
-            argv = [[*RUN, "--job.output_dir", str(runs[name]), *SCHEDULES[name], *SCHEDULE_ARGS[name]]
-                    for name in SCHEDULE_ARGS]  # fmt: skip
-            launch_several(options_project, argv, root / "runs.json", nproc=4)
-        return runs[schedule]
+        return options_runs()[0][schedule]
 
     return run
 
@@ -203,25 +235,19 @@ def test_pp2_x_dp_shard2_on_4_ranks_equals_one_process(
 
 
 UNEVEN = ["--parallel.pp_layers", "1,3"]  # the first stage (which also holds the embedding) gets 1 block, the last 3
-# The same run also offloads and prefetches: parallel.cpu_offload (each stage's shards, gradients and Adam state in
-# CPU memory, stepped there) and parallel.prefetch_blocks 1 (a stage's blocks all-gather the next of its own blocks
-# early). On CPU ranks the offload copies nothing; this proves they compose with the schedule, not the copies' speed.
-OFFLOAD = ["--parallel.cpu_offload", "true", "--parallel.prefetch_blocks", "1"]
+# The same run (OPTIONS_RUNS' "uneven", in options_project) also offloads and prefetches: parallel.cpu_offload (each
+# stage's shards, gradients and Adam state in CPU memory, stepped there) and parallel.prefetch_blocks 1 (a stage's
+# blocks all-gather the next of its own blocks early). On CPU ranks the offload copies nothing; this proves they
+# compose with the schedule, not the copies' speed.
+assert OPTIONS_RUNS["uneven"][:2] == UNEVEN
 
 
 @pytest.fixture(scope="module")
-def offload_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("pp-offload") / "pp2", "--gpus", "4", "--pp", "2", "--fp32",
-                    "--cpu-offload", "--prefetch")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def uneven(offload_project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """pp 2 x dp_shard 2 with uneven stages, CPU offload and prefetch: the output folder, and what rank 0 printed."""
-    output_dir = tmp_path_factory.mktemp("uneven")
-    result = train(offload_project, output_dir, *UNEVEN, *OFFLOAD, nproc=4)
-    ran(result)
-    return output_dir, result.stdout
+def uneven(options_runs: Callable[[], tuple[dict[str, Path], str]]) -> tuple[Path, str]:
+    """pp 2 x dp_shard 2 with uneven stages, CPU offload and prefetch: the output folder, and what rank 0 printed
+    (in OPTIONS_RUNS' launch)."""
+    folders, stdout = options_runs()
+    return folders["uneven"], stdout
 
 
 def test_uneven_stages_from_pp_layers_with_cpu_offload_and_prefetch_equal_one_process(
@@ -256,12 +282,15 @@ print(json.dumps({
 
 
 def test_the_model_line_counts_the_whole_model_and_each_pp_rank_s_flops_are_its_stages(
-    project: Path, uneven: tuple[Path, str]
+    project: Path, uneven: tuple[Path, str], tmp_path: Path
 ) -> None:
-    result = subprocess.run([sys.executable, "-c", COUNT_MODEL, *RUN, *UNEVEN], cwd=project, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
-    ran(result)
-    counts = json.loads(result.stdout)
+    # COUNT_MODEL in this process (on the meta device, nothing distributed): the project's modules imported here and
+    # forgotten after (run_in_this_process), what it prints captured.
+    script, printed = tmp_path / "count_model.py", io.StringIO()
+    script.write_text(COUNT_MODEL)
+    with contextlib.redirect_stdout(printed):
+        run_in_this_process(project, str(script), *RUN, *UNEVEN)
+    counts = json.loads(printed.getvalue())
     # Rank 0 holds one stage, but says the whole model's size (what a reader compares with the model card).
     assert f"model: {counts['whole']:,} parameters; {counts['rank_0']:,} in rank 0's pipeline stages\n" in uneven[1]
     # metrics.jsonl's mfu_pp_rank_N (on GPUs with a known peak) divides these by the step time.
@@ -269,7 +298,7 @@ def test_the_model_line_counts_the_whole_model_and_each_pp_rank_s_flops_are_its_
 
 
 def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
-    offload_project: Path, uneven: tuple[Path, str], one_process: Path, tmp_path: Path
+    options_project: Path, uneven: tuple[Path, str], one_process: Path, tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file
 
@@ -280,7 +309,7 @@ def test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one(
         checkpoint, exported = output_dir / "checkpoints" / "step-4", tmp_path / name
         runs.append(["scripts/export.py", str(checkpoint), "--output", str(exported)])
         runs.append(["scripts/generate.py", str(checkpoint), "--prompt-ids", "1,2,3", "--max-new-tokens", "8"])
-    pp_export, pp_text, one_export, one_text = run_scripts(offload_project, *runs)
+    pp_export, pp_text, one_export, one_text = run_scripts(options_project, *runs)
     assert pp_export[0] == one_export[0] == 0, (pp_export, one_export)
     mine, theirs = load_file(tmp_path / "pp" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     assert mine.keys() == theirs.keys()  # every block once, under its global name
@@ -682,27 +711,30 @@ def test_a_tp_group_across_nodes_is_refused_in_one_line_by_each_launcher(tp_proj
 # The zero-bubble schedules torch 2.13 ships: each splits a micro-batch's backward into the input gradient (sent back
 # at once) and the weight gradient (run later, in the bubble); FSDP reduce-scatters once after the last of them.
 # ZBVZeroBubble and DualPipeV place the 4 stages in a V (layout.rank_stages: rank 0 holds blocks 0 and 3 with the
-# embedding and the output layer, rank 1 blocks 1 and 2). DualPipeV runs in a project with full activation
-# checkpointing: recomputing a whole block works with the split backward (op-level "selective" does not: refused);
-# this run is also the suite's proof that full checkpointing's wrapped (renamed) blocks in the stages equal one
-# process (selective's: Interleaved1F1B in test_pp2_x_dp_shard2_on_4_ranks_equals_one_process).
+# embedding and the output layer, rank 1 blocks 1 and 2). DualPipeV runs with full activation checkpointing (in
+# options_project, rendered with activation checkpointing, in OPTIONS_RUNS' launch): recomputing a whole block
+# works with the split backward (op-level "selective" does not: refused); this run is also the suite's proof that
+# full checkpointing's wrapped (renamed) blocks in the stages equal one process (selective's: Interleaved1F1B in
+# test_pp2_x_dp_shard2_on_4_ranks_equals_one_process).
 # Measured against one process: losses 4.8e-7, grad norms <= 2.4e-7, validation 0, weights 6.6e-6 (1F1B's figures).
 ZERO_BUBBLE = {
     "InterleavedZeroBubble": ([], ["--parallel.pp_schedule", "InterleavedZeroBubble"]),
     "ZBVZeroBubble": ([], ["--parallel.pp_schedule", "ZBVZeroBubble"]),
-    "DualPipeV": (["--activation-checkpointing", "full"], ["--parallel.pp_schedule", "DualPipeV"]),
+    "DualPipeV": (["--parallel.activation_checkpointing", "full"], ["--parallel.pp_schedule", "DualPipeV"]),
 }
 
 
 @pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
 def test_zero_bubble_schedules_on_pp2_x_dp_shard2_equal_one_process(
-    schedule: str, project_runs: Callable[[], tuple[dict[str, Path], str]], one_process: Path, tmp_path: Path
+    schedule: str,
+    project_runs: Callable[[], tuple[dict[str, Path], str]],
+    options_runs: Callable[[], tuple[dict[str, Path], str]],
+    one_process: Path,
 ) -> None:
     options, args = ZERO_BUBBLE[schedule]
-    if options:  # DualPipeV, in its own project (launched alone)
-        project = generate(tmp_path / "p", "--gpus", "4", "--pp", "2", "--precision", "fp32", *options)
-        out = tmp_path / "out"
-        ran(train(project, out, *args, "--parallel.pp_stages_per_rank", "2", nproc=4))
+    if options:  # DualPipeV, in options_project's launch of several runs
+        assert OPTIONS_RUNS[schedule] == [*args, "--parallel.pp_stages_per_rank", "2", *options, *NO_OFFLOAD]
+        out = options_runs()[0][schedule]
     else:  # the plain project's, in its launch of several runs
         assert PROJECT_RUNS[schedule] == [*args, "--parallel.pp_stages_per_rank", "2"]
         out = project_runs()[0][schedule]

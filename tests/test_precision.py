@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, torchrun, torchrun_env
+from tests.conftest import HELPERS, project_modules, torchrun, torchrun_env
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64", "--training.seq_len", "32",
@@ -82,13 +82,11 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once(projects: dict[str
     avx2.write_text("processor : 0\nflags : fpu sse2 avx avx2 fma\nprocessor : 1\nflags : fpu sse2 avx avx2 fma\n")
     amx = tmp_path / "amx"
     amx.write_text("flags : fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    probe = (
-        "import sys; from pathlib import Path; from train import cpu_has_bf16_instructions as f; "
-        "print(f(Path(sys.argv[1])), f(Path(sys.argv[2])), f(Path(sys.argv[3])))"
-    )
-    result = subprocess.run([sys.executable, "-c", probe, str(avx2), str(amx), str(tmp_path / "none")],
-                            cwd=projects["bf16"], capture_output=True, text=True)  # fmt: skip
-    assert result.stdout.split() == ["False", "True", "None"], result.stderr
+    # In this process (the project's train.py imported here, forgotten after: project_modules), not one of its own.
+    with project_modules(projects["bf16"]):
+        from train import cpu_has_bf16_instructions
+
+        assert [cpu_has_bf16_instructions(path) for path in (avx2, amx, tmp_path / "none")] == [False, True, None]
     run = torchrun(projects["bf16"], "train.py", *TINY, "--training.steps", "1", "--job.device", "cpu",
                    "--job.output_dir", str(tmp_path / "out"))  # fmt: skip
     flags = set(Path("/proc/cpuinfo").read_text().split())

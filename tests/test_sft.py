@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import generate, metrics, save_tiny_llama, torchrun
+from tests.conftest import generate, metrics, project_modules, save_tiny_llama, torchrun
 from tests.helpers.scripts import run_scripts
 
 TEMPLATE = (
@@ -125,15 +125,16 @@ def test_masked_loss_with_tp2_and_accumulation_equals_plain_pytorch(chat: dict, 
 def test_prompt_tokens_get_no_gradient(chat: dict) -> None:
     # The generated loss, on logits that require grad: the gradient at every prompt position is exactly zero,
     # so no label of a prompt token can change the update; at every assistant position it is not.
-    probe = (
-        "import torch, torch.nn.functional as F; from data import IGNORE;"
-        "torch.manual_seed(0); logits = torch.randn(2, 6, 10, requires_grad=True);"
-        "targets = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE, 1], [IGNORE, 2, 2, IGNORE, IGNORE, IGNORE]]);"
-        "F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction='sum').backward();"
-        "print((logits.grad.abs().sum(-1) > 0).int().tolist())"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=chat["project"], capture_output=True, text=True)
-    assert json.loads(result.stdout) == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], result.stderr
+    # In this process, with the project's IGNORE (project_modules: its data.py imported here, forgotten after).
+    import torch
+    import torch.nn.functional as F
+
+    with project_modules(chat["project"]):
+        from data import IGNORE
+    logits = torch.randn(2, 6, 10, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[IGNORE, IGNORE, 3, 4, IGNORE, 1], [IGNORE, 2, 2, IGNORE, IGNORE, IGNORE]])
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum").backward()
+    assert (logits.grad.abs().sum(-1) > 0).int().tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
     # ...and train.py's train_step computes the loss exactly that way (model.py's loss, summed).
     source = (chat["project"] / "train.py").read_text()
     assert 'model_loss(model, *batch, reduction="sum", chunks=chunks)' in source

@@ -1,14 +1,20 @@
 """Run under torchrun in a generated hf project (test_hf.py): the sharded model filled by model.load_pretrained
 from FOLDER must equal transformers' from_pretrained(FOLDER, dtype=float32) bit for bit, every tensor.
 
-    torchrun ... hf_load_probe.py FOLDER [--blind | --both] [--section.key VALUE ...]
+    torchrun ... hf_load_probe.py FOLDER [--blind | --both] [--pretrained MODEL,...] [--section.key VALUE ...]
 
 --blind: every rank but 0 is given a folder that does not exist, as a rank on a node that does not see rank 0's
 folder would, so that load_pretrained must take its rank-0 broadcast path. --both: first every rank sees FOLDER,
 then the same with --blind, in one launch. Rank 0 prints, for each load, "every-rank: equal" or "blind: equal"
 (or "...: differ: " and the names of the tensors that differ).
+
+--pretrained MODEL,...: first, in the same launch, what the project's tests/check_pretrained.py MODEL ... checks and
+prints (each model's logits and memory line per rank, its "MISMATCH" lines, then the last model built from scratch),
+so that test_hf.py checks several models and FOLDER's loads with one launch (an hf project's imports cost ~6 CPU-s a
+process).
 """
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -37,12 +43,30 @@ def check(config, device, mesh, folder: Path, blind: bool) -> None:
         print(f"{mode}: differ: " + " ".join(differ) if differ else f"{mode}: equal", flush=True)
 
 
+def check_pretrained(config, device, mesh, models: list[str]) -> None:
+    """tests/check_pretrained.py's checks of `models`, as `check_pretrained.py MODEL ...` makes them."""
+    spec = importlib.util.spec_from_file_location("check_pretrained", Path("tests") / "check_pretrained.py")
+    project_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(project_check)
+    Path(config.job.output_dir).mkdir(parents=True, exist_ok=True)
+    mismatches = []
+    for model in models:
+        config.model = ModelArgs(path=model, pretrained=True)
+        mismatches += project_check.check_pretrained(config, mesh, device)
+    mismatches += project_check.check_from_scratch(config, mesh, device)
+    for line in mismatches:
+        print("MISMATCH " + line, flush=True)
+
+
 def main() -> None:
     folder, args = Path(sys.argv[1]), sys.argv[2:]
     modes = [False, True] if "--both" in args else ["--blind" in args]
-    args = [arg for arg in args if arg not in ("--blind", "--both")]
+    models = args.pop(args.index("--pretrained") + 1).split(",") if "--pretrained" in args else []
+    args = [arg for arg in args if arg not in ("--blind", "--both", "--pretrained")]
 
     def check_every_mode(config, device, mesh) -> int:
+        if models:
+            check_pretrained(config, device, mesh, models)
         for blind in modes:
             check(config, device, mesh, folder, blind)
         return 0

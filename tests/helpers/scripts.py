@@ -4,12 +4,14 @@ process). train.py runs this way as one process without torchrun (a 1-rank proce
 
 from __future__ import annotations
 
+import contextlib
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import torchrun_env
+from tests.conftest import project_modules, torchrun_env
 
 # Runs scripts of a project, one after the other, in one process: torch (and transformers) are imported once, which
 # takes seconds on 2 cores. Prints [exit code, stdout, stderr] of each run, as JSON.
@@ -36,3 +38,21 @@ def run_scripts(project: Path, *runs: list[str]) -> list[tuple[int, str, str]]:
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return [tuple(run) for run in json.loads(result.stdout.splitlines()[-1])]
+
+
+def run_in_this_process(project: Path, script: str, *args: str) -> None:
+    """`python SCRIPT ARGS` in `project`, run in the test's own process (runpy): for a script that involves nothing
+    distributed (a plain-PyTorch reference), which needs no process of its own, so no torch import of its own. It
+    runs on one thread, as a subprocess under torchrun_env would, and what it changes is set back after: the
+    project's modules (project_modules), the folder, sys.argv, the RNG, the threads."""
+    import torch
+
+    argv, threads = sys.argv, torch.get_num_threads()
+    try:
+        with project_modules(project), contextlib.chdir(project), torch.random.fork_rng():
+            torch.set_num_threads(1)
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
