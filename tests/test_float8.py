@@ -89,7 +89,7 @@ def distance(got: dict, expected: dict, names: list[str]) -> float:
 
 def test_float8_tensor_parallel_equals_float8_on_one_process(tmp_path: Path) -> None:
     """tp 2 x dp 2 (4 gloo ranks): float8 conversion before tp, the Float8Linear layers split (torch's styles, on
-    GPUs too: gloo cannot all-gather float8, so torchao's float8 styles could not be tested here), float8 all-gathers for
+    GPUs too: gloo cannot all-gather float8, so torchao's float8 styles cannot be tested here), float8 gathers for
     FSDP, each weight's scale precomputed over all its shards before the step. Its first step's gradients, from
     train.py's train_step (tests/helpers/float8_tp_probe.py), against float8 on one process (plain PyTorch).
 
