@@ -3,6 +3,7 @@ which of their layers split how (config.base_model_tp_plan, and the causal LM cl
 in the model's _tp_plan), e.g. {"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head":
 "colwise_gather_output"}. train.py's build_model_meta applies it on the meta model, before fully_shard shards what
 each tp rank keeps over the data-parallel ranks (layout.py's fsdp_mesh, without tp).
+
 The plan's words are translated into torch's own ParallelStyles and applied by torch's parallelize_module, not by
 transformers' apply_tensor_parallelism (transformers.distributed.tensor_parallel), for three reasons:
 - transformers' "replicated_with_grad_allreduce" (Qwen3's per-head q_norm / k_norm) keeps a plain parameter and
@@ -73,8 +74,8 @@ def torch_style(word: str, output_layer: bool) -> ParallelStyle | None:
 
 def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
     """The model's declared plan as {module name: torch ParallelStyle}, each "*" pattern of the plan resolved to
-    the modules that match it. Stops with one line for a model without a plan or with a word
-    torch lacks."""
+    the modules that match it. Stops with one line for a model without a
+    plan or with a word torch lacks."""
     name = type(model).__name__.removeprefix("FSDP")
     plan = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
@@ -88,8 +89,9 @@ def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
         if word == "replicate":
             continue  # every tp rank keeps the whole tensor: nothing to split (FSDP still shards it)
         matches = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$").match
-        # No match: a plan entry for layers this model does not have (a mixture-of-experts model's plan names the
-        # dense MLP, mlp.gate_proj ..., that only its dense layers have: Qwen3-MoE's mlp_only_layers; none here).
+        # A pattern may match nothing: the plan names layers this model does not have (a mixture-of-experts
+        # model's plan names the dense MLP, mlp.gate_proj ..., that only its dense layers have: Qwen3-MoE's
+        # mlp_only_layers; none here).
         for key in filter(matches, names):
             style = torch_style(word, output_layer=key == output_name)
             if style is None:
