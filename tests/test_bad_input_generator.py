@@ -351,12 +351,6 @@ CASES = [
         (*NEW, "--family", "custom", "--pp", "2"),
         "--pp: pipeline parallelism is built in for --family llama and hf only; use --pp 1",
     ),
-    Case(
-        "pp-hf-with-tp",
-        (*NEW, "--family", "hf", "--tp", "2", "--pp", "2"),
-        "--pp: pipeline parallelism with tensor parallelism (--tp) is not built for --family hf yet; use --pp 1 or "
-        "--tp 1",
-    ),
     Case("ep-zero", (*NEW, "--moe", "--ep", "0"), "--ep: must be at least 1, e.g. --ep 2"),
     Case(
         "ep-without-moe",

@@ -8,11 +8,16 @@ process (tp 1), and the one process's checkpoint with tp 2, both as the uninterr
 plan, is refused in one line by `fsdp2gen new` and by preflight; the plans fsdp2gen reads (templates/hf_plans.json,
 and the README's table made from them) are the installed transformers'.
 
+All three dimensions at once: dp 2 x tp 2 x pp 2 on 8 ranks, two torchrun "nodes" of 4 on 127.0.0.1 with the
+pipeline across them (dp x tp inside a node), trains untied Llama and Qwen3 as one process does, in one launch
+(tests/helpers/several_runs.py).
+
 No network: every model is a local folder written by the test.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -22,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.helpers.slurm_cluster import free_port
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}  # fmt: skip
@@ -41,6 +47,13 @@ MODELS = ("qwen3-tied", "mistral", "qwen3-moe", "mixtral")
 # The model whose tp 2 x dp 2 run is killed mid-step, and whose checkpoints resume across layouts: the riskiest
 # plan (a tied, vocabulary-split embedding and output layer; replicated q_norm / k_norm DTensors).
 RESUMED = "qwen3-tied"
+
+# dp 2 x tp 2 x pp 2: untied models (a pipeline cannot share one matrix between its first and last stage), 1F1B's
+# 2 micro-batches per step (as many as pp ranks). Not Mistral: its tp and pp plans are Llama's, word for word (a run
+# of 8 ranks and its reference cost ~9 CPU-s).
+PP_MODELS = ("llama", "qwen3")
+TRAIN_PP = [*TRAIN, "--training.grad_accum_steps", "2"]
+LAYOUT_3D = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"]
 
 # train.py, except that on torchrun's first attempt rank 3 SIGKILLs itself in the middle of step 6: after its
 # forward and backward (its gradients reduce-scattered), before the gradient norm's all-reduce and the optimizer
@@ -73,12 +86,22 @@ train.main()
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     root = tmp_path_factory.mktemp("hf-tp-models")
     configs = {
         "qwen3-tied": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
         "mistral": MistralConfig(**SIZES, head_dim=16),
+        "llama": LlamaConfig(**SIZES, tie_word_embeddings=False),
+        "qwen3": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),
         # Mixtures of experts: the plans split attention (and Qwen3-MoE's names a dense MLP its MoE layers lack);
         # the experts stay whole on every tp rank, sharded by FSDP. Untied: lm_head's own plan
         # (colwise_gather_output).
@@ -120,18 +143,18 @@ def one_process(
 ) -> dict[str, tuple[Path, float]]:
     """Every model trained by one process, one after the other in one Python process (tests/helpers/
     hf_one_process.py: train.py's training, then plain transformers' loss on step 1's batch): its run folder and
-    that loss, by model."""
-    import json
-
+    that loss, by model; the references of the dp 2 x tp 2 x pp 2 runs (TRAIN_PP) by "pp-" and the model."""
     root = tmp_path_factory.mktemp("hf-one")
-    runs = [[*TRAIN, *model_path(models, name), "--job.output_dir", str(root / name)] for name in MODELS]
+    names = {**{name: TRAIN for name in MODELS}, **{f"pp-{name}": TRAIN_PP for name in PP_MODELS}}
+    runs = [[*train, *model_path(models, name.removeprefix("pp-")), "--job.output_dir", str(root / name)]
+            for name, train in names.items()]  # fmt: skip
     one = subprocess.run(
         [sys.executable, str(REPO / "tests" / "helpers" / "hf_one_process.py"), json.dumps(runs)],
         cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
     )  # fmt: skip
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     plain = dict(re.findall(r"^(\S+): plain transformers step 1 loss (\S+)$", one.stdout, flags=re.M))
-    return {name: (root / name, float(plain[str(root / name)])) for name in MODELS}
+    return {name: (root / name, float(plain[str(root / name)])) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +178,15 @@ def tp2(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPat
     return run
 
 
-def final_weights(run: Path, step: int = 6) -> dict:
-    """The model's weights in the run's DCP checkpoint of `step`, whole tensors whatever the layout."""
+def final_weights(run: Path, step: int = 6, part: str = "model") -> dict:
+    """The model's weights (or another part of the training state) in the run's DCP checkpoint of `step`, whole
+    tensors whatever the layout."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(run / "checkpoints" / f"step-{step}", run / f"step-{step}.pt")
-    return torch.load(run / f"step-{step}.pt", weights_only=True)["train"]["model"]
+    if not (run / f"step-{step}.pt").exists():
+        dcp_to_torch_save(run / "checkpoints" / f"step-{step}", run / f"step-{step}.pt")
+    return torch.load(run / f"step-{step}.pt", weights_only=True)["train"][part]
 
 
 def assert_equal_to(run: Path, reference: Path, steps: list[int]) -> None:
@@ -197,6 +222,96 @@ def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
     pretrained = {key: value for key, value in load_file(models[name] / "model.safetensors").items()
                   if key in trained}  # fmt: skip
     assert pretrained and all(not torch.equal(trained[key], value) for key, value in pretrained.items())
+
+
+@pytest.fixture(scope="module")
+def three_d(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The dp 2 x tp 2 x pp 2 runs of PP_MODELS on 8 ranks, in one launch: two torchrun "nodes" of 4 ranks on
+    127.0.0.1 (c10d rendezvous at node 0, as scripts/launch_multinode.sh starts them), each rank running the runs in
+    turn (tests/helpers/several_runs.py), then Llama's resumed from its step-3 checkpoint. Their run folders."""
+    root = tmp_path_factory.mktemp("hf-3d")
+    project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--nodes", "2",
+                       "--gpus", "4", "--tp", "2", "--pp", "2", "--fp32")  # fmt: skip
+    runs = {name: root / name for name in PP_MODELS}
+    args = {name: [*TRAIN_PP, *LAYOUT_3D, *model_path(models, name), "--job.output_dir", str(out)]
+            for name, out in runs.items()}  # fmt: skip
+    # Then Llama's run again from its step-3 checkpoint, in a copy of its folder as a run stopped after step 5
+    # leaves it (several_runs.py's "interrupted": the step-6 checkpoint gone, the metrics of steps 1-3 kept).
+    runs["llama-resumed"] = root / "llama-resumed"
+    interrupted = {"from": str(runs["llama"]), "remove": ["checkpoints/step-6"], "metrics_lines": 3}
+    resumed = {"args": [*args["llama"][:-1], str(runs["llama-resumed"])], "interrupted": interrupted}
+    (root / "runs.json").write_text(json.dumps([*args.values(), resumed]))
+    port = free_port()
+    torchrun_node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"3d-{port}",
+                     "--max-restarts", "0", "--node-rank"]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": str(project)}
+    nodes = [
+        subprocess.Popen(
+            [*torchrun_node, str(node), str(HELPERS / "several_runs.py"), str(root / "runs.json")],
+            cwd=project,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=900)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # past the timeout: the ranks die with their torchrun (ownership.py)
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return runs
+
+
+@pytest.mark.parametrize("name", PP_MODELS)
+def test_dp2_x_tp2_x_pp2_on_two_launched_nodes_of_4_trains_equal_to_one_process_and_to_plain_transformers(
+    three_d: dict[str, Path], one_process: dict[str, tuple[Path, float]], name: str
+) -> None:
+    # pp is the outermost dimension: node 0 holds the first stage (the embedding, layer 0), node 1 the last (layer 1,
+    # the norm, lm_head); activations and gradients cross the launchers. Inside a node, each stage's layers are split
+    # by the model's tp plan over 2 ranks, then sharded by FSDP over 2: the plan reaches only the modules the stage
+    # holds (not the other stage's stand-ins), lm_head's logits stay split by vocabulary and the pipeline's loss
+    # runs under loss_parallel.
+    (run, (single, plain)) = three_d[name], one_process[f"pp-{name}"]
+    info = json.loads((run / "checkpoints" / "step-6" / "checkpoint.json").read_text())
+    parallel = info["config"]["parallel"]
+    assert (info["world_size"], parallel["pp"], parallel["tp"], parallel["dp_shard"]) == (8, 2, 2, 2), info
+    assert_equal_to(run, single, STEPS)
+    assert metrics(run)[0]["loss"] == pytest.approx(plain, rel=TOLERANCE, abs=TOLERANCE)
+    # The checkpoint holds the names of pp 1 and tp 1 (whole tensors, the whole model's parameter names), Adam's
+    # moments too (the pipeline's optimizer state is saved flattened, one process's nested: the same names).
+    assert optimizer_state_names(run) == optimizer_state_names(single)
+
+
+def test_a_dp2_x_tp2_x_pp2_checkpoint_resumes_bit_for_bit(three_d: dict[str, Path]) -> None:
+    # Each rank loads its stage's tp and FSDP shards of the weights and of Adam's moments, the data position and the
+    # RNG states from the step-3 checkpoint: steps 4-6 and the final weights are the uninterrupted run's exactly (==).
+    # (Restarting the ranks after a kill is the launchers' part, the same for every layout: tp 2 x dp 2 above,
+    # tests/test_pipeline_parallel.py and test_launchers.py's two nodes.)
+    resumed, uninterrupted = three_d["llama-resumed"], three_d["llama"]
+    rows = [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(resumed)]
+    assert rows == [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(uninterrupted)]
+    weights, expected = final_weights(resumed), final_weights(uninterrupted)
+    assert weights.keys() == expected.keys() and all(weights[key].equal(value) for key, value in expected.items())
+
+
+def optimizer_state_names(run: Path) -> list[str]:
+    """ "state.PARAMETER.FIELD" of every tensor of the optimizer state in the run's final checkpoint."""
+    names = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        elif prefix.startswith("state."):
+            names.append(prefix)
+
+    walk("", final_weights(run, part="optimizer"))
+    return sorted(names)
 
 
 def test_a_rank_killed_mid_step_under_tp2_dp2_restarts_and_resumes_bit_for_bit(
@@ -267,8 +382,6 @@ print(json.dumps({"code": code, "stderr": stderr.getvalue(), "translated": trans
 def test_a_model_without_a_tp_plan_is_refused_at_new_and_at_run_time_and_the_plans_are_transformers(
     project: Path, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    import json
-
     # fsdp2gen new: one line, exit 2, nothing written (templates/hf_plans.json says gpt2 declares no plan).
     new = fsdp2gen("new", str(tmp_path / "gpt2-tp"), "--yes", "--family", "hf", "--hf-model", str(models["gpt2"]),
                    "--gpus", "4", "--tp", "2")  # fmt: skip

@@ -73,31 +73,32 @@ def torch_style(word: str, output_layer: bool) -> ParallelStyle | None:
 
 
 def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
-    """The model's declared plan as {module pattern: torch ParallelStyle} (parallelize_module takes the plan's
-    "*" wildcards as they are). Stops with one line for a model without a plan or with a word torch lacks."""
+    """The model's declared plan as {module name: torch ParallelStyle}, each "*" pattern of the plan resolved to
+    the modules that match it. Stops with one line for a model without a
+    plan or with a word torch lacks."""
     name = type(model).__name__.removeprefix("FSDP")
     plan = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
         stop(f"parallel.tp: {name} declares no tensor-parallel plan (its config class's base_model_tp_plan is "
              "empty); use --parallel.tp 1 (FSDP shards it over every rank)")  # fmt: skip
+    names = [key for key, _ in model.named_modules()]
     output = model.get_output_embeddings()
     output_name = next((key for key, module in model.named_modules() if module is output), None)
-    names = [key for key, _ in model.named_modules()]
     styles = {}
     for pattern, word in plan.items():
         if word == "replicate":
             continue  # every tp rank keeps the whole tensor: nothing to split (FSDP still shards it)
         matches = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$").match
-        if not any(matches(key) for key in names):
-            # A plan entry for layers this model does not have: a mixture-of-experts model's plan names the dense
-            # MLP (mlp.gate_proj ...) that only its dense layers have (Qwen3-MoE's mlp_only_layers; none here).
-            continue
-        style = torch_style(word, output_layer=pattern == output_name)
-        if style is None:
-            stop(f"parallel.tp: {name}'s tensor-parallel plan splits {pattern} as {word!r}, which this project "
-                 "does not translate to torch's styles (README.md: which dimension works for which model type); use "
-                 "--parallel.tp 1")  # fmt: skip
-        styles[pattern] = style
+        # A pattern may match nothing: the plan names layers this model does not have (a mixture-of-experts
+        # model's plan names the dense MLP, mlp.gate_proj ..., that only its dense layers have: Qwen3-MoE's
+        # mlp_only_layers; none here).
+        for key in filter(matches, names):
+            style = torch_style(word, output_layer=key == output_name)
+            if style is None:
+                stop(f"parallel.tp: {name}'s tensor-parallel plan splits {pattern} as {word!r}, which this project "
+                     "does not translate to torch's styles (README.md: which dimension works for which model type); "
+                     "use --parallel.tp 1")  # fmt: skip
+            styles[key] = style
     return styles
 
 
@@ -105,9 +106,8 @@ def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split the model's layers over the tp ranks as its declared plan says (torch_styles), before FSDP shards what
     each rank keeps over the data-parallel ranks."""
     styles = torch_styles(model)
-    tied = model.get_output_embeddings() is not None and (
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    )
+    input_weight = getattr(model.get_input_embeddings(), "weight", None)
+    tied = input_weight is not None and input_weight is getattr(model.get_output_embeddings(), "weight", None)
     parallelize_module(model, tp_mesh, styles)
     if tied:
         # Both layers split the (vocab, dim) matrix by vocabulary rows (embedding_rowwise, colwise), so one
