@@ -318,7 +318,7 @@ def hf_tp_saving(
         "full": block,
         "selective": model.n_layers * kept + block,
     }[ac]
-    saving = split - split // tp  # the split parts: 1/tp of them on each rank
+    saving = split - math.ceil(split / tp)  # the split parts: 1/tp of them on each rank
     logits = FP32 * batch * math.ceil(seq_len / loss_chunks)  # one chunk's log-softmax (head_activation_bytes)
     return saving + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
 
