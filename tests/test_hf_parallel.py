@@ -1,12 +1,13 @@
-"""Family hf with tensor parallelism (`--tp`), from the plan each transformers model declares (tensor_parallel.py):
-tiny Qwen3 (tied embeddings, per-head q_norm / k_norm), Mistral, Qwen3-MoE and Mixtral (mixtures of experts, untied
-embeddings) checkpoints made here with save_pretrained, trained by a generated project on tp 2 x dp 2 (4 gloo ranks)
-and by one process; both must agree in losses, gradient norms and final weights, and step 1's loss must be plain
-transformers' on the same batch. (Llama's plan is Mistral's, word for word.) Qwen3's run has rank 3 killed in the
-middle of a step and restarted by torchrun: it resumes bit for bit; its tp 2 x dp 2 checkpoint resumes on one
-process (tp 1), and the one process's checkpoint with tp 2, both as the uninterrupted run. GPT-2, which declares no
-plan, is refused in one line by `fsdp2gen new` and by preflight; the plans fsdp2gen reads (templates/hf_plans.json,
-and the README's table made from them) are the installed transformers'.
+"""Family hf with tensor parallelism (`--tp`), from the plan each transformers model declares (tensor_parallel.py): tiny
+Qwen3 (tied embeddings, per-head q_norm / k_norm), Mistral, Qwen3-MoE and Mixtral (mixtures of experts, untied
+embeddings) checkpoints made here with save_pretrained, trained by a generated project on tp 2 x dp 2 (4 gloo ranks,
+the four models' runs in one launch: tests/helpers/several_runs.py) and by one process; both must agree in losses,
+gradient norms and final weights, and step 1's loss must be plain transformers' on the same batch. (Llama's plan is
+Mistral's, word for word.) Qwen3's run has rank 3 killed in the middle of a step and restarted by torchrun: it
+resumes bit for bit; its tp 2 x dp 2 checkpoint resumes on one process (tp 1), and the one process's checkpoint with
+tp 2, both as the uninterrupted run. GPT-2, which declares no plan, is refused in one line by `fsdp2gen new` and by
+preflight; the plans fsdp2gen reads (templates/hf_plans.json, and the README's table made from them) are the
+installed transformers'.
 
 All three dimensions at once: dp 2 x tp 2 x pp 2 on 8 ranks, two torchrun "nodes" of 4 on 127.0.0.1 with the
 pipeline across them (dp x tp inside a node), trains untied Llama and Qwen3 as one process does, in one launch
@@ -22,12 +23,12 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.helpers.several_runs import launch_several
 from tests.helpers.slurm_cluster import free_port
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -55,32 +56,14 @@ PP_MODELS = ("llama", "qwen3")
 TRAIN_PP = [*TRAIN, "--training.grad_accum_steps", "2"]
 LAYOUT_3D = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"]
 
-# train.py, except that on torchrun's first attempt rank 3 SIGKILLs itself in the middle of step 6: after its
-# forward and backward (its gradients reduce-scattered), before the gradient norm's all-reduce and the optimizer
-# step, while the other ranks wait in that all-reduce. The newest complete checkpoint is step-3's, so the restart
-# recomputes steps 4 and 5, which the first attempt logged (metrics.rewound.jsonl keeps those rows).
-KILL_MID_STEP = """\
-import os
-import signal
-
-import torch.distributed as dist
-
-import train
-
-doomed = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-real_optimizer_step = train.optimizer_step
-
-
-def optimizer_step(state, config):
-    if doomed and dist.get_rank() == 3 and state.step == 5:  # state.step: the steps done, so this is step 6
-        print("rank 3: SIGKILL in step 6, before its optimizer step", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_optimizer_step(state, config)
-
-
-train.optimizer_step = optimizer_step  # train_step looks it up in the module at every step
-train.main()
-"""
+# The tp 2 x dp 2 run of RESUMED: on torchrun's first attempt rank 3 SIGKILLs itself in the middle of step 6, after
+# its forward and backward (its gradients reduce-scattered), before the gradient norm's all-reduce and the optimizer
+# step, while the other ranks wait in that all-reduce (several_runs.py's "kill"). The newest complete checkpoint is
+# step-3's, so the restart recomputes steps 4 and 5, which the first attempt logged (metrics.rewound.jsonl keeps
+# those rows).
+KILL = {"rank": 3, "step": 6}
+# By model: a run's folder and the output of the launch it ran in.
+Runs = dict[str, tuple[Path, subprocess.CompletedProcess]]
 
 
 @pytest.fixture(scope="module")
@@ -158,24 +141,16 @@ def one_process(
 
 
 @pytest.fixture(scope="module")
-def tp2(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
-    """The tp 2 x dp 2 run of a model (4 ranks), made once: its run folder and torchrun's output. RESUMED's run is
-    the one killed mid-step (KILL_MID_STEP) and restarted."""
-    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
-
-    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        if name not in runs:
-            root = tmp_path_factory.mktemp(f"hf-tp2-{name}")
-            script = ["train.py"]
-            if name == RESUMED:
-                (root / "kill_mid_step.py").write_text(KILL_MID_STEP)
-                script = ["--max-restarts=1", str(root / "kill_mid_step.py")]
-            result = torchrun(project, *script, *TRAIN, *model_path(models, name), "--job.output_dir",
-                              str(root / "run"), nproc=4)  # fmt: skip
-            runs[name] = (root / "run", result)
-        return runs[name]
-
-    return run
+def tp2(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The tp 2 x dp 2 runs of every model in MODELS, in one launch of 4 ranks (tests/helpers/several_runs.py: torch
+    and transformers imported once, each run its own train.train(), config and output folder), RESUMED's first and
+    killed mid-step (KILL), then restarted by torchrun (restarts=1), which resumes it and goes on with the others: by
+    model, its run folder and the launch's output."""
+    root = tmp_path_factory.mktemp("hf-tp2")
+    args = {name: [*TRAIN, *model_path(models, name), "--job.output_dir", str(root / name)] for name in MODELS}
+    runs = [{"args": args[RESUMED], "kill": KILL}, *(args[name] for name in MODELS if name != RESUMED)]
+    result = launch_several(project, runs, root / "runs.json", nproc=4, restarts=1)
+    return {name: (root / name, result) for name in MODELS}
 
 
 def final_weights(run: Path, step: int = 6, part: str = "model") -> dict:
@@ -207,12 +182,12 @@ def assert_equal_to(run: Path, reference: Path, steps: list[int]) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
-    tp2: Callable[[str], tuple], one_process: dict[str, tuple[Path, float]], models: dict[str, Path], name: str
+    tp2: Runs, one_process: dict[str, tuple[Path, float]], models: dict[str, Path], name: str
 ) -> None:
     import torch
     from safetensors.torch import load_file
 
-    (parallel, _), (single, plain) = tp2(name), one_process[name]
+    (parallel, _), (single, plain) = tp2[name], one_process[name]
     # Losses, gradient norms and final weights (the checkpoints hold whole tensors whatever the layout).
     assert_equal_to(parallel, single, STEPS)
     assert metrics(parallel)[0]["loss"] == pytest.approx(plain, rel=TOLERANCE, abs=TOLERANCE)
@@ -315,14 +290,14 @@ def optimizer_state_names(run: Path) -> list[str]:
 
 
 def test_a_rank_killed_mid_step_under_tp2_dp2_restarts_and_resumes_bit_for_bit(
-    tp2: Callable[[str], tuple],
+    tp2: Runs,
 ) -> None:
     # torchrun --max-restarts 1 restarts all 4 ranks from the step-3 checkpoint: each loads its tp and FSDP shards
     # of the weights (the tied embedding, the vocabulary-split output layer) and of Adam's moments, the data
     # position and the RNG states. Steps 4 and 5, computed again, are the first attempt's exactly (==): step 5's
     # loss and gradient norm are made from step 4's update, Adam's restored moments included. (The whole run
     # equals one process: the test above, with this run.)
-    run, result = tp2(RESUMED)
+    run, result = tp2[RESUMED]
     assert "rank 3: SIGKILL in step 6, before its optimizer step" in result.stdout, result.stdout[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step-3'} at step 3" in result.stdout, result.stdout[-3000:]
     first_attempt = metrics(run, "metrics.rewound.jsonl")
@@ -335,10 +310,10 @@ def test_a_rank_killed_mid_step_under_tp2_dp2_restarts_and_resumes_bit_for_bit(
 
 
 def test_checkpoints_resume_across_layouts_tp2_dp2_to_one_process_and_one_process_to_tp2(
-    tp2: Callable[[str], tuple], one_process: dict[str, tuple[Path, float]], project: Path,
+    tp2: Runs, one_process: dict[str, tuple[Path, float]], project: Path,
     models: dict[str, Path], tmp_path: Path,
 ) -> None:  # fmt: skip
-    (parallel, _), (single, _) = tp2(RESUMED), one_process[RESUMED]
+    (parallel, _), (single, _) = tp2[RESUMED], one_process[RESUMED]
     model = model_path(models, RESUMED)
     for source, dest in ((parallel, "on-one"), (single, "on-tp2")):
         # The run folder as it was at step 3: its step-3 checkpoint the newest.
