@@ -6,14 +6,16 @@ transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1
 rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
 merge of a rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the
 responses' tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The
-Llama run's step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process without a pipeline and
-equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; mixture of experts;
-Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage would scale them
-again) are refused in one line by `fsdp2gen new` and by preflight.
+Llama run (4 steps) has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and
+still equals one process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process
+without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied
+embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan names, so
+that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
 
 Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
-of processes): the chat data's preparation and the 4 ranks' four runs, then one process's four references, the
-resume, plain transformers and the preflight cases. No network: every model is a local folder written by the test.
+of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' four runs, then one
+process's four references, the resume, plain transformers and the preflight cases. No network: every model is a
+local folder written by the test.
 """
 
 from __future__ import annotations
@@ -25,20 +27,24 @@ import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
 from tests.helpers.chats import chat_model, prepare_chats
-from tests.helpers.several_runs import launch_several, plain_losses, preflight_answers
+from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}  # fmt: skip
-# 2 micro-batches per step (1F1B needs as many as pp ranks), checkpoints after steps 2 and 3.
+# 2 micro-batches per step (1F1B needs as many as pp ranks), checkpoints after steps 2 and 3 (Llama's: 2 and 4).
 TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "8", "--training.grad_accum_steps", "2",
          "--training.warmup_steps", "2", "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0",
          "--job.device", "cpu", "--job.log_every", "1", "--checkpoint.interval", "2"]  # fmt: skip
 TOLERANCE = 1e-5
+# Llama's pp 2 x dp 2 run (4 steps: the kill needs a step between its newest checkpoint and the killed step to
+# compare) is killed in the middle of step 4 on torchrun's first attempt (several_runs.py's kill): rank 3, dp rank 1
+# of the last stage.
+KILL = {"rank": 3, "step": 4}
 # The runs, by name: the model, the options of both its runs, and those of the pp 2 x dp 2 one only. From scratch
 # at lr 1e-4: Adam turns the summation-order roundoff of an element whose gradient nearly cancels into up to ~lr in
 # the weights (one embedding element 3.8e-5 off at lr 1e-3, all else within 2.4e-6 and the losses within 1e-7).
 RUNS = {
-    "llama": ("llama", [], []),
+    "llama": ("llama", ["--training.steps", "4"], []),
     "qwen3": ("qwen3", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
@@ -83,9 +89,10 @@ def run_options(models: dict[str, Path], output_dir: Path, name: str, pipeline: 
 
 
 @pytest.fixture(scope="module")
-def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The pp 2 x dp 2 runs (4 ranks), then in one process the same runs at pp 1, the resume of the Llama run's
-    step 2 at pp 1, plain transformers' step-1 losses and the preflight cases. Returns (root, one process's stdout)."""
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """The pp 2 x dp 2 runs (4 ranks; Llama's killed mid-step and restarted), then in one process the same runs at
+    pp 1, the resume of the Llama run's step 2 at pp 1, plain transformers' step-1 losses and the preflight cases.
+    Returns (root, one process's stdout, the 4 ranks' stdout)."""
     root = tmp_path_factory.mktemp("hf-pp")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--gpus", "4",
                        "--pp", "2", "--fp32")  # fmt: skip
@@ -98,20 +105,28 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
             {"project": str(lora)} if name == LORA_SFT else {}
         )
 
-    spec = {"scripts": [prepare_chats(lora, root)], "runs": [run(name, True) for name in RUNS]}
-    launch_several(project, spec, root / "pp2.json", nproc=4)
-    # The Llama run as it was after step 2: resumed without a pipeline, in one process, for step 3.
+    # Rank 3 SIGKILLs itself in Llama's step 4 (after its backward, before the optimizer step; the newest checkpoint
+    # is step 2's): torchrun restarts all 4 ranks, which resume from step 2, compute steps 3 and 4 again, and go on
+    # with the runs after it.
+    runs = [run(name, True) | ({"kill": KILL} if name == "llama" else {}) for name in RUNS]
+    pp2 = launch_several(project, {"scripts": [prepare_chats(lora, root)], "runs": runs}, root / "pp2.json", nproc=4,
+                         restarts=1)  # fmt: skip
+    # The Llama run as it was after step 2: resumed without a pipeline, in one process, for steps 3 and 4.
     preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
     spec = {
         "runs": [run(name, False) | {"reference": name != "qwen3-scratch"} for name in RUNS]
         + [{"args": run_options(models, root / "resumed", "llama", False),
-            "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-3"]}}],
+            "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-4"]}}],
         "preflight": {
             name: [*preflight, "--model.path", str(models[name])]
             for name in ("gpt2", "qwen3-tied", "qwen3-moe", "granite")
         },
     }  # fmt: skip
-    return root, launch_several(project, spec, root / "one.json", nproc=1).stdout
+    return root, launch_several(project, spec, root / "one.json", nproc=1).stdout, pp2.stdout
+
+
+def steps(name: str) -> list[int]:
+    return [1, 2, 3, 4] if name == "llama" else [1, 2, 3]
 
 
 def weights(run: Path, step: int) -> dict:
@@ -139,9 +154,11 @@ def assert_equal_runs(got: Path, expected: Path, steps: list[int]) -> None:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: tuple[Path, str], name: str) -> None:
-    root, stdout = runs
-    assert_equal_runs(root / f"{name}-pp2", root / f"{name}-one", [1, 2, 3])
+def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(
+    runs: tuple[Path, str, str], name: str
+) -> None:
+    root, stdout, _ = runs
+    assert_equal_runs(root / f"{name}-pp2", root / f"{name}-one", steps(name))
     plain = plain_losses(stdout).get(str(root / f"{name}-one"))
     if name == "qwen3-scratch":
         assert plain is None
@@ -149,16 +166,26 @@ def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(runs: t
         assert metrics(root / f"{name}-pp2")[0]["loss"] == pytest.approx(plain, rel=TOLERANCE)
 
 
-def test_a_pp2_checkpoint_resumes_in_one_process_as_the_uninterrupted_run(runs: tuple[Path, str]) -> None:
-    root, stdout = runs
+def test_a_rank_killed_mid_step_under_pp2_dp2_restarts_and_resumes_bit_for_bit(runs: tuple[Path, str, str]) -> None:
+    # torchrun --max-restarts 1 restarts all 4 ranks from the step-2 checkpoint: each loads its stage's FSDP shards
+    # of the weights and of Adam's moments, the data position and the RNG states, and the schedule runs its
+    # micro-batches again. Step 3, computed again, is the first attempt's exactly (==). (The whole run equals one
+    # process: test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers[llama], with this run.)
+    root, _, stdout = runs
+    assert sorted(row["step"] for row in metrics(root / "llama-pp2")) == steps("llama")
+    assert_resumed_bit_for_bit(stdout, root / "llama-pp2", KILL, 2, ("loss", "grad_norm"))
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process_as_the_uninterrupted_run(runs: tuple[Path, str, str]) -> None:
+    root, stdout, _ = runs
     assert f"resumed from {root / 'resumed' / 'checkpoints' / 'step-2'} at step 2" in stdout
-    assert_equal_runs(root / "resumed", root / "llama-one", [3])
+    assert_equal_runs(root / "resumed", root / "llama-one", [3, 4])
 
 
 def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
-    runs: tuple[Path, str], models: dict[str, Path], tmp_path: Path
+    runs: tuple[Path, str, str], models: dict[str, Path], tmp_path: Path
 ) -> None:
-    root, stdout = runs
+    root, stdout, _ = runs
     new = fsdp2gen("new", str(tmp_path / "gpt2-pp"), "--yes", "--family", "hf", "--hf-model", str(models["gpt2"]),
                    "--gpus", "4", "--pp", "2")  # fmt: skip
     config = models["gpt2"] / "config.json"
