@@ -1,5 +1,5 @@
 """Family hf with pipeline parallelism (`--pp`), cut by the plan each transformers model declares
-(pipeline_stages.py): tiny Llama and Qwen3 checkpoints made here with save_pretrained (untied: a tied embedding
+(pipeline_stages.py): tiny Llama, Qwen3 and Mistral checkpoints made here with save_pretrained (untied: a tied embedding
 cannot span the first and the last stage), trained by a generated project on pp 2 x dp 2 (4 gloo ranks) and by one
 process; both must agree in losses, gradient norms and final weights (fp32, 1e-5), and step 1's loss must be plain
 transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per
@@ -13,8 +13,8 @@ embeddings; mixture of experts; Granite, whose forward scales the embeddings out
 that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
 
 Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
-of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' four runs, then one
-process's four references, the resume, plain transformers and the preflight cases. No network: every model is a
+of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' five runs, then one
+process's five references, the resume, plain transformers and the preflight cases. No network: every model is a
 local folder written by the test.
 """
 
@@ -46,6 +46,7 @@ KILL = {"rank": 3, "step": 4}
 RUNS = {
     "llama": ("llama", ["--training.steps", "4"], []),
     "qwen3": ("qwen3", [], []),
+    "mistral": ("mistral", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
     # LoRA fine-tuning on chat data (only the responses' tokens are targets) of a tiny Llama with a chat tokenizer,
@@ -57,12 +58,13 @@ LORA_SFT = "lora-sft"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import GPT2Config, GraniteConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import GPT2Config, GraniteConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-pp-models")
     configs = {
         "llama": LlamaConfig(**SIZES, tie_word_embeddings=False),
         "qwen3": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),  # per-head q_norm / k_norm
+        "mistral": MistralConfig(**SIZES, head_dim=16, tie_word_embeddings=False),
         "qwen3-tied": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
         "qwen3-moe": Qwen3MoeConfig(
             **SIZES,
