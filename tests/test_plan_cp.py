@@ -20,7 +20,7 @@ from fsdp2gen.plan_activations import ring_attention_bytes
 from fsdp2gen.plan_layout import AC_MODES, PlanRequest
 from fsdp2gen.plan_shapes import SIZES
 from fsdp2gen.sizes import LlamaShape
-from tests.conftest import HELPERS, invoke, torchrun_env
+from tests.conftest import HELPERS, generate, invoke, torchrun_env
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 BF16, FP32 = 2, 4
@@ -304,3 +304,21 @@ def test_cp_sweep_prints_a_table_of_seq_by_cp() -> None:
 def test_build_request_takes_cp() -> None:
     request = build_request(size="8b", gpus=8, cp=2, seq=65536)
     assert (request.cp, request.data_ranks, request.fsdp_ranks, request.local_seq_len) == (2, 4, 8, 32768)
+
+
+def test_the_projects_simulation_refuses_cp_in_one_line_and_simulates_its_cp_1(tmp_path: Path) -> None:
+    # scripts/plan_memory.py of a cp project: torch's context_parallel does not run on fake tensors, so cp > 1 is one
+    # line naming the way out (the config's cp 1, or `fsdp2gen plan`), exit 2, before anything is built; with
+    # --parallel.cp 1 the project's own train_step (which takes the mesh in a cp project) is simulated.
+    project = generate(tmp_path / "run", "--gpus", "4", "--cp", "2", "--fp32")
+    script = [sys.executable, "scripts/plan_memory.py", "--gpus", "4"]
+    refused = subprocess.run(script, cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", (
+        "plan_memory.py: error: parallel.cp = 2 is not simulated (torch's context_parallel does not run on fake "
+        "tensors); simulate with --parallel.cp 1 (`fsdp2gen plan` plans cp)\n"
+    ))  # fmt: skip
+    simulated = subprocess.run([*script, "--parallel.cp", "1", "--json"], cwd=project, env=torchrun_env(),
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert simulated.returncode == 0, simulated.stderr[-3000:]
+    result = json.loads(simulated.stdout)
+    assert 0 < result["allocated"] <= result["reserved"]

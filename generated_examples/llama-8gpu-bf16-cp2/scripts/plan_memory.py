@@ -185,7 +185,7 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
 
             hook = register_module_forward_pre_hook(reset_at_root)
             with tracker, ValuesReadOnTheHost():
-                train.train_step(state, batches, config)
+                train.train_step(state, batches, config, mesh)
             hook.remove()
     finally:
         # A no-op in the fake process group; kept so the script reads like every other teardown (and fsdp2gen
@@ -207,6 +207,12 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
+    cp = config.parallel.cp
+    if cp > 1:
+        # context_parallel shards each batch's sequences in place (context_parallel.py): under FakeTensorMode the
+        # model's forward receives a token tensor without its dimensions, so no step can be simulated.
+        problem = f"parallel.cp = {cp} is not simulated (torch's context_parallel does not run on fake tensors)"
+        parser.exit(2, f"{parser.prog}: error: {problem}; simulate with --parallel.cp 1 (`fsdp2gen plan` plans cp)\n")
     result = simulate(config, args.gpus)
     if args.json:
         print(json.dumps(result))
