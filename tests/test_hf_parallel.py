@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, torchrun, torchrun_env
+from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, save_tiny_models, torchrun, torchrun_env
 from tests.helpers.several_runs import launch_several
 from tests.helpers.slurm_cluster import free_port
 
@@ -67,9 +67,7 @@ Runs = dict[str, tuple[Path, subprocess.CompletedProcess]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import torch
     from transformers import (
-        AutoModelForCausalLM,
         GPT2Config,
         LlamaConfig,
         MistralConfig,
@@ -100,12 +98,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
         ),
     }
-    folders = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        folders[name] = root / name
-        AutoModelForCausalLM.from_config(config).save_pretrained(folders[name])
-    return folders
+    return save_tiny_models(root, configs)
 
 
 @pytest.fixture(scope="module")
