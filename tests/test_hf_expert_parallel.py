@@ -3,9 +3,10 @@ mixture-of-experts model declares (expert_parallel.py): tiny Qwen3-MoE and Mixtr
 save_pretrained (one tensor per expert in the files, fused experts in the model), trained by a generated project on
 ep 2 x dp_shard_mod_ep 2 (4 gloo ranks, each holding 2 of the 4 experts of every layer, each of those sharded over
 2 ranks) and by one process: both agree in losses, gradient norms, load figures and final weights, step 1's loss is
-plain transformers' on the same batch, and the ep 2 checkpoint of step 2 resumes in one process (ep 1) equal to the
-uninterrupted run. The Qwen3-MoE run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun:
-it resumes bit for bit (and still equals one process). A dense model is refused in one line by `fsdp2gen new --ep`
+plain transformers' on the same batch, the ep 2 checkpoint of step 2 resumes in one process (ep 1) equal to the
+uninterrupted run, and scripts/export.py and generate.py read the ep 2 checkpoints as one process's. The Qwen3-MoE
+run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and still
+equals one process). A dense model is refused in one line by `fsdp2gen new --ep`
 and by preflight.
 
 Two launches in all (tests/helpers/several_runs.py), and torchrun's restart of the first: the 4-rank one trains both
@@ -15,6 +16,8 @@ references (and plain transformers) and the resume. No network: every model is a
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 from pathlib import Path
@@ -23,6 +26,7 @@ import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
 from tests.helpers.chats import chat_model, prepare_chats
+from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -157,6 +161,40 @@ def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict)
     root = runs["root"]
     assert f"resumed from {root / 'resume-qwen3-moe' / 'checkpoints' / 'step-2'} at step 2" in runs["one"].stdout
     assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3, 4])
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_export_and_generate_read_the_ep2_checkpoint_as_the_one_process_one(runs: dict, name: str) -> None:
+    """scripts/export.py writes the ep 2 run's checkpoint (each rank saved its own experts) as save_pretrained
+    writes the model: per-expert files with the one-process run's names and weights, which transformers loads with
+    nothing missing; scripts/generate.py continues a prompt from the checkpoint as from the exported folder."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, project = runs["root"], runs["project"]
+    exported = {}
+    for run in ("ep2", "one"):
+        checkpoint = root / f"{run}-{name}" / "checkpoints" / "step-4"
+        exported[run] = root / f"{run}-{name}" / "exported"
+        run_in_this_process(project, "scripts/export.py", str(checkpoint), "--output", str(exported[run]))
+    weights, reference = (load_file(exported[run] / "model.safetensors") for run in ("ep2", "one"))
+    assert sorted(weights) == sorted(reference) and any(".experts.3." in key for key in weights)
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
+    _, loading = AutoModelForCausalLM.from_pretrained(exported["ep2"], output_loading_info=True)
+    assert not any(loading.values()), loading  # no missing, unexpected or mismatched weights
+
+    def continuation(*source: str) -> str:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            run_in_this_process(project, "scripts/generate.py", *source, "--prompt-ids", "1,2,3",
+                                "--max-new-tokens", "8")  # fmt: skip
+        return printed.getvalue()
+
+    from_checkpoint = continuation(str(root / f"ep2-{name}" / "checkpoints" / "step-4"))
+    assert re.fullmatch(r"\d+(,\d+){7}\n", from_checkpoint), from_checkpoint
+    assert from_checkpoint == continuation("--exported", str(exported["ep2"]))
 
 
 def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(
