@@ -16,8 +16,6 @@ references (and plain transformers) and the resume. No network: every model is a
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
@@ -26,7 +24,7 @@ import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, save_tiny_models
 from tests.helpers.chats import chat_model, prepare_chats
-from tests.helpers.scripts import run_in_this_process
+from tests.helpers.exports import assert_read_as_one_process
 from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several, plain_losses, preflight_answers
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -165,36 +163,15 @@ def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict)
 
 @pytest.mark.parametrize("name", MOE)
 def test_export_and_generate_read_the_ep2_checkpoint_as_the_one_process_one(runs: dict, name: str) -> None:
-    """scripts/export.py writes the ep 2 run's checkpoint (each rank saved its own experts) as save_pretrained
-    writes the model: per-expert files with the one-process run's names and weights, which transformers loads with
-    nothing missing; scripts/generate.py continues a prompt from the checkpoint as from the exported folder."""
-    import torch
+    # Each rank saved its own experts: exported, they are the per-expert files of the one-process run's export.
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    root, project = runs["root"], runs["project"]
-    exported = {}
-    for run in ("ep2", "one"):
-        checkpoint = root / f"{run}-{name}" / "checkpoints" / "step-4"
-        exported[run] = root / f"{run}-{name}" / "exported"
-        run_in_this_process(project, "scripts/export.py", str(checkpoint), "--output", str(exported[run]))
-    weights, reference = (load_file(exported[run] / "model.safetensors") for run in ("ep2", "one"))
-    assert sorted(weights) == sorted(reference) and any(".experts.3." in key for key in weights)
-    for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, rtol=0, atol=WEIGHTS_TOLERANCE, msg=key)
-    _, loading = AutoModelForCausalLM.from_pretrained(exported["ep2"], output_loading_info=True)
-    assert not any(loading.values()), loading  # no missing, unexpected or mismatched weights
-
-    def continuation(*source: str) -> str:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            run_in_this_process(project, "scripts/generate.py", *source, "--prompt-ids", "1,2,3",
-                                "--max-new-tokens", "8")  # fmt: skip
-        return printed.getvalue()
-
-    from_checkpoint = continuation(str(root / f"ep2-{name}" / "checkpoints" / "step-4"))
-    assert re.fullmatch(r"\d+(,\d+){7}\n", from_checkpoint), from_checkpoint
-    assert from_checkpoint == continuation("--exported", str(exported["ep2"]))
+    step = Path("checkpoints") / "step-4"
+    root = runs["root"]
+    assert_read_as_one_process(runs["project"], root / f"ep2-{name}" / step, root / f"one-{name}" / step,
+                               WEIGHTS_TOLERANCE)  # fmt: skip
+    exported = load_file(root / f"ep2-{name}" / "exported-step-4" / "model.safetensors")
+    assert any(".experts.3." in key for key in exported)
 
 
 def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(
