@@ -435,12 +435,6 @@ CASES = [
         (*NEW, "--float8", "--fp32"),
         "--float8: float8 training runs inside bf16 mixed precision; add --bf16 (or leave out --float8)",
     ),
-    Case(
-        "float8-tp-hf",
-        (*NEW, "--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--float8", "--tp", "2"),
-        "--float8: float8 with tensor parallelism is built for --family llama only: an hf model's "
-        "declared tp plan has not been tried on Float8Linear layers yet; use --tp 1 (or leave out --float8)",
-    ),
     # project names
     Case("name-empty", (*NEW, "--project-name", ""), f"--project-name: {BAD_NAME}"),
     Case("name-uppercase", (*NEW, "--project-name", "MyRun"), f"--project-name: {BAD_NAME}"),
@@ -1233,7 +1227,7 @@ SUGGESTING = [
     {"gpus": 0}, {"gpus": 65}, {"nodes": 0}, {"nodes": 20000}, {"tp": 0}, {"tp": 3}, {"gpus": 6, "tp": 4},
     {"gpus": 6, "tp": 128}, {"gpus": 3, "tp": 2}, {"gpus": 1, "tp": 2}, {"family": "custom", "tp": 2},
     {"cp": 0}, {"cp": 3}, {"gpus": 4, "tp": 4, "cp": 2}, {"gpus": 4, "nodes": 3, "tp": 2, "cp": 5},
-    {"family": "custom", "cp": 2}, {"family": "hf", "float8": True, "tp": 2}, {"reshard_after_forward": "0"},
+    {"family": "custom", "cp": 2}, {"reshard_after_forward": "0"},
     {"reshard_after_forward": "1"},
     {"reshard_after_forward": "3"}, {"reshard_after_forward": "True"}, {"reshard_after_forward": "9" * 50},
     {"gpus": 1, "nodes": 2, "reshard_after_forward": "4"}, {"gpus": 1, "nodes": 1, "reshard_after_forward": "yes"},

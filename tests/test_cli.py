@@ -212,9 +212,6 @@ BAD_INPUT = [
     (["--tp", "0"], "fsdp2gen: error: --tp: must be at least 1, e.g. --tp 2\n"),
     (["--float8", "--fp32"], FLOAT8_NEEDS_BF16),
     (["--float8", "--fp16"], FLOAT8_NEEDS_BF16),
-    (["--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--float8", "--tp", "2"],
-     "fsdp2gen: error: --float8: float8 with tensor parallelism is built for --family llama only: an hf model's "
-     "declared tp plan has not been tried on Float8Linear layers yet; use --tp 1 (or leave out --float8)\n"),
 ]  # fmt: skip
 
 
