@@ -880,12 +880,11 @@ def count_expert_tokens(model: PreTrainedModel) -> None:
     and a hook adds it up in module.tokens_per_expert, on the device, without a host sync. (A block recomputed by
     activation checkpointing counts twice: every expert alike, which leaves the ratios reported unchanged.) Each
     such module keeps its place among them (moe_index) and the model their number and experts
-    (expert_counts_shape): a pipeline stage holds some of them only (balance_experts). A module whose `counting`
-    is False counts nothing (pipeline_stages.py turns it off outside a stage's micro-batches)."""
+    (expert_counts_shape), for balance_experts' rows. A module whose `counting` is False counts nothing."""
 
     def count(module: nn.Module, args: tuple, kwargs: dict, n_experts: int) -> None:
         if not module.training or not module.counting:
-            return  # evaluation (no step's load), or a pipeline's pass that is no micro-batch
+            return  # evaluation (no step's load)
         chosen = (args[1] if len(args) > 1 else kwargs["top_k_index"]).flatten()
         # One slot more: transformers' expert parallelism marks tokens of other ranks' experts with num_experts.
         counts = torch.zeros(n_experts + 1, device=chosen.device).index_add_(
@@ -920,7 +919,7 @@ def balance_experts(model: PreTrainedModel, config: Config) -> dict[str, torch.T
     if shape is None and router_sums is None:
         return {}
     layers = [module for module in model.modules() if getattr(module, "tokens_per_expert", None) is not None]
-    # A row per MoE layer of the whole model, this rank's layers filled: a pipeline stage holds some only, and the
+    # A row per MoE layer of the whole model, this rank's layers filled: the
     # sum over every rank fills each row with the tokens of the ranks that hold its layer.
     loads = torch.zeros(shape or (0, 0), device=next(model.parameters()).device)
     for layer in layers:
