@@ -225,10 +225,20 @@ def _tp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
 
 def _pp_plan_problem(value: int, answers: dict[str, Any]) -> str | None:
     """--pp N for a local Hugging Face model whose type declares no pipeline plan (which of the base model's
-    children are cut into stages): refused now rather than at run time."""
+    children are cut into stages), or whose config.json asks for transformers' load-balancing loss of a mixture of
+    experts (one function of every layer's router logits, which no stage holds): refused now rather than at run
+    time."""
     found = _local_hf_config(value, answers)
     if found and (undeclared := _undeclared_plan("pp", "pipeline", *found)):
         return f"{undeclared}); use --pp 1 (FSDP shards it over every GPU)"
+    if found and found[1].get("output_router_logits") is True:
+        config, loaded = found
+        name = (loaded.get("architectures") or [loaded.get("model_type")])[0]
+        return (
+            f"{name} ({config}) sets output_router_logits: transformers' load-balancing loss is one function of "
+            "every layer's router logits at once, which the pipeline stages hold apart; use --pp 1, or set "
+            "output_router_logits to false in its config.json"
+        )
     return None
 
 

@@ -10,8 +10,8 @@ preflight; the plans fsdp2gen reads (templates/hf_plans.json, and the README's t
 installed transformers'.
 
 All three dimensions at once: dp 2 x tp 2 x pp 2 on 8 ranks, two torchrun "nodes" of 4 on 127.0.0.1 with the
-pipeline across them (dp x tp inside a node), trains untied Llama, Qwen3 and Mistral as one process does, in one launch
-(tests/helpers/several_runs.py).
+pipeline across them (dp x tp inside a node), trains untied Llama, Qwen3, Mistral, Qwen3-MoE and Mixtral as one
+process does, in one launch (tests/helpers/several_runs.py).
 
 No network: every model is a local folder written by the test.
 """
@@ -51,7 +51,7 @@ RESUMED = "qwen3-tied"
 
 # dp 2 x tp 2 x pp 2: untied models (a pipeline cannot share one matrix between its first and last stage), 1F1B's
 # 2 micro-batches per step (as many as pp ranks). Each model is one more run in the same launch.
-PP_MODELS = ("llama", "qwen3", "mistral")
+PP_MODELS = ("llama", "qwen3", "mistral", "qwen3-moe", "mixtral")
 TRAIN_PP = [*TRAIN, "--training.grad_accum_steps", "2"]
 LAYOUT_3D = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp", "2"]
 

@@ -1,20 +1,22 @@
-"""Family hf with pipeline parallelism (`--pp`), cut by the plan each transformers model declares
-(pipeline_stages.py): tiny Llama, Qwen3 and Mistral checkpoints made here with save_pretrained (untied: a tied embedding
-cannot span the first and the last stage), trained by a generated project on pp 2 x dp 2 (4 gloo ranks) and by one
-process; both must agree in losses, gradient norms and final weights (fp32, 1e-5), and step 1's loss must be plain
-transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per
-rank: rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the
-merge of a rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the
-responses' tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The
-Llama run (4 steps) has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and
-still equals one process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process
-without a pipeline and equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied
-embeddings; mixture of experts; Granite, whose forward scales the embeddings outside the modules its plan names, so
-that each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
+"""Family hf with pipeline parallelism (`--pp`), cut by the plan each transformers model declares (pipeline_stages.py):
+tiny Llama, Qwen3, Mistral, Qwen3-MoE and Mixtral checkpoints made here with save_pretrained (untied: a tied embedding
+cannot span the first and the last stage; the mixtures of experts' blocks hold transformers' fused experts), trained by
+a generated project on pp 2 x dp 2 (4 gloo ranks) and by one process; both must agree in losses, gradient norms, the
+experts' load figures (summed over the stages) and final weights (fp32, 1e-5), and step 1's loss must be plain
+transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per rank:
+rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the merge of a
+rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the responses'
+tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The Llama run (4
+steps) has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and still equals one
+process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process without a pipeline and
+equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; a mixture of experts
+whose config.json asks for transformers' load-balancing loss, one function of every layer's router logits at once;
+Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage would scale them
+again) are refused in one line by `fsdp2gen new` and by preflight.
 
 Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
-of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' five runs, then one
-process's five references, the resume, plain transformers and the preflight cases. No network: every model is a
+of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' seven runs, then one
+process's seven references, the resume, plain transformers and the preflight cases. No network: every model is a
 local folder written by the test.
 """
 
@@ -36,6 +38,9 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "8", "--tra
          "--training.warmup_steps", "2", "--training.lr", "1e-3", "--training.steps", "3", "--eval.every", "0",
          "--job.device", "cpu", "--job.log_every", "1", "--checkpoint.interval", "2"]  # fmt: skip
 TOLERANCE = 1e-5
+MOE = {**SIZES, "head_dim": 16, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+# The figures compared per step: the mixtures of experts' load figures too (each stage counts its own layers).
+COMPARED = ("loss", "grad_norm", "moe_load_max_mean", "moe_load_min_mean")
 # Llama's pp 2 x dp 2 run (4 steps: the kill needs a step between its newest checkpoint and the killed step to
 # compare) is killed in the middle of step 4 on torchrun's first attempt (several_runs.py's kill): rank 3, dp rank 1
 # of the last stage.
@@ -47,6 +52,10 @@ RUNS = {
     "llama": ("llama", ["--training.steps", "4"], []),
     "qwen3": ("qwen3", [], []),
     "mistral": ("mistral", [], []),
+    # Mixtures of experts: 4 experts, 2 per token, in every decoder layer; no load-balancing loss (transformers'
+    # default, output_router_logits false).
+    "qwen3-moe": ("qwen3-moe", [], []),
+    "mixtral": ("mixtral", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
     # LoRA fine-tuning on chat data (only the responses' tokens are targets) of a tiny Llama with a chat tokenizer,
@@ -58,7 +67,15 @@ LORA_SFT = "lora-sft"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import GPT2Config, GraniteConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        GPT2Config,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     root = tmp_path_factory.mktemp("hf-pp-models")
     configs = {
@@ -66,14 +83,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen3": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=False),  # per-head q_norm / k_norm
         "mistral": MistralConfig(**SIZES, head_dim=16, tie_word_embeddings=False),
         "qwen3-tied": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
-        "qwen3-moe": Qwen3MoeConfig(
-            **SIZES,
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            tie_word_embeddings=False,
-        ),  # fmt: skip
+        "qwen3-moe": Qwen3MoeConfig(**MOE, moe_intermediate_size=32, num_experts=4),
+        "mixtral": MixtralConfig(**MOE, num_local_experts=4),
+        # Asks for transformers' load-balancing loss (refused with a pipeline).
+        "qwen3-moe-aux": Qwen3MoeConfig(**MOE, moe_intermediate_size=32, num_experts=4, output_router_logits=True),
         # Scales the embeddings in its base model's forward, outside the modules its plan names.
         "granite": GraniteConfig(**SIZES, embedding_multiplier=12.0, tie_word_embeddings=False),
         "gpt2": GPT2Config(
@@ -121,7 +134,7 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
             "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-4"]}}],
         "preflight": {
             name: [*preflight, "--model.path", str(models[name])]
-            for name in ("gpt2", "qwen3-tied", "qwen3-moe", "granite")
+            for name in ("gpt2", "qwen3-tied", "qwen3-moe-aux", "granite")
         },
     }  # fmt: skip
     return root, launch_several(project, spec, root / "one.json", nproc=1).stdout, pp2.stdout
@@ -146,7 +159,7 @@ def assert_equal_runs(got: Path, expected: Path, steps: list[int]) -> None:
     a, b = ([r for r in metrics(run) if r["step"] in steps] for run in (got, expected))
     assert [r["step"] for r in a] == [r["step"] for r in b] == steps
     for x, y in zip(a, b, strict=True):
-        for key in ("loss", "grad_norm"):
+        for key in (key for key in COMPARED if key in y):
             assert x[key] == pytest.approx(y[key], rel=TOLERANCE, abs=TOLERANCE), (key, x, y)
     final, reference = weights(got, steps[-1]), weights(expected, steps[-1])
     # The same names: a stage's parameters keep the whole model's (model.layers.3..., not renumbered).
@@ -198,6 +211,15 @@ def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
         "every GPU)\n"
     ))  # fmt: skip
     assert not (tmp_path / "gpt2-pp").exists()
+    aux = fsdp2gen("new", str(tmp_path / "aux-pp"), "--yes", "--family", "hf", "--hf-model",
+                   str(models["qwen3-moe-aux"]), "--gpus", "4", "--pp", "2")  # fmt: skip
+    assert (aux.returncode, aux.stderr) == (2, (
+        f"fsdp2gen: error: --pp: Qwen3MoeForCausalLM ({models['qwen3-moe-aux'] / 'config.json'}) sets "
+        "output_router_logits: transformers' load-balancing loss is one function of every layer's router logits at "
+        "once, which the pipeline stages hold apart; use --pp 1, or set output_router_logits to false in its "
+        "config.json\n"
+    ))  # fmt: skip
+    assert not (tmp_path / "aux-pp").exists()
     cases = preflight_answers(stdout)
     expected = {
         "gpt2": "parallel.pp = 2: GPT2LMHeadModel declares no pipeline plan (transformers' "
@@ -206,9 +228,9 @@ def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
         "in its config.json), one matrix that the first and the last pipeline stage cannot share; use "
         "--parallel.pp 1, or train an untied copy (tie_word_embeddings false, lm_head.weight saved as its own "
         "tensor)",
-        "qwen3-moe": "parallel.pp = 2: Qwen3MoeForCausalLM is a mixture-of-experts model, and pipeline stages of "
-        "one are not built (the experts' load figures and load-balancing loss sum over every stage's layers); use "
-        "--parallel.pp 1",
+        "qwen3-moe-aux": "parallel.pp = 2: Qwen3MoeForCausalLM's config.json sets output_router_logits: "
+        "transformers' load-balancing loss is one function of every layer's router logits at once, which the "
+        "pipeline stages hold apart; use --parallel.pp 1, or set output_router_logits to false in its config.json",
         "granite": "parallel.pp = 2: GraniteForCausalLM's forward does more between its embedding and its first "
         "decoder layer than the modules of its pipeline plan (base_model_pp_plan), which every stage would do again; "
         "use --parallel.pp 1",

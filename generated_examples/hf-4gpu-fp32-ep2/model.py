@@ -878,11 +878,13 @@ def count_expert_tokens(model: PreTrainedModel) -> None:
     """Count, in training, the tokens each expert of each mixture-of-experts layer receives (for balance_experts):
     transformers' experts modules take the router's choice as forward(hidden_states, top_k_index, top_k_weights),
     and a hook adds it up in module.tokens_per_expert, on the device, without a host sync. (A block recomputed by
-    activation checkpointing counts twice: every expert alike, which leaves the ratios reported unchanged.)"""
+    activation checkpointing counts twice: every expert alike, which leaves the ratios reported unchanged.) Each
+    such module keeps its place among them (moe_index) and the model their number and experts
+    (expert_counts_shape), for balance_experts' rows. A module whose `counting` is False counts nothing."""
 
     def count(module: nn.Module, args: tuple, kwargs: dict, n_experts: int) -> None:
-        if not module.training:
-            return  # evaluation: no step's load
+        if not module.training or not module.counting:
+            return  # evaluation (no step's load)
         chosen = (args[1] if len(args) > 1 else kwargs["top_k_index"]).flatten()
         # One slot more: transformers' expert parallelism marks tokens of other ranks' experts with num_experts.
         counts = torch.zeros(n_experts + 1, device=chosen.device).index_add_(
@@ -891,12 +893,19 @@ def count_expert_tokens(model: PreTrainedModel) -> None:
         previous = getattr(module, "tokens_per_expert", None)
         module.tokens_per_expert = counts if previous is None else previous + counts
 
-    for module in model.modules():
-        takes = inspect.signature(module.forward).parameters
-        if "top_k_index" in takes and isinstance(getattr(module, "num_experts", None), int):
-            # The count now: transformers' expert parallelism sets num_experts to this rank's experts, while the
-            # router still chooses among all of them.
-            module.register_forward_pre_hook(functools.partial(count, n_experts=module.num_experts), with_kwargs=True)
+    experts = [
+        module
+        for module in model.modules()
+        if "top_k_index" in inspect.signature(module.forward).parameters
+        and isinstance(getattr(module, "num_experts", None), int)
+    ]
+    for index, module in enumerate(experts):
+        # The count now: transformers' expert parallelism sets num_experts to this rank's experts, while the
+        # router still chooses among all of them.
+        module.register_forward_pre_hook(functools.partial(count, n_experts=module.num_experts), with_kwargs=True)
+        module.moe_index, module.counting = index, True
+    if experts:
+        model.expert_counts_shape = (len(experts), max(module.num_experts for module in experts))
 
 
 def balance_experts(model: PreTrainedModel, config: Config) -> dict[str, torch.Tensor]:
@@ -905,17 +914,22 @@ def balance_experts(model: PreTrainedModel, config: Config) -> dict[str, torch.T
     loaded expert's tokens over the mean, worst layer, every rank's tokens (1.0 = balanced; count_expert_tokens).
     With transformers' load-balancing loss (router_loss): moe_aux_loss, coef x the step's balance loss per target,
     the part of the logged loss that is not cross-entropy. transformers' routers have no bias to move."""
-    layers = [module for module in model.modules() if getattr(module, "tokens_per_expert", None) is not None]
+    shape = getattr(model, "expert_counts_shape", None)  # (MoE layers of the whole model, experts)
     router_sums = getattr(model, "router_loss_sums", None)
-    if not layers and router_sums is None:
+    if shape is None and router_sums is None:
         return {}
+    layers = [module for module in model.modules() if getattr(module, "tokens_per_expert", None) is not None]
+    # A row per MoE layer of the whole model, this rank's layers filled: the
+    # sum over every rank fills each row with the tokens of the ranks that hold its layer.
+    loads = torch.zeros(shape or (0, 0), device=next(model.parameters()).device)
+    for layer in layers:
+        loads[layer.moe_index, : len(layer.tokens_per_expert)] = layer.tokens_per_expert
     # One all-reduce for every figure.
-    parts = [layer.tokens_per_expert for layer in layers] + ([router_sums] if router_sums is not None else [])
-    sums = torch.cat(parts)
+    sums = torch.cat([loads.flatten()] + ([router_sums] if router_sums is not None else []))
     dist.all_reduce(sums)
     numbers = {}
-    if layers:
-        loads = sums[: sum(len(layer.tokens_per_expert) for layer in layers)].view(len(layers), -1)
+    if shape is not None:
+        loads = sums[: loads.numel()].view(shape)
         mean = loads.mean(dim=-1).clamp(min=1)
         numbers["moe_load_max_mean"] = (loads.max(dim=-1).values / mean).max()
         numbers["moe_load_min_mean"] = (loads.min(dim=-1).values / mean).min()
