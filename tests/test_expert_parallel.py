@@ -151,16 +151,40 @@ def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_proces
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(
+    project: Path, ep2_dp2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Path], str]:
+    """The runs on 2 ranks, in ONE torchrun launch as FOUR_RANK_RUNS are: "resumed", ep2_dp2's run resumed from its
+    step-2 checkpoint with ep 1 (dp_shard 2), and "mutated", the ep 2 run (dp_shard_mod_ep 1) of 2 steps of a copy
+    of the project whose dispatch leaves the tokens in arrival order (test_the_dispatch_is_what_makes_it_equal).
+    Run -> output folder, and the launch's stdout."""
+    root = tmp_path_factory.mktemp("ep-two-ranks")
+    mutated = root / "mutated-project"
+    shutil.copytree(project, mutated)
+    source = (mutated / "expert_parallel.py").read_text()
+    assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
+    (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
+    folders = {"resumed": root / "resumed", "mutated": root / "mutated"}
+    runs = [
+        {"args": [*RUN, "--job.output_dir", str(folders["resumed"]), "--parallel.ep", "1"],
+         "interrupted": {"from": str(ep2_dp2), "remove": ["checkpoints/step-4"]}},
+        # ep 2 on 2 ranks (dp_shard_mod_ep 1) is enough: the all-to-all between the 2 ep ranks is what is broken.
+        {"args": [*RUN, "--job.output_dir", str(folders["mutated"]), "--training.steps", "2"],
+         "project": str(mutated)},
+    ]  # fmt: skip
+    result = launch_several(project, runs, root / "runs.json", nproc=2)
+    return folders, result.stdout
+
+
 def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
-    ep2_dp2: Path, one_process: Path, project: Path, tmp_path: Path
+    two_rank_runs: tuple[dict[str, Path], str], one_process: Path
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(ep2_dp2, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    # The DCP checkpoint of step 2, experts sharded over ep 2 x dp_shard_mod_ep 2, loaded by 2 ranks without EP.
-    result = train(project, run, "--parallel.ep", "1", nproc=2)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # The DCP checkpoint of step 2, experts sharded over ep 2 x dp_shard_mod_ep 2, loaded by 2 ranks without EP
+    # (two_rank_runs' "resumed": a copy of ep2_dp2's run without its step-4 checkpoint).
+    folders, stdout = two_rank_runs
+    run = folders["resumed"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     diffs = differences(run, one_process, [3, 4])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
@@ -183,17 +207,10 @@ def test_a_checkpoint_saved_by_one_process_resumes_with_hsdp_2_x_ep2_as_the_unin
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, tmp_path: Path) -> None:
+def test_the_dispatch_is_what_makes_it_equal(two_rank_runs: tuple[dict[str, Path], str], one_process: Path) -> None:
     # The equality above is not blind to the dispatch: tokens left in arrival order (by sender, not by expert)
-    # reach the wrong experts, and the run no longer equals one process.
-    mutated = tmp_path / "mutated"
-    shutil.copytree(project, mutated)
-    source = (mutated / "expert_parallel.py").read_text()
-    assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
-    (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
-    # ep 2 on 2 ranks (dp_shard_mod_ep 1) is enough: the all-to-all between the 2 ep ranks is what is broken.
-    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=2))
-    diffs = differences(tmp_path / "out", one_process, [1, 2])
+    # reach the wrong experts, and the run no longer equals one process (two_rank_runs' "mutated").
+    diffs = differences(two_rank_runs[0]["mutated"], one_process, [1, 2])
     # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
     assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
 
