@@ -9,10 +9,7 @@ the final weights.
 from __future__ import annotations
 
 import math
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +20,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.conftest import generate, metrics, preflight_cases
 from tests.helpers.several_runs import launch_several
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
@@ -42,19 +39,6 @@ AUX_LOSS = ["--model.aux_loss_coef", "0.01", "--model.expert_bias_rate", "0"]
 TOLERANCE = 1e-5
 ParallelLayout = layout_module().ParallelLayout
 LayoutError = layout_module().LayoutError
-
-
-def train(project: Path, output_dir: Path, *args: str, nproc: int) -> subprocess.CompletedProcess:
-    """train.py on `nproc` gloo ranks under torchrun (1: a plain process)."""
-    command = [sys.executable, "train.py", *RUN, "--job.output_dir", str(output_dir), *args]
-    if nproc > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
-    return subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-
-
-def ran(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 
 def numbers(output_dir: Path) -> dict[int, dict[str, float]]:
@@ -242,7 +226,10 @@ PREFLIGHT_REFUSALS = {
 def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
     """Every case of PREFLIGHT_REFUSALS run by the project's own preflight.main() as `python preflight.py
     --world-size 4 ARGS` runs it, all in one process (tests/helpers/preflight_driver.py): the folder of their output
-    dirs, and case -> [exit code, stdout, stderr]. test_train_py_refuses_too_... launches the real thing."""
+    dirs, and case -> [exit code, stdout, stderr]. (`torchrun train.py` runs the same preflight() on rank 0 and stops
+    every rank with its one line: test_bad_input_runtime.py's test_torchrun_without_the_launcher_prints_the_error_once,
+    and test_context_parallel.py's test_train_py_refuses_too_on_every_rank_with_one_line for a layout's own
+    refusal.)"""
     root = tmp_path_factory.mktemp("refusals")
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _) in PREFLIGHT_REFUSALS.items()}  # fmt: skip
@@ -257,15 +244,6 @@ def test_what_ep_cannot_run_is_refused_in_one_line_before_the_model_is_built(
     code, _, stderr = results[case]
     assert (code, stderr) == (2, f"preflight.py: error: {PREFLIGHT_REFUSALS[case][1]}\n")
     assert not (root / case).exists()  # nothing written
-
-
-def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
-    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2. (2
-    # ranks: this refusal does not depend on the number.)
-    result = train(project, tmp_path / "o", *PREFLIGHT_REFUSALS["no-experts"][0], nproc=2)
-    assert result.returncode != 0
-    lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
-    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["no-experts"][1]], result.stderr[-2000:]
 
 
 # The generator's refusals of --ep (without --moe, not dividing the GPUs per node, 0) are cases of

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -488,8 +487,10 @@ def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     """Every refusal case of the pp project (PREFLIGHT_REFUSALS, and the ZERO_BUBBLE_REFUSALS it can meet) run by
     its own preflight.main() as `python preflight.py --world-size 4 ARGS` runs it, all in one process
     (tests/helpers/preflight_driver.py): the folder of their output dirs, and case -> [exit code, stdout, stderr].
-    test_train_py_refuses_too_on_every_rank_with_one_line and the selective-checkpointing case launch the real
-    thing."""
+    The selective-checkpointing case launches the real thing. (`torchrun train.py` runs the same preflight() on
+    rank 0 and stops every rank with its one line: test_bad_input_runtime.py's
+    test_torchrun_without_the_launcher_prints_the_error_once, and test_context_parallel.py's
+    test_train_py_refuses_too_on_every_rank_with_one_line for a layout's own refusal.)"""
     root = tmp_path_factory.mktemp("refusals")
     cases = {**PREFLIGHT_REFUSALS, **ZERO_BUBBLE_REFUSALS}
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
@@ -510,15 +511,6 @@ def test_what_pp_cannot_run_is_refused_in_one_line_before_the_model_is_built(
     case: str, refusals: tuple[Path, dict[str, list]]
 ) -> None:
     assert_refused(refusals, case, PREFLIGHT_REFUSALS[case][1])
-
-
-def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
-    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2. (2
-    # ranks: the refusal does not depend on the number.)
-    result = train(project, tmp_path / "o", "--model.tie_embeddings", "true", nproc=2)
-    assert result.returncode != 0
-    lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
-    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["tied-embeddings"][1]], result.stderr[-2000:]
 
 
 GENERATOR_REFUSALS = {
