@@ -136,14 +136,14 @@ def bf16_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("pp-bf16") / "bf16", "--gpus", "4", "--pp", "2", "--bf16")
 
 
-# The runs on 4 ranks of the plain pp project, and of bf16_project, made in ONE torchrun launch
-# (tests/helpers/several_runs.py: torch imported and the process group joined once, then train.train() per run, each
-# with its own config, mesh, seed and output folder): 1F1B and the two zero-bubble schedules the plain project runs
-# (pp 2 x dp_shard 2), the resume of one process's step-2 checkpoint with pp 2 x dp_replicate 2, bf16_project's
-# pp 2 x dp_shard 2 ("project": its train.py), and last 1F1B's run again with rank 3 SIGKILLed in the middle of step 4
-# (after its forward and backward, before the optimizer step), which torchrun restarts (the launch's --max-restarts
-# 1: the restart runs only the killed run, from its step-2 checkpoint). A launch of 4 ranks costs ~14 CPU-s before
-# it trains; each of these runs ~2.
+# The runs on 4 ranks of the plain pp project, of bf16_project and of options_project (OPTIONS_RUNS, below), made
+# in ONE torchrun launch (four_ranks; tests/helpers/several_runs.py: torch imported and the process group joined once,
+# then each run's project's train.train(), each with its own config, mesh, seed and output folder): 1F1B and the two
+# zero-bubble schedules the plain project runs (pp 2 x dp_shard 2), the resume of one process's step-2 checkpoint
+# with pp 2 x dp_replicate 2, bf16_project's pp 2 x dp_shard 2, and last 1F1B's run again with rank 3 SIGKILLed in
+# the middle of step 4 (after its forward and backward, before the optimizer step), which torchrun restarts (the
+# launch's --max-restarts 1: the restart runs only the killed run, from its step-2 checkpoint). A launch of 4 ranks
+# costs ~14 CPU-s before it trains; each of these runs ~2.
 PROJECT_RUNS = {
     "1F1B": SCHEDULES["1F1B"],
     "InterleavedZeroBubble": ["--parallel.pp_schedule", "InterleavedZeroBubble", "--parallel.pp_stages_per_rank", "2"],
@@ -154,32 +154,6 @@ PROJECT_RUNS = {
 }
 # Rank 3 (the last stage, data rank 1) dies in step 4; step 3, logged by the first attempt, is done again.
 KILL = {"rank": 3, "step": 4}
-
-
-@pytest.fixture(scope="module")
-def project_runs(
-    project: Path, bf16_project: Path, one_process: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[], tuple[dict[str, Path], str]]:
-    """PROJECT_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
-    stdout. The hsdp-resume run starts from a copy of one process's run without its step-4 checkpoint."""
-    made: list[tuple[dict[str, Path], str]] = []
-
-    def runs() -> tuple[dict[str, Path], str]:
-        if not made:
-            root = tmp_path_factory.mktemp("pp-project-runs")
-            folders = {name: root / name for name in PROJECT_RUNS}
-            shutil.copytree(one_process, folders["hsdp-resume"])
-            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
-            argv = [{"args": [*RUN, "--job.output_dir", str(folders[name]), *args]} for name, args in
-                    PROJECT_RUNS.items()]  # fmt: skip
-            argv[list(PROJECT_RUNS).index("bf16")]["project"] = str(bf16_project)
-            argv[list(PROJECT_RUNS).index("killed")]["kill"] = KILL
-            assert list(PROJECT_RUNS)[-1] == "killed"  # the restart runs it and the runs after it
-            result = launch_several(project, argv, root / "runs.json", nproc=4, restarts=1)
-            made.append((folders, result.stdout))
-        return made[0]
-
-    return runs
 
 
 # The runs on 2 ranks, in ONE torchrun launch as PROJECT_RUNS are, each in its own project: bf16_project's pp 1 x
@@ -226,7 +200,7 @@ def two_rank_runs(
     return folders, result.stdout
 
 
-# The runs of options_project on 4 ranks (pp 2 x dp_shard 2), made in ONE torchrun launch as PROJECT_RUNS are:
+# The runs of options_project on 4 ranks (pp 2 x dp_shard 2), made in PROJECT_RUNS' launch (four_ranks):
 # GPipe's and Interleaved1F1B's (SCHEDULE_ARGS), DualPipeV's under full activation checkpointing
 # (test_zero_bubble_schedules_...), and the uneven stages with CPU offload and prefetch (test_uneven_stages_...).
 OPTIONS_RUNS = {
@@ -239,23 +213,51 @@ OPTIONS_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def options_runs(
-    options_project: Path, tmp_path_factory: pytest.TempPathFactory
+def four_ranks(
+    project: Path,
+    options_project: Path,
+    bf16_project: Path,
+    one_process: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[], tuple[dict[str, Path], str]]:
-    """OPTIONS_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
-    stdout."""
+    """PROJECT_RUNS' and OPTIONS_RUNS' runs, in ONE launch of 4 ranks (each run its project's: "project"), made once
+    by the first test that asks for one of them: run -> output folder, and the launch's stdout. The hsdp-resume run
+    starts from a copy of one process's run without its step-4 checkpoint; the killed run comes last (the restart
+    runs it alone)."""
     made: list[tuple[dict[str, Path], str]] = []
 
     def runs() -> tuple[dict[str, Path], str]:
         if not made:
-            root = tmp_path_factory.mktemp("pp2-dp2-options")
-            folders = {name: root / name for name in OPTIONS_RUNS}
-            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in OPTIONS_RUNS.items()]
-            result = launch_several(options_project, argv, root / "runs.json", nproc=4)
+            root = tmp_path_factory.mktemp("pp-four-ranks")
+            folders = {name: root / name for name in [*PROJECT_RUNS, *OPTIONS_RUNS]}
+            shutil.copytree(one_process, folders["hsdp-resume"])
+            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
+            projects = {"bf16": bf16_project, **dict.fromkeys(OPTIONS_RUNS, options_project)}
+            order = [*list(PROJECT_RUNS)[:-1], *OPTIONS_RUNS, "killed"]
+            assert list(PROJECT_RUNS)[-1] == "killed"
+            argv = []
+            for name in order:
+                args = {**PROJECT_RUNS, **OPTIONS_RUNS}[name]
+                argv.append({"args": [*RUN, "--job.output_dir", str(folders[name]), *args],
+                             "project": str(projects.get(name, project))})  # fmt: skip
+            argv[-1]["kill"] = KILL
+            result = launch_several(project, argv, root / "runs.json", nproc=4, restarts=1)
             made.append((folders, result.stdout))
         return made[0]
 
     return runs
+
+
+@pytest.fixture(scope="module")
+def project_runs(four_ranks: Callable[[], tuple[dict[str, Path], str]]) -> Callable[[], tuple[dict[str, Path], str]]:
+    """PROJECT_RUNS' runs (in four_ranks' launch)."""
+    return four_ranks
+
+
+@pytest.fixture(scope="module")
+def options_runs(four_ranks: Callable[[], tuple[dict[str, Path], str]]) -> Callable[[], tuple[dict[str, Path], str]]:
+    """OPTIONS_RUNS' runs (in four_ranks' launch)."""
+    return four_ranks
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +267,8 @@ def schedule_runs(
     """pp 2 x dp_shard 2 on 4 ranks under a schedule of SCHEDULES, in the project of SCHEDULE_OPTIONS: ranks 0-1
     hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each launch is made once, by the first test
     that asks for one of its runs, and its output folders shared (a fixture parametrized by schedule would be torn
-    down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS' launch, GPipe's
-    and Interleaved1F1B's in OPTIONS_RUNS' (tests/helpers/several_runs.py)."""
+    down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS, GPipe's and
+    Interleaved1F1B's in OPTIONS_RUNS, all in four_ranks' launch (tests/helpers/several_runs.py)."""
 
     def run(schedule: str) -> Path:
         if schedule == "1F1B":  # the plain project's: made in its launch of several runs
@@ -305,7 +307,7 @@ assert OPTIONS_RUNS["uneven"][:2] == UNEVEN
 @pytest.fixture(scope="module")
 def uneven(options_runs: Callable[[], tuple[dict[str, Path], str]]) -> tuple[Path, str]:
     """pp 2 x dp_shard 2 with uneven stages, CPU offload and prefetch: the output folder, and what rank 0 printed
-    (in OPTIONS_RUNS' launch)."""
+    (OPTIONS_RUNS', in four_ranks' launch)."""
     folders, stdout = options_runs()
     return folders["uneven"], stdout
 
@@ -713,7 +715,7 @@ def test_a_tp_group_across_nodes_is_refused_in_one_line_by_each_launcher(tp_proj
 # at once) and the weight gradient (run later, in the bubble); FSDP reduce-scatters once after the last of them.
 # ZBVZeroBubble and DualPipeV place the 4 stages in a V (layout.rank_stages: rank 0 holds blocks 0 and 3 with the
 # embedding and the output layer, rank 1 blocks 1 and 2). DualPipeV runs with full activation checkpointing (in
-# options_project, rendered with activation checkpointing, in OPTIONS_RUNS' launch): recomputing a whole block
+# options_project, rendered with activation checkpointing, in four_ranks' launch): recomputing a whole block
 # works with the split backward (op-level "selective" does not: refused); this run is also the suite's proof that
 # full checkpointing's wrapped (renamed) blocks in the stages equal one process (selective's: Interleaved1F1B in
 # test_pp2_x_dp_shard2_on_4_ranks_equals_one_process).
