@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import HELPERS, TINY, generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 SHIM = HELPERS / "cp_cpu_shim"
 # 4 steps of 2 micro-batches per rank, validation after steps 2 and 4, checkpoints at steps 2 and 4.
@@ -87,16 +88,40 @@ def test_cp2_x_dp_shard2_on_4_ranks_equals_one_process(cp2_dp2: Path, one_proces
     assert_close(numbers(cp2_dp2), one_process, [1, 2, 3, 4])
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(
+    project: Path, cp2_dp2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Path], str]:
+    """The runs on 2 ranks, in ONE torchrun launch (tests/helpers/several_runs.py: torch imported and the process
+    group joined once, then train.train() per run, each with its own config, mesh and output folder), the CPU shim on
+    PYTHONPATH: "resumed", cp2_dp2's run resumed from its step-2 checkpoint with cp 1 (dp_shard 2), and "mutated",
+    the cp 2 run (dp_shard 1) of a copy of the project whose ranks number the positions of their pieces as if each
+    were the sequence's start (test_the_rotary_positions_...). Run -> output folder, and the launch's stdout."""
+    root = tmp_path_factory.mktemp("cp-two-ranks")
+    mutated = root / "mutated-project"
+    shutil.copytree(project, mutated)
+    source = (mutated / "context_parallel.py").read_text()
+    assert source.count("yield MicroBatch(inputs, targets, positions)\n") == 1
+    mutation = source.replace("yield MicroBatch(inputs, targets, positions)\n", "yield MicroBatch(inputs, targets)\n")
+    (mutated / "context_parallel.py").write_text(mutation)
+    folders = {"resumed": root / "resumed", "mutated": root / "mutated"}
+    runs = [
+        {"args": [*RUN, "--job.output_dir", str(folders["resumed"]), "--parallel.cp", "1"],
+         "interrupted": {"from": str(cp2_dp2), "remove": ["checkpoints/step-4"]}},
+        {"args": [*RUN, "--job.output_dir", str(folders["mutated"])], "project": str(mutated)},
+    ]  # fmt: skip
+    result = launch_several(project, runs, root / "runs.json", nproc=2, env={"PYTHONPATH": f"{SHIM}:{project}"})
+    return folders, result.stdout
+
+
 def test_a_checkpoint_saved_with_cp2_resumes_with_cp1_as_the_uninterrupted_run(
-    cp2_dp2: Path, one_process: dict, project: Path, tmp_path: Path
+    two_rank_runs: tuple[dict[str, Path], str], one_process: dict
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(cp2_dp2, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    # The DCP checkpoint of step 2, sharded over 4 ranks with cp 2, loaded by 2 ranks without cp.
-    result = train(project, run, "--parallel.cp", "1", nproc=2, shim=False)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # The DCP checkpoint of step 2, sharded over 4 ranks with cp 2, loaded by 2 ranks without cp (two_rank_runs'
+    # "resumed": a copy of cp2_dp2's run without its step-4 checkpoint).
+    folders, stdout = two_rank_runs
+    run = folders["resumed"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     assert_close(numbers(run), one_process, [3, 4])
 
 
@@ -111,19 +136,15 @@ def test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process(one_process: dict, tmp
     assert_close(numbers(tmp_path / "out"), one_process, [1, 2])
 
 
-def test_the_rotary_positions_of_a_ranks_pieces_matter(project: Path, one_process: dict, tmp_path: Path) -> None:
+def test_the_rotary_positions_of_a_ranks_pieces_matter(
+    two_rank_runs: tuple[dict[str, Path], str], one_process: dict
+) -> None:
     # The equality above is not blind to positions: each rank holds an early and a late piece of every sequence
     # (load balancing), and a model that numbers them 0..seq_len/cp-1, as if they were the sequence's start, does
     # not equal the one-process run. (Checked once more by hand: the same mutation makes the test above fail.)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(project, mutated)
-    source = (mutated / "context_parallel.py").read_text()
-    assert source.count("yield MicroBatch(inputs, targets, positions)\n") == 1
-    mutation = source.replace("yield MicroBatch(inputs, targets, positions)\n", "yield MicroBatch(inputs, targets)\n")
-    (mutated / "context_parallel.py").write_text(mutation)
-    # cp 2 on 2 ranks (dp_shard 1) is enough: each rank's pieces are what is numbered wrong.
-    ran(train(mutated, tmp_path / "out", nproc=2))
-    got = numbers(tmp_path / "out")
+    # cp 2 on 2 ranks (dp_shard 1) is enough: each rank's pieces are what is numbered wrong (two_rank_runs'
+    # "mutated").
+    got = numbers(two_rank_runs[0]["mutated"])
     # Far outside the tolerance (measured: 1.3e-5 at step 1, the model still nearly blind to order, 1.8e-2 in
     # step 3's gradient norm).
     differences = [abs(got[step][key] - value) for step, row in one_process.items() for key, value in row.items()]

@@ -9,10 +9,7 @@ the final weights.
 from __future__ import annotations
 
 import math
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +20,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
-from tests.conftest import generate, metrics, preflight_cases, torchrun_env
+from tests.conftest import generate, metrics, preflight_cases
 from tests.helpers.several_runs import launch_several
 
 # A debug-moe model small enough for 4 CPU ranks on 2 cores: 3 blocks, the last two MoE (8 experts of hidden 32,
@@ -42,19 +39,6 @@ AUX_LOSS = ["--model.aux_loss_coef", "0.01", "--model.expert_bias_rate", "0"]
 TOLERANCE = 1e-5
 ParallelLayout = layout_module().ParallelLayout
 LayoutError = layout_module().LayoutError
-
-
-def train(project: Path, output_dir: Path, *args: str, nproc: int) -> subprocess.CompletedProcess:
-    """train.py on `nproc` gloo ranks under torchrun (1: a plain process)."""
-    command = [sys.executable, "train.py", *RUN, "--job.output_dir", str(output_dir), *args]
-    if nproc > 1:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
-    return subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-
-
-def ran(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 
 def numbers(output_dir: Path) -> dict[int, dict[str, float]]:
@@ -151,16 +135,40 @@ def test_ep2_x_dp_shard2_on_4_ranks_equals_one_process(ep2_dp2: Path, one_proces
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(
+    project: Path, ep2_dp2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Path], str]:
+    """The runs on 2 ranks, in ONE torchrun launch as FOUR_RANK_RUNS are: "resumed", ep2_dp2's run resumed from its
+    step-2 checkpoint with ep 1 (dp_shard 2), and "mutated", the ep 2 run (dp_shard_mod_ep 1) of 2 steps of a copy
+    of the project whose dispatch leaves the tokens in arrival order (test_the_dispatch_is_what_makes_it_equal).
+    Run -> output folder, and the launch's stdout."""
+    root = tmp_path_factory.mktemp("ep-two-ranks")
+    mutated = root / "mutated-project"
+    shutil.copytree(project, mutated)
+    source = (mutated / "expert_parallel.py").read_text()
+    assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
+    (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
+    folders = {"resumed": root / "resumed", "mutated": root / "mutated"}
+    runs = [
+        {"args": [*RUN, "--job.output_dir", str(folders["resumed"]), "--parallel.ep", "1"],
+         "interrupted": {"from": str(ep2_dp2), "remove": ["checkpoints/step-4"]}},
+        # ep 2 on 2 ranks (dp_shard_mod_ep 1) is enough: the all-to-all between the 2 ep ranks is what is broken.
+        {"args": [*RUN, "--job.output_dir", str(folders["mutated"]), "--training.steps", "2"],
+         "project": str(mutated)},
+    ]  # fmt: skip
+    result = launch_several(project, runs, root / "runs.json", nproc=2)
+    return folders, result.stdout
+
+
 def test_a_checkpoint_saved_with_ep2_resumes_with_ep1_as_the_uninterrupted_run(
-    ep2_dp2: Path, one_process: Path, project: Path, tmp_path: Path
+    two_rank_runs: tuple[dict[str, Path], str], one_process: Path
 ) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(ep2_dp2, run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    # The DCP checkpoint of step 2, experts sharded over ep 2 x dp_shard_mod_ep 2, loaded by 2 ranks without EP.
-    result = train(project, run, "--parallel.ep", "1", nproc=2)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # The DCP checkpoint of step 2, experts sharded over ep 2 x dp_shard_mod_ep 2, loaded by 2 ranks without EP
+    # (two_rank_runs' "resumed": a copy of ep2_dp2's run without its step-4 checkpoint).
+    folders, stdout = two_rank_runs
+    run = folders["resumed"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     diffs = differences(run, one_process, [3, 4])
     assert max(diffs.values()) <= TOLERANCE, diffs
 
@@ -183,17 +191,10 @@ def test_a_checkpoint_saved_by_one_process_resumes_with_hsdp_2_x_ep2_as_the_unin
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-def test_the_dispatch_is_what_makes_it_equal(project: Path, one_process: Path, tmp_path: Path) -> None:
+def test_the_dispatch_is_what_makes_it_equal(two_rank_runs: tuple[dict[str, Path], str], one_process: Path) -> None:
     # The equality above is not blind to the dispatch: tokens left in arrival order (by sender, not by expert)
-    # reach the wrong experts, and the run no longer equals one process.
-    mutated = tmp_path / "mutated"
-    shutil.copytree(project, mutated)
-    source = (mutated / "expert_parallel.py").read_text()
-    assert source.count("return arrived[self.order], counts.sum(dim=0)") == 1
-    (mutated / "expert_parallel.py").write_text(source.replace("arrived[self.order]", "arrived"))
-    # ep 2 on 2 ranks (dp_shard_mod_ep 1) is enough: the all-to-all between the 2 ep ranks is what is broken.
-    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=2))
-    diffs = differences(tmp_path / "out", one_process, [1, 2])
+    # reach the wrong experts, and the run no longer equals one process (two_rank_runs' "mutated").
+    diffs = differences(two_rank_runs[0]["mutated"], one_process, [1, 2])
     # Far outside the tolerance (measured over 2 steps: loss 3.1e-4, final weights 3.0e-3, moe_load_max_mean 0.05).
     assert diffs["loss"] > 10 * TOLERANCE and diffs["weights"] > 100 * TOLERANCE, diffs
 
@@ -225,7 +226,10 @@ PREFLIGHT_REFUSALS = {
 def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
     """Every case of PREFLIGHT_REFUSALS run by the project's own preflight.main() as `python preflight.py
     --world-size 4 ARGS` runs it, all in one process (tests/helpers/preflight_driver.py): the folder of their output
-    dirs, and case -> [exit code, stdout, stderr]. test_train_py_refuses_too_... launches the real thing."""
+    dirs, and case -> [exit code, stdout, stderr]. (`torchrun train.py` runs the same preflight() on rank 0 and stops
+    every rank with its one line: test_bad_input_runtime.py's test_torchrun_without_the_launcher_prints_the_error_once,
+    and test_context_parallel.py's test_train_py_refuses_too_on_every_rank_with_one_line for a layout's own
+    refusal.)"""
     root = tmp_path_factory.mktemp("refusals")
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _) in PREFLIGHT_REFUSALS.items()}  # fmt: skip
@@ -240,15 +244,6 @@ def test_what_ep_cannot_run_is_refused_in_one_line_before_the_model_is_built(
     code, _, stderr = results[case]
     assert (code, stderr) == (2, f"preflight.py: error: {PREFLIGHT_REFUSALS[case][1]}\n")
     assert not (root / case).exists()  # nothing written
-
-
-def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
-    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2. (2
-    # ranks: this refusal does not depend on the number.)
-    result = train(project, tmp_path / "o", *PREFLIGHT_REFUSALS["no-experts"][0], nproc=2)
-    assert result.returncode != 0
-    lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
-    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["no-experts"][1]], result.stderr[-2000:]
 
 
 # The generator's refusals of --ep (without --moe, not dividing the GPUs per node, 0) are cases of

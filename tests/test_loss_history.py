@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama, torchrun
+from tests.conftest import HELPERS, TINY, generate, metrics, save_tiny_llama
 from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
@@ -65,36 +65,45 @@ REDUCED = {
 STEPS = ["--job.device", "cpu", "--training.steps", "4"]
 
 
+def key_of(name: str, tiny_llama: Path) -> tuple[str, ...]:
+    """The `fsdp2gen new` options of PROJECTS' `name` (an hf project's with the tiny Llama as its model)."""
+    options = PROJECTS[name][0]
+    return (*options, *(["--hf-model", str(tiny_llama)] if "hf" in options else []))
+
+
 @pytest.fixture(scope="module")
-def rendered() -> dict[str, list[list[float]]]:
-    """The losses and grad norms of the PROJECTS runs made so far, by name. Projects that differ only in train.py's
-    overrides (llama-fp32 and llama-fp32-hsdp) render once and train in one launch (tests/helpers/several_runs.py:
-    train.train() per run, each with its own config, mesh, seed and output folder), made by the first that runs."""
-    return {}
-
-
-def losses_of(name: str, root: Path, tiny_llama: Path, rendered: dict[str, list[list[float]]]) -> list[list[float]]:
-    def key_of(name: str) -> tuple[str, ...]:
-        options = PROJECTS[name][0]
+def recorded_runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, list[list[float]]]:
+    """The losses and grad norms of every PROJECTS run, by name, made in ONE launch of 2 ranks
+    (tests/helpers/several_runs.py: torch and transformers imported and the process group joined once, then each
+    run's project's train.train(), each with its own config, mesh, seed and output folder; a 2-rank launch costs
+    ~8 CPU-s, ~14 with an hf project's imports, before it trains). Projects that differ only in train.py's overrides
+    (llama-fp32 and llama-fp32-hsdp) render once."""
+    root = tmp_path_factory.mktemp("recorded")
+    projects: dict[tuple[str, ...], Path] = {}
+    runs = []
+    for name, (options, overrides) in PROJECTS.items():
+        key = key_of(name, tiny_llama)
+        if key not in projects:
+            projects[key] = generate(root / f"project-{len(projects)}", *key)
         family = options[options.index("--family") + 1] if "--family" in options else "llama"
-        return (*options, *(["--hf-model", str(tiny_llama)] if family == "hf" else []))
-
-    if name not in rendered:
-        key = key_of(name)
-        family = key[key.index("--family") + 1] if "--family" in key else "llama"
         sizes = {"llama": TINY, "custom": CUSTOM_TINY, "hf": HF_TINY}[family]
-        project = generate(root / "run", *key)
-        names = [other for other in PROJECTS if key_of(other) == key]
-        runs = [[*sizes, *PROJECTS[other][1], *STEPS, "--job.output_dir", str(root / other)] for other in names]
-        launch_several(project, runs, root / "runs.json", nproc=2)
-        for other in names:
-            rendered[other] = [[record["loss"], record["grad_norm"]] for record in metrics(root / other)]
-    return rendered[name]
+        runs.append({"args": [*sizes, *overrides, *STEPS, "--job.output_dir", str(root / name)],
+                     "project": str(projects[key])})  # fmt: skip
+    launch_several(Path(runs[0]["project"]), runs, root / "runs.json", nproc=2)
+    return {name: [[record["loss"], record["grad_norm"]] for record in metrics(root / name)] for name in PROJECTS}
 
 
-def train(project: Path, output_dir: Path, *overrides: str) -> list[list[float]]:
-    torchrun(project, "train.py", *overrides, *STEPS, "--job.output_dir", str(output_dir))
-    return [[record["loss"], record["grad_norm"]] for record in metrics(output_dir)]
+@pytest.fixture(scope="module")
+def reduced_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[list[float]]]]:
+    """Each REDUCED project and the losses and grad norms of its run, by name: every run in ONE launch of 2 ranks,
+    as recorded_runs' are."""
+    root = tmp_path_factory.mktemp("reduced")
+    projects = {name: generate(root / name / "run", *REDUCED[name][0]) for name in REDUCED}
+    runs = [{"args": [*TINY, *STEPS, "--job.output_dir", str(root / name / "out")], "project": str(projects[name])}
+            for name in REDUCED]  # fmt: skip
+    launch_several(Path(runs[0]["project"]), runs, root / "runs.json", nproc=2)
+    return {name: (projects[name], [[record["loss"], record["grad_norm"]] for record in metrics(root / name / "out")])
+            for name in REDUCED}  # fmt: skip
 
 
 def reference(project: Path, out: Path, compute: str, *overrides: str) -> list[list[float]]:
@@ -112,10 +121,11 @@ def relative_distance(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 @pytest.mark.parametrize("name", REDUCED)
-def test_reduced_precision_matches_the_reference_computed_on_this_machine(name: str, tmp_path: Path) -> None:
-    options, compute, (next_compute, next_overrides) = REDUCED[name]
-    project = generate(tmp_path / "run", *options)
-    got = train(project, tmp_path / "out", *TINY)
+def test_reduced_precision_matches_the_reference_computed_on_this_machine(
+    name: str, reduced_runs: dict[str, tuple[Path, list[list[float]]]], tmp_path: Path
+) -> None:
+    _, compute, (next_compute, next_overrides) = REDUCED[name]
+    project, got = reduced_runs[name]
     assert len(got) == 4 and all(math.isfinite(value) for step in got for value in step), got
     expected = reference(project, tmp_path / "reference", compute)
     # The tolerance is far below what a precision change moves, measured on this machine in this run: the same
@@ -126,10 +136,8 @@ def test_reduced_precision_matches_the_reference_computed_on_this_machine(name: 
 
 
 @pytest.mark.parametrize("name", PROJECTS)
-def test_losses_and_grad_norms_are_those_recorded(
-    name: str, tmp_path: Path, tiny_llama: Path, rendered: dict[str, list[list[float]]]
-) -> None:
-    got = losses_of(name, tmp_path, tiny_llama, rendered)
+def test_losses_and_grad_norms_are_those_recorded(name: str, recorded_runs: dict[str, list[list[float]]]) -> None:
+    got = recorded_runs[name]
     assert len(got) == 4 and all(math.isfinite(value) for step in got for value in step), got
     if RECORD:
         history = json.loads(HISTORY.read_text()) if HISTORY.exists() else {}

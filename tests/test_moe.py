@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
 from tests.helpers.scripts import run_scripts
 from tests.helpers.several_runs import launch_several
 
@@ -63,6 +63,44 @@ def two_ranks(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {"bias": root / "bias", "resumed": root / "resumed"}
 
 
+# Routed as Mixtral routes (test_export_format_hf_is_mixtral_when_the_routing_is_mixtrals).
+MIXTRAL = ["--model.score_func", "softmax", "--model.n_shared_experts", "0", "--model.n_dense_layers", "0",
+           "--model.expert_bias_rate", "0"]  # fmt: skip
+BAD_SETTINGS = [
+    ("top-k-above-experts", ["--model.top_k", "9"],
+     "model.top_k (9) must be between 1 and model.n_experts (8): each token goes to top_k different experts; e.g. "
+     "--model.top_k 8"),
+    ("experts-without-their-size", ["--model.size", "debug", "--model.n_experts", "4", "--model.moe_ffn_dim", "0"],
+     "model.n_experts = 4 needs model.moe_ffn_dim, each expert's hidden size (size debug has none); e.g. "
+     "--model.moe_ffn_dim 172"),
+    ("no-moe-block-left", ["--model.n_dense_layers", "3"],
+     "model.n_dense_layers (3) leaves none of the 3 blocks a mixture of experts; choose fewer, e.g. "
+     "--model.n_dense_layers 0"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(project: Path, two_ranks: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The project's one-process scripts, one after the other in ONE Python process (run_scripts: torch imported
+    once), each as `python SCRIPT ARGS` runs it: tests/helpers/moe_probe.py ("probe"), the bias run's one-process
+    reference ("bias"), a Mixtral-routed run of 2 steps ("mixtral"), its export --format hf ("exported"), the export
+    of the 2-rank bias run, refused ("refused"), and train.py with each of BAD_SETTINGS (by case). Name -> (exit
+    code, stdout, stderr), and "root": the folder of their outputs."""
+    root = tmp_path_factory.mktemp("one-process")
+    export = ["scripts/export.py", "--format", "hf", "--output"]
+    runs = {
+        "probe": [str(HELPERS / "moe_probe.py")],
+        "bias": ["train.py", *TINY_MOE, *STEPS, *BIAS, "--job.output_dir", str(root / "bias")],
+        "mixtral": ["train.py", *TINY_MOE, *MIXTRAL, "--training.steps", "2", "--job.output_dir",
+                    str(root / "mixtral")],
+        "exported": [*export, str(root / "exported"), str(root / "mixtral" / "checkpoints" / "step-2")],
+        "refused": [*export, str(root / "refused"), str(two_ranks["bias"] / "checkpoints" / "step-4")],
+        **{case: ["train.py", *TINY_MOE, *args, "--job.output_dir", str(root / case)]
+           for case, args, _ in BAD_SETTINGS},
+    }  # fmt: skip
+    return {"root": root, **dict(zip(runs, run_scripts(project, *runs.values()), strict=True))}
+
+
 def weights(checkpoint: Path) -> dict:
     """The model's full tensors (and routing biases) in a DCP checkpoint, read without a process group."""
     import torch
@@ -73,12 +111,12 @@ def weights(checkpoint: Path) -> dict:
     return torch.load(converted, weights_only=False)["train"]["model"]
 
 
-def test_two_ranks_equal_one_process(project: Path, two_ranks: dict, tmp_path: Path) -> None:
+def test_two_ranks_equal_one_process(two_ranks: dict, one_process: dict) -> None:
     # The bias updates. (The balance loss alone on ranks, its value and the biases left at 0, equals one process in
     # test_expert_parallel.py's test_a_checkpoint_saved_by_one_process_resumes_with_hsdp_2_x_ep2_as_the_
-    # uninterrupted_run.)
-    one = tmp_path / "one"
-    plain_process(project, *TINY_MOE, *STEPS, *BIAS, "--job.output_dir", str(one))
+    # uninterrupted_run.) One process: one_process' "bias".
+    assert one_process["bias"][0] == 0, one_process["bias"][2][-3000:]
+    one = one_process["root"] / "bias"
     ones, twos = metrics(one), metrics(two_ranks["bias"])
     assert len(ones) == len(twos) == 4
     figures = ["loss", "grad_norm", *MOE_FIGURES]
@@ -109,26 +147,17 @@ def test_resume_is_exact_routing_biases_included(two_ranks: dict) -> None:
     assert all(a[name].abs().max() > 0 for name in biases)
 
 
-def test_export_format_hf_is_mixtral_when_the_routing_is_mixtrals(
-    project: Path, two_ranks: dict, tmp_path: Path
-) -> None:
+def test_export_format_hf_is_mixtral_when_the_routing_is_mixtrals(project: Path, one_process: dict) -> None:
     """Routed as Mixtral routes (softmax scores, no shared experts or dense blocks, biases left at 0), 2 steps
     trained in one process: scripts/export.py --format hf writes a MixtralForCausalLM folder that from_pretrained
     loads, with this model's logits. The 2-rank bias run (sigmoid, a shared expert, a dense block, biases moved) is
-    refused in one line naming the settings that would make it one, nothing written."""
+    refused in one line naming the settings that would make it one, nothing written. (Each in one_process.)"""
     import torch
     from transformers import AutoModelForCausalLM
 
-    out, exported, refused_dir = tmp_path / "out", tmp_path / "exported", tmp_path / "refused"
-    mixtral = ["--model.score_func", "softmax", "--model.n_shared_experts", "0", "--model.n_dense_layers", "0",
-               "--model.expert_bias_rate", "0"]  # fmt: skip
-    export = ["scripts/export.py", "--format", "hf", "--output"]
-    trained, exported_run, refused = run_scripts(
-        project,
-        ["train.py", *TINY_MOE, *mixtral, "--training.steps", "2", "--job.output_dir", str(out)],
-        [*export, str(exported), str(out / "checkpoints" / "step-2")],
-        [*export, str(refused_dir), str(two_ranks["bias"] / "checkpoints" / "step-4")],
-    )
+    root = one_process["root"]
+    out, exported, refused_dir = root / "mixtral", root / "exported", root / "refused"
+    trained, exported_run, refused = one_process["mixtral"], one_process["exported"], one_process["refused"]
     assert trained[0] == 0 and exported_run[0] == 0, (trained[2][-3000:], exported_run[2][-3000:])
     assert refused[:2] == (2, ""), refused
     assert refused[2] == (
@@ -170,11 +199,11 @@ def test_the_console_shows_the_load_and_the_active_parameters(two_ranks: dict) -
 
 
 @pytest.fixture(scope="module")
-def probe(project: Path) -> dict:
-    result = subprocess.run([sys.executable, str(HELPERS / "moe_probe.py")], cwd=project, capture_output=True,
-                            text=True, env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+def probe(one_process: dict) -> dict:
+    """What tests/helpers/moe_probe.py printed (in one_process)."""
+    code, stdout, stderr = one_process["probe"]
+    assert code == 0, stderr[-3000:]
+    return json.loads(stdout)
 
 
 def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss(probe: dict) -> None:
@@ -231,36 +260,11 @@ def test_sharded_init_is_the_same_on_any_number_of_ranks(project: Path, tmp_path
     assert f"rank 0: {3 + 9 + 2 * 14} tensors equal" in result.stdout and "MISMATCH" not in result.stdout
 
 
-@pytest.mark.parametrize("case,args,message", [
-    ("top-k-above-experts", ["--model.top_k", "9"],
-     "model.top_k (9) must be between 1 and model.n_experts (8): each token goes to top_k different experts; e.g. "
-     "--model.top_k 8"),
-    ("experts-without-their-size", ["--model.size", "debug", "--model.n_experts", "4", "--model.moe_ffn_dim", "0"],
-     "model.n_experts = 4 needs model.moe_ffn_dim, each expert's hidden size (size debug has none); e.g. "
-     "--model.moe_ffn_dim 172"),
-    ("no-moe-block-left", ["--model.n_dense_layers", "3"],
-     "model.n_dense_layers (3) leaves none of the 3 blocks a mixture of experts; choose fewer, e.g. "
-     "--model.n_dense_layers 0"),
-])  # fmt: skip
-def test_bad_moe_settings_stop_in_one_line(project: Path, tmp_path: Path, case: str, args: list, message: str) -> None:
-    out = tmp_path / case
-    result = torchrun_plain(project, *TINY_MOE, *args, "--job.output_dir", str(out))
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == f"train.py: error: {message}\n"
-    assert not out.exists()
-
-
-def torchrun_plain(project: Path, *args: str) -> subprocess.CompletedProcess:
-    """train.py as one plain process (no torchrun)."""
-    return subprocess.run([sys.executable, "train.py", *args], cwd=project, env=torchrun_env(), capture_output=True,
-                          text=True)  # fmt: skip
-
-
-def plain_process(project: Path, *args: str) -> subprocess.CompletedProcess:
-    """train.py as one plain process (no torchrun agent: one process fewer to start); fail unless it succeeds."""
-    result = torchrun_plain(project, *args)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+@pytest.mark.parametrize("case,args,message", BAD_SETTINGS)
+def test_bad_moe_settings_stop_in_one_line(one_process: dict, case: str, args: list, message: str) -> None:
+    # train.py as `python train.py TINY_MOE ARGS` runs it (in one_process).
+    assert one_process[case] == (2, "", f"train.py: error: {message}\n"), one_process[case]
+    assert not (one_process["root"] / case).exists()
 
 
 @pytest.mark.parametrize("options,message", [

@@ -219,10 +219,11 @@ def wandb_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch_without_credentials(project: Path, home: Path, output_dir: Path, **env: str) -> subprocess.CompletedProcess:
-    """scripts/launch_local.sh on 2 CPU ranks, 2 steps, with a HOME of its own (no ~/.netrc) and no W&B key."""
+    """scripts/launch_local.sh on 1 CPU rank, 2 steps, with a HOME of its own (no ~/.netrc) and no W&B key. (W&B's
+    mode and credentials do not depend on the number of ranks: a second rank would only cost its imports.)"""
     home.mkdir(exist_ok=True)
     base = {k: v for k, v in torchrun_env().items() if not k.startswith("WANDB_") and k != "NETRC"}
-    base |= {"HOME": str(home), "NPROC": "2", "DEVICE": "cpu", "PATH": f"{Path(sys.executable).parent}:{base['PATH']}"}
+    base |= {"HOME": str(home), "NPROC": "1", "DEVICE": "cpu", "PATH": f"{Path(sys.executable).parent}:{base['PATH']}"}
     return subprocess.run(
         ["scripts/launch_local.sh", *TINY, "--training.steps", "2", "--job.output_dir", str(output_dir)],
         cwd=project, env=base | env, capture_output=True, text=True, timeout=600,

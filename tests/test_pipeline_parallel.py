@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
 from tests.helpers.scripts import run_in_this_process
-from tests.helpers.several_runs import launch_several
+from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several
 from tests.test_launchers import launch_two_nodes
 
 # 4 blocks (2 stages of 2, or 4 stages of 1 for Interleaved1F1B), 4 steps of 4 micro-batches per pipeline (1 sample
@@ -131,42 +130,77 @@ def one_process(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return output_dir
 
 
-# The runs of the plain pp project on 4 ranks, made in ONE torchrun launch (tests/helpers/several_runs.py: torch
-# imported and the process group joined once, then train.train() per run, each with its own config, mesh, seed and
-# output folder): 1F1B and the two zero-bubble schedules the plain project runs (pp 2 x dp_shard 2), and the resume
-# of one process's step-2 checkpoint with pp 2 x dp_replicate 2. A launch of 4 ranks costs ~14 CPU-s before it
-# trains; each of these runs ~2.
+@pytest.fixture(scope="module")
+def bf16_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pp project in bf16 mixed precision (test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_...)."""
+    return generate(tmp_path_factory.mktemp("pp-bf16") / "bf16", "--gpus", "4", "--pp", "2", "--bf16")
+
+
+# The runs on 4 ranks of the plain pp project, of bf16_project and of options_project (OPTIONS_RUNS, below), made
+# in ONE torchrun launch (four_ranks; tests/helpers/several_runs.py: torch imported and the process group joined once,
+# then each run's project's train.train(), each with its own config, mesh, seed and output folder): 1F1B and the two
+# zero-bubble schedules the plain project runs (pp 2 x dp_shard 2), the resume of one process's step-2 checkpoint
+# with pp 2 x dp_replicate 2, bf16_project's pp 2 x dp_shard 2, and last 1F1B's run again with rank 3 SIGKILLed in
+# the middle of step 4 (after its forward and backward, before the optimizer step), which torchrun restarts (the
+# launch's --max-restarts 1: the restart runs only the killed run, from its step-2 checkpoint). A launch of 4 ranks
+# costs ~14 CPU-s before it trains; each of these runs ~2.
 PROJECT_RUNS = {
     "1F1B": SCHEDULES["1F1B"],
     "InterleavedZeroBubble": ["--parallel.pp_schedule", "InterleavedZeroBubble", "--parallel.pp_stages_per_rank", "2"],
     "ZBVZeroBubble": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
     "hsdp-resume": ["--parallel.dp_replicate", "2"],
+    "bf16": [],
+    "killed": SCHEDULES["1F1B"],
 }
+# Rank 3 (the last stage, data rank 1) dies in step 4; step 3, logged by the first attempt, is done again.
+KILL = {"rank": 3, "step": 4}
+
+
+# The runs on 2 ranks, in ONE torchrun launch as PROJECT_RUNS are, each in its own project: bf16_project's pp 1 x
+# dp_shard 2 (the bf16 test's reference), the pp 2 x dp_shard 1 run of a copy of the pp project whose grad norm is
+# not summed over the stages (test_the_grad_norm_summed_...: mutated_project), and the resume with pp 1 of GPipe's
+# dcp-async checkpoints (test_dcp_async_checkpoints_...: options_project, from a copy of GPipe's run in OPTIONS_RUNS'
+# launch without its step-4 checkpoint).
+@pytest.fixture(scope="module")
+def mutated_project(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pp project without the all-reduce that sums the squared gradient norms over the pp group: each stage
+    clips by its own norm, and rank 0 logs stage 0's."""
+    mutated = tmp_path_factory.mktemp("pp-mutated") / "mutated"
+    shutil.copytree(project, mutated)
+    source = (mutated / "train.py").read_text()
+    line = "        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_group)\n"
+    assert source.count(line) == 1
+    (mutated / "train.py").write_text(source.replace(line, ""))
+    return mutated
 
 
 @pytest.fixture(scope="module")
-def project_runs(
-    project: Path, one_process: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[], tuple[dict[str, Path], str]]:
-    """PROJECT_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
-    stdout. The hsdp-resume run starts from a copy of one process's run without its step-4 checkpoint."""
-    made: list[tuple[dict[str, Path], str]] = []
+def two_rank_runs(
+    bf16_project: Path,
+    mutated_project: Path,
+    options_project: Path,
+    options_runs: Callable[[], tuple[dict[str, Path], str]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Path], str]:
+    """The launch of 2 ranks above: run -> output folder, and the launch's stdout."""
+    root = tmp_path_factory.mktemp("pp-two-ranks")
+    folders = {name: root / name for name in ("bf16-pp1", "mutated", "dcp-async-pp1")}
+    gpipe = options_runs()[0]["GPipe"]
+    runs = [
+        {"args": [*RUN, "--job.output_dir", str(folders["bf16-pp1"]), "--parallel.pp", "1"]},
+        # pp 2 on 2 ranks (dp_shard 1) is enough: the norm is summed over the pp group whatever the shard group.
+        {"args": [*RUN, "--job.output_dir", str(folders["mutated"]), "--training.steps", "2"],
+         "project": str(mutated_project)},
+        {"args": [*RUN, "--job.output_dir", str(folders["dcp-async-pp1"]), "--parallel.pp", "1",
+                  *SCHEDULE_ARGS["GPipe"]],
+         "project": str(options_project),
+         "interrupted": {"from": str(gpipe), "remove": ["checkpoints/step-4"]}},
+    ]  # fmt: skip
+    result = launch_several(bf16_project, runs, root / "runs.json", nproc=2)
+    return folders, result.stdout
 
-    def runs() -> tuple[dict[str, Path], str]:
-        if not made:
-            root = tmp_path_factory.mktemp("pp-project-runs")
-            folders = {name: root / name for name in PROJECT_RUNS}
-            shutil.copytree(one_process, folders["hsdp-resume"])
-            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
-            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in PROJECT_RUNS.items()]
-            result = launch_several(project, argv, root / "runs.json", nproc=4)
-            made.append((folders, result.stdout))
-        return made[0]
 
-    return runs
-
-
-# The runs of options_project on 4 ranks (pp 2 x dp_shard 2), made in ONE torchrun launch as PROJECT_RUNS are:
+# The runs of options_project on 4 ranks (pp 2 x dp_shard 2), made in PROJECT_RUNS' launch (four_ranks):
 # GPipe's and Interleaved1F1B's (SCHEDULE_ARGS), DualPipeV's under full activation checkpointing
 # (test_zero_bubble_schedules_...), and the uneven stages with CPU offload and prefetch (test_uneven_stages_...).
 OPTIONS_RUNS = {
@@ -179,23 +213,51 @@ OPTIONS_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def options_runs(
-    options_project: Path, tmp_path_factory: pytest.TempPathFactory
+def four_ranks(
+    project: Path,
+    options_project: Path,
+    bf16_project: Path,
+    one_process: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[], tuple[dict[str, Path], str]]:
-    """OPTIONS_RUNS' launch, made once by the first test that asks for it: run -> output folder, and the launch's
-    stdout."""
+    """PROJECT_RUNS' and OPTIONS_RUNS' runs, in ONE launch of 4 ranks (each run its project's: "project"), made once
+    by the first test that asks for one of them: run -> output folder, and the launch's stdout. The hsdp-resume run
+    starts from a copy of one process's run without its step-4 checkpoint; the killed run comes last (the restart
+    runs it alone)."""
     made: list[tuple[dict[str, Path], str]] = []
 
     def runs() -> tuple[dict[str, Path], str]:
         if not made:
-            root = tmp_path_factory.mktemp("pp2-dp2-options")
-            folders = {name: root / name for name in OPTIONS_RUNS}
-            argv = [[*RUN, "--job.output_dir", str(folders[name]), *args] for name, args in OPTIONS_RUNS.items()]
-            result = launch_several(options_project, argv, root / "runs.json", nproc=4)
+            root = tmp_path_factory.mktemp("pp-four-ranks")
+            folders = {name: root / name for name in [*PROJECT_RUNS, *OPTIONS_RUNS]}
+            shutil.copytree(one_process, folders["hsdp-resume"])
+            shutil.rmtree(folders["hsdp-resume"] / "checkpoints" / "step-4")
+            projects = {"bf16": bf16_project, **dict.fromkeys(OPTIONS_RUNS, options_project)}
+            order = [*list(PROJECT_RUNS)[:-1], *OPTIONS_RUNS, "killed"]
+            assert list(PROJECT_RUNS)[-1] == "killed"
+            argv = []
+            for name in order:
+                args = {**PROJECT_RUNS, **OPTIONS_RUNS}[name]
+                argv.append({"args": [*RUN, "--job.output_dir", str(folders[name]), *args],
+                             "project": str(projects.get(name, project))})  # fmt: skip
+            argv[-1]["kill"] = KILL
+            result = launch_several(project, argv, root / "runs.json", nproc=4, restarts=1)
             made.append((folders, result.stdout))
         return made[0]
 
     return runs
+
+
+@pytest.fixture(scope="module")
+def project_runs(four_ranks: Callable[[], tuple[dict[str, Path], str]]) -> Callable[[], tuple[dict[str, Path], str]]:
+    """PROJECT_RUNS' runs (in four_ranks' launch)."""
+    return four_ranks
+
+
+@pytest.fixture(scope="module")
+def options_runs(four_ranks: Callable[[], tuple[dict[str, Path], str]]) -> Callable[[], tuple[dict[str, Path], str]]:
+    """OPTIONS_RUNS' runs (in four_ranks' launch)."""
+    return four_ranks
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +267,8 @@ def schedule_runs(
     """pp 2 x dp_shard 2 on 4 ranks under a schedule of SCHEDULES, in the project of SCHEDULE_OPTIONS: ranks 0-1
     hold the first stage(s), ranks 2-3 the last, each FSDP-sharded. Each launch is made once, by the first test
     that asks for one of its runs, and its output folders shared (a fixture parametrized by schedule would be torn
-    down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS' launch, GPipe's
-    and Interleaved1F1B's in OPTIONS_RUNS' (tests/helpers/several_runs.py)."""
+    down and run again for each test that names its schedule out of order): 1F1B's in PROJECT_RUNS, GPipe's and
+    Interleaved1F1B's in OPTIONS_RUNS, all in four_ranks' launch (tests/helpers/several_runs.py)."""
 
     def run(schedule: str) -> Path:
         if schedule == "1F1B":  # the plain project's: made in its launch of several runs
@@ -245,7 +307,7 @@ assert OPTIONS_RUNS["uneven"][:2] == UNEVEN
 @pytest.fixture(scope="module")
 def uneven(options_runs: Callable[[], tuple[dict[str, Path], str]]) -> tuple[Path, str]:
     """pp 2 x dp_shard 2 with uneven stages, CPU offload and prefetch: the output folder, and what rank 0 printed
-    (in OPTIONS_RUNS' launch)."""
+    (OPTIONS_RUNS', in four_ranks' launch)."""
     folders, stdout = options_runs()
     return folders["uneven"], stdout
 
@@ -332,52 +394,43 @@ def test_a_checkpoint_saved_by_one_process_resumes_with_pp2_x_hsdp_as_the_uninte
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-def test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_without_the_pipeline(tmp_path: Path) -> None:
+def test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_without_the_pipeline(
+    project_runs: Callable[[], tuple[dict[str, Path], str]], two_rank_runs: tuple[dict[str, Path], str]
+) -> None:
     # bf16 mixed precision (fp32 master weights, fp32 gradient reduction) rounds differently from one fp32 process,
     # but a stage computes exactly what the same blocks compute in the whole model sharded over the same 2 ranks:
     # measured equal (weights and losses identical, grad norm 6e-8) where both differ from one process by 1.1e-3.
-    project = generate(tmp_path / "bf16", "--gpus", "4", "--pp", "2", "--bf16")
-    ran(train(project, tmp_path / "pp2", nproc=4))
-    ran(train(project, tmp_path / "pp1", "--parallel.pp", "1", nproc=2))
-    diffs = differences(tmp_path / "pp2", tmp_path / "pp1", [1, 2, 3, 4])
+    # (pp 2 on 4 ranks: PROJECT_RUNS' "bf16"; pp 1 on 2 ranks: two_rank_runs' "bf16-pp1".)
+    diffs = differences(project_runs()[0]["bf16"], two_rank_runs[0]["bf16-pp1"], [1, 2, 3, 4])
     print(diffs)
     assert max(diffs.values()) <= 1e-6, diffs
 
 
 def test_dcp_async_checkpoints_of_pp2_resume_with_pp1_as_the_uninterrupted_run(
-    schedule_runs: Callable[[str], Path], one_process: Path, options_project: Path, tmp_path: Path
+    two_rank_runs: tuple[dict[str, Path], str], one_process: Path
 ) -> None:
     # The step-2 checkpoint written by two stages (each sharded over 2 ranks), loaded by 2 ranks holding every block.
     # In the background-saved style: the same state dicts (keyed by parameter name) as dcp's, staged and written
     # while training goes on, and read back as dcp's are; GPipe's run (equal to one process:
     # test_pp2_x_dp_shard2_on_4_ranks_equals_one_process[GPipe]) wrote them. (dcp's own pp 2 checkpoints are resumed
     # with pp 2 by test_a_rank_killed_mid_step_..., and read whole by export.py and generate.py in
-    # test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one.)
-    run = tmp_path / "pp2"
-    shutil.copytree(schedule_runs("GPipe"), run)
-    shutil.rmtree(run / "checkpoints" / "step-4")
-    result = train(options_project, run, "--parallel.pp", "1", *SCHEDULE_ARGS["GPipe"], nproc=2)
-    ran(result)
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    # test_export_and_generate_read_a_pp_checkpoint_as_the_one_process_one.) In two_rank_runs' launch, from a copy of
+    # GPipe's run without its step-4 checkpoint.
+    folders, stdout = two_rank_runs
+    run = folders["dcp-async-pp1"]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     diffs = differences(run, one_process, [3, 4])
     print(diffs)
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
 def test_the_grad_norm_summed_over_the_stages_is_what_makes_it_equal(
-    project: Path, one_process: Path, tmp_path: Path
+    two_rank_runs: tuple[dict[str, Path], str], one_process: Path
 ) -> None:
     # Not blind to clipping: each stage's own norm (not summed over the pp group) is logged on rank 0 (stage 0) and
-    # clips each stage by its own norm, and the run no longer equals one process.
-    mutated = tmp_path / "mutated"
-    shutil.copytree(project, mutated)
-    source = (mutated / "train.py").read_text()
-    line = "        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_group)\n"
-    assert source.count(line) == 1
-    (mutated / "train.py").write_text(source.replace(line, ""))
-    # pp 2 on 2 ranks (dp_shard 1) is enough: the norm is summed over the pp group whatever the shard group.
-    ran(train(mutated, tmp_path / "out", "--training.steps", "2", nproc=2))
-    diffs = differences(tmp_path / "out", one_process, [1, 2])
+    # clips each stage by its own norm, and the run no longer equals one process (mutated_project's run of 2 steps,
+    # pp 2 x dp_shard 1, in two_rank_runs' launch).
+    diffs = differences(two_rank_runs[0]["mutated"], one_process, [1, 2])
     # Outside the tolerance (measured: grad norm 0.31, final weights 5.0e-5, validation loss 3.3e-4; step 2 clipped).
     assert diffs["grad_norm"] > 0.1 and diffs["weights"] > 3 * TOLERANCE, diffs
 
@@ -436,8 +489,10 @@ def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     """Every refusal case of the pp project (PREFLIGHT_REFUSALS, and the ZERO_BUBBLE_REFUSALS it can meet) run by
     its own preflight.main() as `python preflight.py --world-size 4 ARGS` runs it, all in one process
     (tests/helpers/preflight_driver.py): the folder of their output dirs, and case -> [exit code, stdout, stderr].
-    test_train_py_refuses_too_on_every_rank_with_one_line and the selective-checkpointing case launch the real
-    thing."""
+    The selective-checkpointing case launches the real thing. (`torchrun train.py` runs the same preflight() on
+    rank 0 and stops every rank with its one line: test_bad_input_runtime.py's
+    test_torchrun_without_the_launcher_prints_the_error_once, and test_context_parallel.py's
+    test_train_py_refuses_too_on_every_rank_with_one_line for a layout's own refusal.)"""
     root = tmp_path_factory.mktemp("refusals")
     cases = {**PREFLIGHT_REFUSALS, **ZERO_BUBBLE_REFUSALS}
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
@@ -458,15 +513,6 @@ def test_what_pp_cannot_run_is_refused_in_one_line_before_the_model_is_built(
     case: str, refusals: tuple[Path, dict[str, list]]
 ) -> None:
     assert_refused(refusals, case, PREFLIGHT_REFUSALS[case][1])
-
-
-def test_train_py_refuses_too_on_every_rank_with_one_line(project: Path, tmp_path: Path) -> None:
-    # Started by torchrun directly (no launch script): rank 0's preflight stops every rank, one line, exit 2. (2
-    # ranks: the refusal does not depend on the number.)
-    result = train(project, tmp_path / "o", "--model.tie_embeddings", "true", nproc=2)
-    assert result.returncode != 0
-    lines = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
-    assert lines == ["train.py: error: " + PREFLIGHT_REFUSALS["tied-embeddings"][1]], result.stderr[-2000:]
 
 
 GENERATOR_REFUSALS = {
@@ -576,44 +622,6 @@ def test_the_pp_layout_splits_the_blocks_and_micro_batches_or_says_why_in_one_li
     ]
 
 
-# train.py, except that on torchrun's first attempt rank 3 (the last stage, data rank 1) SIGKILLs itself in the middle
-# of step 3's schedule, at its second micro-batch's loss: ranks 0-1 have sent activations forward and wait for
-# gradients, rank 2 is mid-step too. The step-2 checkpoint is complete by then (saved synchronously after step 2).
-KILL_MID_STEP = """\
-import os
-import signal
-
-import torch.distributed as dist
-
-import pipeline
-import train
-
-doomed = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-steps, losses = 0, 0
-real_forward_backward, real_loss = pipeline.PipelineModel.forward_backward, pipeline.PipelineModel.loss
-
-
-def forward_backward(self, *args, **kwargs):
-    global steps, losses
-    steps, losses = steps + 1, 0
-    return real_forward_backward(self, *args, **kwargs)
-
-
-def loss(self, *args, **kwargs):
-    global losses
-    losses += 1
-    if doomed and dist.get_rank() == 3 and steps == 3 and losses == 2:
-        print("rank 3: SIGKILL in step 3", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_loss(self, *args, **kwargs)
-
-
-# The schedule binds self.loss when the pipeline is built, after this.
-pipeline.PipelineModel.forward_backward, pipeline.PipelineModel.loss = forward_backward, loss
-train.main()
-"""
-
-
 def checkpoint_tensors(output_dir: Path, step: int) -> dict[str, object]:
     """The model's weights and the optimizer's state in the DCP checkpoint of `step`, flattened by name."""
     dcp_to_torch_save(output_dir / "checkpoints" / f"step-{step}", output_dir / f"all-{step}.pt")
@@ -632,25 +640,20 @@ def checkpoint_tensors(output_dir: Path, step: int) -> dict[str, object]:
 
 
 def test_a_rank_killed_mid_step_restarts_and_resumes_bit_for_bit(
-    schedule_runs: Callable[[str], Path], project: Path, tmp_path: Path
+    project_runs: Callable[[], tuple[dict[str, Path], str]],
 ) -> None:
-    # torchrun --max-restarts 1 restarts all 4 ranks from the step-2 checkpoint; each stage loads its own blocks and
-    # their optimizer state, the data position is the step's, the RNG states the checkpoint's: steps 3 and 4 and the
-    # final weights and Adam moments are those of the uninterrupted run exactly (==, not within a tolerance).
-    pp2_dp2 = schedule_runs("1F1B")  # the uninterrupted run
-    script = tmp_path / "kill_mid_step.py"
-    script.write_text(KILL_MID_STEP)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-               "--max-restarts=1", str(script), *RUN, "--job.output_dir", str(tmp_path / "run")]  # fmt: skip
-    result = subprocess.run(command, cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)},
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    ran(result)
-    assert "rank 3: SIGKILL in step 3" in result.stdout
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-2'} at step 2" in result.stdout
-    resumed, uninterrupted = numbers(tmp_path / "run"), numbers(pp2_dp2)
+    # PROJECT_RUNS' last run, 1F1B's with rank 3 (the last stage) SIGKILLed in the middle of step 4 (KILL): torchrun
+    # (--max-restarts 1) restarts all 4 ranks, which resume from the step-2 checkpoint; each stage loads its own
+    # blocks and their optimizer state, the data position is the step's, the RNG states the checkpoint's: step 3
+    # (logged again, the first attempt's row kept aside), step 4 and the final weights and Adam moments are those of
+    # the uninterrupted run (PROJECT_RUNS' "1F1B") exactly (==, not within a tolerance).
+    folders, stdout = project_runs()
+    run, uninterrupted = folders["killed"], folders["1F1B"]
+    assert_resumed_bit_for_bit(stdout, run, KILL, 2, ("loss", "grad_norm"))
+    resumed, expected = numbers(run), numbers(uninterrupted)
     assert sorted(resumed) == [1, 2, 3, 4]
-    assert [resumed[step] for step in (3, 4)] == [uninterrupted[step] for step in (3, 4)]
-    mine, theirs = checkpoint_tensors(tmp_path / "run", 4), checkpoint_tensors(pp2_dp2, 4)
+    assert [resumed[step] for step in (1, 2, 3, 4)] == [expected[step] for step in (1, 2, 3, 4)]
+    mine, theirs = checkpoint_tensors(run, 4), checkpoint_tensors(uninterrupted, 4)
     assert mine.keys() == theirs.keys() and any(key.startswith("optimizer.") for key in theirs)
     same = {key: torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
             for key, value in theirs.items()}  # fmt: skip
@@ -712,7 +715,7 @@ def test_a_tp_group_across_nodes_is_refused_in_one_line_by_each_launcher(tp_proj
 # at once) and the weight gradient (run later, in the bubble); FSDP reduce-scatters once after the last of them.
 # ZBVZeroBubble and DualPipeV place the 4 stages in a V (layout.rank_stages: rank 0 holds blocks 0 and 3 with the
 # embedding and the output layer, rank 1 blocks 1 and 2). DualPipeV runs with full activation checkpointing (in
-# options_project, rendered with activation checkpointing, in OPTIONS_RUNS' launch): recomputing a whole block
+# options_project, rendered with activation checkpointing, in four_ranks' launch): recomputing a whole block
 # works with the split backward (op-level "selective" does not: refused); this run is also the suite's proof that
 # full checkpointing's wrapped (renamed) blocks in the stages equal one process (selective's: Interleaved1F1B in
 # test_pp2_x_dp_shard2_on_4_ranks_equals_one_process).

@@ -51,7 +51,10 @@ def test_gpu_smoke_script_cpu_path_passes(tmp_path: Path) -> None:
     examples = ["hf-2gpu-bf16"]
     # 10 steps (the script's STEPS; 20 by default, for GPUs): a resume from step 5 reproduces steps 6-10 as one
     # from step 10 would 11-20, and the tiny model's loss falls by 12% in 8 steps already (the check asks 10%).
-    env = {**torchrun_env(), "DEVICE": "cpu", "NPROC": "2", "TINY": "1", "EXAMPLES": " ".join(examples), "STEPS": "10"}
+    # NPROC=1: the script only hands NPROC to torchrun, and each rank of its 3 launches (train, resume, syncs) costs
+    # ~6 CPU-s of an hf project's imports. Sharded runs on 2+ ranks, their resumes and their host syncs per step are
+    # proven by test_training_runs.py (the projects' own tests) and test_no_host_sync_in_step.py.
+    env = {**torchrun_env(), "DEVICE": "cpu", "NPROC": "1", "TINY": "1", "EXAMPLES": " ".join(examples), "STEPS": "10"}
     env["PYTHON"] = sys.executable
     result = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -59,7 +62,7 @@ def test_gpu_smoke_script_cpu_path_passes(tmp_path: Path) -> None:
     # Two lines per example: the training run, then its host syncs per step (none on steps that do not report).
     assert len(lines) == 2 * len(examples), lines
     for name, line, syncs in zip(examples, lines[::2], lines[1::2], strict=True):
-        match = re.fullmatch(rf"PASS {name} device=cpu nproc=2 tokens/s [\d,]+ loss ([\d.]+)->([\d.]+) peak .*", line)
+        match = re.fullmatch(rf"PASS {name} device=cpu nproc=1 tokens/s [\d,]+ loss ([\d.]+)->([\d.]+) peak .*", line)
         assert match, line
         assert float(match[2]) < 0.9 * float(match[1])
         assert re.fullmatch(rf"PASS {name} syncs on rank 0: .*\(CUDA sync debug mode: .*\)", syncs), syncs
