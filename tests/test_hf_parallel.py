@@ -5,9 +5,9 @@ the four models' runs in one launch: tests/helpers/several_runs.py) and by one p
 gradient norms and final weights, and step 1's loss must be plain transformers' on the same batch. (Llama's plan is
 Mistral's, word for word.) Qwen3's run has rank 3 killed in the middle of a step and restarted by torchrun: it
 resumes bit for bit; its tp 2 x dp 2 checkpoint resumes on one process (tp 1), and the one process's checkpoint with
-tp 2, both as the uninterrupted run. GPT-2, which declares no plan, is refused in one line by `fsdp2gen new` and by
-preflight; the plans fsdp2gen reads (templates/hf_plans.json, and the README's table made from them) are the
-installed transformers'.
+tp 2, both as the uninterrupted run; scripts/export.py and generate.py read its checkpoints (and the 3-D ones below)
+as one process's. GPT-2, which declares no plan, is refused in one line by `fsdp2gen new` and by preflight; the plans
+fsdp2gen reads (templates/hf_plans.json, and the README's table made from them) are the installed transformers'.
 
 All three dimensions at once: dp 2 x tp 2 x pp 2 on 8 ranks, two torchrun "nodes" of 4 on 127.0.0.1 with the
 pipeline across them (dp x tp inside a node), trains untied Llama, Qwen3, Mistral, Qwen3-MoE and Mixtral as one
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, save_tiny_models, torchrun, torchrun_env
+from tests.helpers.exports import assert_read_as_one_process
 from tests.helpers.several_runs import launch_several
 from tests.helpers.slurm_cluster import free_port
 
@@ -264,6 +265,18 @@ def test_a_dp2_x_tp2_x_pp2_checkpoint_resumes_bit_for_bit(three_d: dict[str, Pat
     assert rows == [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(uninterrupted)]
     weights, expected = final_weights(resumed), final_weights(uninterrupted)
     assert weights.keys() == expected.keys() and all(weights[key].equal(value) for key, value in expected.items())
+
+
+def test_export_and_generate_read_tp2_and_dp2_x_tp2_x_pp2_checkpoints_as_one_process_s(
+    project: Path, tp2: Runs, three_d: dict[str, Path], one_process: dict[str, tuple[Path, float]]
+) -> None:
+    # scripts/export.py and generate.py read any layout's checkpoint as one process's: Qwen3's at tp 2 x dp 2 (its
+    # tied embedding split by vocabulary), and Mixtral's at dp 2 x tp 2 x pp 2 (each stage's tp and FSDP shards,
+    # the experts written back per expert).
+    step = Path("checkpoints") / "step-6"
+    assert_read_as_one_process(project, tp2[RESUMED][0] / step, one_process[RESUMED][0] / step, WEIGHTS_TOLERANCE)
+    assert_read_as_one_process(project, three_d["mixtral"] / step, one_process["pp-mixtral"][0] / step,
+                               WEIGHTS_TOLERANCE)  # fmt: skip
 
 
 def optimizer_state_names(run: Path) -> list[str]:
