@@ -146,7 +146,8 @@ def simulate(config: Config, gpus: int) -> dict[str, Any]:
     pp = config.parallel.pp
     ranks = [simulate_rank(config, gpus, pp_rank * (gpus // pp)) for pp_rank in range(pp)]
     worst = max(range(pp), key=lambda pp_rank: ranks[pp_rank]["allocated"])
-    return ranks[worst] | {"pipeline_rank": worst, "pipeline_ranks": [rank["allocated"] for rank in ranks]}
+    pipeline = {"rank": worst * (gpus // pp), "pipeline_rank": worst, "pipeline_ranks": [r["allocated"] for r in ranks]}
+    return ranks[worst] | pipeline
 
 
 def static_stage_metadata(model: Any, config: Config, micro_batch: int) -> torch.nn.Module:
@@ -259,7 +260,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"simulated: {args.gpus} GPU(s), micro-batch {result['micro_batch']} x {config.training.seq_len} tokens, "
-          f"{config.training.grad_accum_steps} micro-batch(es) per step; peak per GPU (rank 0):")  # fmt: skip
+          f"{config.training.grad_accum_steps} micro-batch(es) per step; peak per GPU "
+          f"(rank {result.get('rank', 0)}):")  # fmt: skip
     for key in CATEGORIES:
         print(f"  {key:<24}{result[key] / GIB:>10.2f} GiB")
     print(f"  {'allocated (peak)':<24}{result['allocated'] / GIB:>10.2f} GiB")
