@@ -213,6 +213,13 @@ def _check_pipeline(request: PlanRequest) -> None:
                 f"--pp {request.pp}: {request.model.source} ties lm_head to the input embedding (tie_word_embeddings), "
                 "one matrix the first and the last stage cannot share; plan an untied copy, or --pp 1"
             )
+        if isinstance(request.model, HfShape) and request.tp > 1:
+            # The project builds it (tensor_parallel.py inside each stage); plan_pp counts an hf stage's activations
+            # whole, and scripts/plan_memory.py cannot simulate tp stages to check a split count against.
+            raise PlanError(
+                f"--pp {request.pp} with --tp {request.tp}: plan does not model an hf model's tensor-parallel pipeline "
+                "stages yet; plan with --tp 1 (an upper bound of the activations) or --pp 1"
+            )
         for flag, degree in (("--cp", request.cp), ("--ep", request.ep)):
             if degree > 1:
                 raise PlanError(f"--pp {request.pp} with {flag} {degree} is not built; use {flag} 1 or --pp 1")

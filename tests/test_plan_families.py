@@ -382,6 +382,10 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
         f"--pp 2: {tied} ties lm_head to the input embedding (tie_word_embeddings), one matrix the first and the last "
         "stage cannot share; plan an untied copy, or --pp 1"
     )
+    assert error("--hf-config", str(projects["model"]), "--pp", "2", "--tp", "2", "--gpus", "8") == (
+        "--pp 2 with --tp 2: plan does not model an hf model's tensor-parallel pipeline stages yet; plan with --tp 1 "
+        "(an upper bound of the activations) or --pp 1"
+    )
     assert error("--config", str(projects["lora"] / "config.toml"), "--pp", "2") == (
         "--pp 2: plan does not model LoRA adapters with pp > 1 yet; plan with --pp 1"
     )
