@@ -556,8 +556,8 @@ EpOption = Annotated[
 PpOption = Annotated[
     int | None,
     typer.Option(
-        help="Pipeline parallelism (llama): the blocks split over pp GPUs of pp x V stages, FSDP (and TP) inside each "
-        "stage; the plan is the worst stage's. [default: 1, or the project's parallel.pp]",
+        help="Pipeline parallelism (llama, hf): the blocks split over pp GPUs of pp x V stages, FSDP (and TP) inside "
+        "each stage; the plan is the worst stage's. [default: 1, or the project's parallel.pp]",
         show_default=False,
     ),
 ]

@@ -1,4 +1,4 @@
-"""`fsdp2gen plan --pp N`: per-GPU memory of a pipeline-parallel llama project, for its worst stage.
+"""`fsdp2gen plan --pp N`: per-GPU memory of a pipeline-parallel project (llama or hf), for its worst stage.
 
 A project with parallel.pp > 1 splits the blocks into pp x V stages (V = parallel.pp_stages_per_rank virtual stages
 per rank, stage i on rank i mod pp): each stage is the model with the other stages' blocks removed, the first
@@ -20,8 +20,10 @@ stage, over the world / pp / tp ranks of a stage. What differs from a plan witho
   w = min((V - 1) x m_round + 2 x (pp - 1 - r), m x V) warm-up forwards (m_round = m // max(1, m // pp)), then
   forward, backward pairs, so it holds min(w + 1, m x V) (virtual stage, micro-batch) activations, each counted as
   its largest stage's. Under activation checkpointing one recomputed block comes on top, once. The loss's saved
-  tensors (last stage): m of them under GPipe, 1 under the 1F1B schedules (the last stage runs forward, backward
-  back to back).
+  tensors (last stage: the whole logits, training.loss_chunks is 1 under PP, which the schedule keeps as the
+  stage's output, and their fp32 log-softmax): m of them under GPipe, 1 under the 1F1B schedules (the last stage
+  runs forward, backward back to back). An hf model's stages (pipeline_stages.py) are counted as transformers'
+  blocks save their tensors (hf_stage_activation_bytes), with the rotary cos and sin each stage computes.
 - The peak is the larger of the last backward (state without gradient shards, gathered stages, unsharded
   gradients, activations, and on the last stage the loss's backward) and the reduce-scatter after it (gradient
   shards appear while the unsharded gradients are still there). Both are upper bounds: the first micro-batches'
@@ -55,8 +57,9 @@ from fsdp2gen.plan_activations import (
     loss_backward_bytes,
     op_level_kept_bytes,
 )
+from fsdp2gen.plan_families import HfShape, hf_block_activation_bytes
 from fsdp2gen.plan_layout import AC_MODES, layout_module, request_shard_numel
-from fsdp2gen.plan_shapes import COMPUTE_BYTES, FP32, in_block, parameter_shapes
+from fsdp2gen.plan_shapes import COMPUTE_BYTES, EMBEDDINGS, FP32, INT64, in_block, parameter_shapes
 
 # parallel.pp_schedule's choices (the generated project's config), and what each needs of V, as the project's layout.py
 # says: several stages per rank (2 or more), of which the V-shaped ones place exactly 2 (rank r: r and 2 pp - 1 - r).
@@ -86,6 +89,11 @@ class RankStages:
         """Its blocks and the root parameters it holds, e.g. 'blocks 0-15 + embedding'."""
         parts = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.blocks]
         return f"block{'s' if sum(map(len, self.blocks)) > 1 else ''} {', '.join(parts)}"
+
+
+def block_index(name: str) -> int:
+    """The index of the block parameter `name` is in: llama's layers.N.*, hf's model.layers.N.*."""
+    return int(name.removeprefix("model.").split(".")[1])
 
 
 def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> list[range]:
@@ -227,6 +235,8 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
     held = 1 and every block on one stage this equals plan.activation_bytes (tests/test_plan_pp.py)."""
 
     model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
+    if isinstance(model, HfShape):
+        return hf_stage_activation_bytes(request, compute, ac, blocks, held, last)
     block = block_activation_bytes(model, batch, seq, compute, tp)
     block_input = math.ceil(compute * batch * seq * model.dim / tp)
     if ac == "none":
@@ -240,8 +250,46 @@ def stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, h
         kept = len(blocks) * (block_input + op_level_kept_bytes(model, batch, seq, compute, tp))
     recompute = 0 if ac == "none" else block
     losses = (request.grad_accum_steps if request.pp_schedule == "GPipe" else 1) if last else 0
-    head = head_activation_bytes(model, batch, seq, compute, tp, request.loss_chunks)
+    head = head_activation_bytes(model, batch, seq, compute, tp) + stage_output_bytes(request)
     return held * kept + recompute + losses * head
+
+
+def stage_output_bytes(request: Any) -> int:
+    """The last stage's output, the logits (fp32: the stage root's output_dtype; split by vocabulary under tp),
+    which the schedule keeps from a micro-batch's forward to its backward, beside the loss's fp32 log-softmax of
+    them (pipeline.py computes the loss of the whole logits: training.loss_chunks is 1 under PP). Without it plan
+    was 13% under the simulated step of a 1B llama's last stage (scripts/plan_memory.py)."""
+    model = request.model
+    return FP32 * request.batch * request.local_seq_len * math.ceil(model.vocab_size / request.tp)
+
+
+def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, held: int, last: bool) -> int:
+    """stage_activation_bytes of an hf model's stage (pipeline_stages.py: the model's own forward, its other stages'
+    parts stand-ins): per micro-batch in flight its blocks' saved tensors as transformers' blocks save them
+    (hf_block_activation_bytes; selective AC: each block's input and op_level_kept_bytes' matmul outputs) and the
+    rotary cos and sin every stage computes once per forward (compute dtype); one recomputed block under AC. The
+    last stage: lm_head's whole logits (training.loss_chunks is 1 under PP), which the stage outputs in the root's
+    output dtype (fp32) and the loss keeps with its fp32 log-softmax, with the final norm's one fp32 copy of its input
+    (transformers' RMSNorm), its output (lm_head's input) and the targets; m of them under GPipe, else 1."""
+    model, batch, seq = request.model, request.batch, request.local_seq_len
+    tokens = batch * seq
+    one = [hf_block_activation_bytes(model, batch, seq, compute, i) for i in blocks]
+    block_input = compute * tokens * model.dim
+    if ac == "none":
+        kept = sum(one)
+    elif ac == "full":
+        kept = len(one) * block_input
+    elif ac == "layer":
+        kept = sum(block_input if i % request.ac_every == 0 else size for i, size in zip(blocks, one, strict=True))
+    else:
+        kept = len(one) * (block_input + op_level_kept_bytes(model, batch, seq, compute))
+    recompute = 0 if ac == "none" else max(one)
+    rotary = 2 * compute * tokens * model.head_dim
+    losses = (request.grad_accum_steps if request.pp_schedule == "GPipe" else 1) if last else 0
+    head = (FP32 + compute) * tokens * model.dim + FP32 * tokens  # the final norm
+    head += compute * tokens * model.dim + INT64 * tokens  # lm_head's input, the targets
+    head += FP32 * tokens * model.vocab_size + stage_output_bytes(request)  # the log-softmax, and the logits
+    return held * (kept + rotary) + recompute + losses * head
 
 
 def rank_stages(request: Any) -> list[RankStages]:
@@ -266,8 +314,8 @@ def rank_parameters(
 
     def holds(name: str) -> bool:
         if in_block(name):
-            return int(name.split(".")[1]) in mine
-        return (0 in stages) if name.startswith("tok_embeddings") else (last_stage in stages)
+            return block_index(name) in mine
+        return (0 in stages) if name in EMBEDDINGS else (last_stage in stages)
 
     return [(name, shape) for name, shape in shapes if holds(name)]
 
@@ -287,8 +335,8 @@ def one_rank(
     own = rank_parameters(shapes, stages, layers, last_stage)
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
     gathered = sum(math.prod(shape) for _, shape in own)
-    blocks = {int(n.split(".")[1]) for n, _ in own if in_block(n)}
-    units = [sum(math.prod(s) for n, s in own if in_block(n) and int(n.split(".")[1]) == i) for i in blocks]
+    blocks = {block_index(n) for n, _ in own if in_block(n)}
+    units = [sum(math.prod(s) for n, s in own if in_block(n) and block_index(n) == i) for i in blocks]
     units.append(sum(math.prod(s) for n, s in own if not in_block(n)))
     last = last_stage in stages
     held = in_flight(request.pp_schedule, pp, rank, m, v)
@@ -300,12 +348,12 @@ def one_rank(
         "gradients": FP32 * sharded,
         "optimizer_state": 2 * FP32 * sharded + FP32 * len(own),
     }
-    loss_backward = loss_backward_bytes(
-        model, request.batch, request.local_seq_len, compute, request.tp, request.loss_chunks
-    )
+    # The last stage computes the loss of the whole logits (training.loss_chunks is 1 under PP).
+    loss_backward = loss_backward_bytes(model, request.batch, request.local_seq_len, compute, request.tp, 1)
     per_gpu = {name: 0 if request.offload else size for name, size in state.items()}
     per_gpu |= {
-        "model_buffers": 2 * FP32 * model.max_seq_len * (model.head_dim // 2),
+        # rotary's tables: llama's cos and sin; an hf model's inverse frequencies and transformers' copy of them.
+        "model_buffers": 2 * FP32 * (1 if isinstance(model, HfShape) else model.max_seq_len) * (model.head_dim // 2),
         "all_gather_buffers": compute * gathered,
         "reduce_scatter_buffers": request.reduce_bytes * max(units),
         "deferred_gradients": request.reduce_bytes * gathered,

@@ -208,11 +208,17 @@ def _check_hf_layout(request: PlanRequest) -> None:
 def _check_pipeline(request: PlanRequest) -> None:
     """Pipeline parallelism's rules (plan_pp.check_pipeline), and what the project does not build with it."""
     if request.pp > 1:
-        if isinstance(request.model, HfShape):
-            # plan_pp's stages are llama's (its block names and activations); an hf model's are not modelled yet.
+        if isinstance(request.model, HfShape) and request.model.tie_embeddings:
             raise PlanError(
-                f"--pp {request.pp}: plan models the pipeline stages of family llama only (an hf project trains with "
-                "--pp, unplanned); use --pp 1"
+                f"--pp {request.pp}: {request.model.source} ties lm_head to the input embedding (tie_word_embeddings), "
+                "one matrix the first and the last stage cannot share; plan an untied copy, or --pp 1"
+            )
+        if isinstance(request.model, HfShape) and request.tp > 1:
+            # The project builds it (tensor_parallel.py inside each stage); plan_pp counts an hf stage's activations
+            # whole, and scripts/plan_memory.py cannot simulate tp stages to check a split count against.
+            raise PlanError(
+                f"--pp {request.pp} with --tp {request.tp}: plan does not model an hf model's tensor-parallel pipeline "
+                "stages yet; plan with --tp 1 (an upper bound of the activations) or --pp 1"
             )
         for flag, degree in (("--cp", request.cp), ("--ep", request.ep)):
             if degree > 1:

@@ -665,3 +665,31 @@ def test_reserved_adds_a_row_per_source_beyond_the_allocated_peak() -> None:
                   "+ NCCL buffers (outside the allocator)", "reserved (nvidia-smi less the CUDA context)"):  # fmt: skip
         assert label in text, label
     assert "FSDP streams' cached buffers" not in text  # 0: not printed
+
+
+def test_the_simulation_of_a_pp_project_is_every_pipeline_ranks_and_refuses_several_stages_per_rank(
+    tmp_path: Path,
+) -> None:
+    # scripts/plan_memory.py of a pp project runs torch's own schedule on each pipeline rank in turn (its stages told
+    # the shapes they would exchange, which the fake process group cannot carry) and reports the worst, as plan does;
+    # both ranks within 10% of plan's (tests/test_plan_simulation.py's hf pp row at real sizes). Several stages per
+    # rank are several FSDP roots, which FSDPMemTracker cannot follow: one line naming the way out, exit 2.
+    project = generate(tmp_path / "run", "--gpus", "4", "--pp", "2", "--fp32")
+    script = [sys.executable, "scripts/plan_memory.py", "--gpus", "4"]
+    interleaved = ["--parallel.pp_stages_per_rank", "2", "--parallel.pp_schedule", "Interleaved1F1B"]
+    refused = subprocess.run([*script, *interleaved, "--training.grad_accum_steps", "4"], cwd=project,
+                             env=torchrun_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", (
+        "plan_memory.py: error: parallel.pp = 2 with pp_stages_per_rank 2 is not simulated (one stage per rank is); "
+        "simulate with --parallel.pp_stages_per_rank 1 --parallel.pp_schedule 1F1B (`fsdp2gen plan` plans it)\n"
+    ))  # fmt: skip
+    simulated = subprocess.run([*script, "--json"], cwd=project, env=torchrun_env(), capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+    assert simulated.returncode == 0, simulated.stderr[-3000:]
+    result = json.loads(simulated.stdout.splitlines()[-1])
+    plan = estimate(build_request(config=project / "config.toml", gpus=4), with_levers=False)
+    planned = [rank["total_bytes"] for rank in plan.pipeline["ranks"]]
+    assert len(result["pipeline_ranks"]) == 2 and result["allocated"] == max(result["pipeline_ranks"])
+    assert result["pipeline_rank"] == plan.pipeline["worst_rank"]
+    for rank, (sim, estimated) in enumerate(zip(result["pipeline_ranks"], planned, strict=True)):
+        assert abs(estimated - sim) <= 0.1 * sim, (rank, estimated, sim)

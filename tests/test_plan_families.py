@@ -19,7 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp2gen.plan import estimate
+from fsdp2gen import plan_pp
+from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_activations import activations_by_mode
 from fsdp2gen.plan_families import ATTENTION, MLP, HfConfigError, LoraSpec, read_hf_config
 from fsdp2gen.plan_layout import PlanRequest
 from fsdp2gen.plan_shapes import parameter_shapes
@@ -322,6 +324,76 @@ def test_hf_config_plans_a_model_without_a_project(projects: dict) -> None:
             "fsdp2gen: error: seq_len 256 exceeds the model's max_position_embeddings 64 "
             f"({projects['model']}/config.json); lower --seq or training.seq_len\n"
         ),
+    )
+
+
+# --- pipeline parallelism of an hf model (plan_pp.py on the model's own shapes) --------------------------------------
+
+
+def test_an_hf_models_pipeline_stages_are_planned_from_its_shapes(projects: dict, tmp_path: Path) -> None:
+    """pp 2 of the tiny Llama (2 blocks) on 4 GPUs, FSDP over 2 per stage: the first stage holds the embedding and
+    block 0, the last block 1, the final norm and lm_head (their fp32 shards, AdamW's state, the gathered stage and
+    its unsharded fp32 gradients); one stage holding every block saves what the plan without PP counts, the logits
+    once more (the schedule keeps them as the stage's output) and no token ids. (tests/test_plan_simulation.py's hf pp
+    row checks the whole against the simulated step.)"""
+    model = read_hf_config(projects["model"])
+    args = ("--hf-config", str(projects["model"]), "--gpus", "4", "--seq", "32", "--precision", "fp32")
+    plan = plan_json(*args, "--pp", "2", "--activation-checkpointing", "none")
+    assert [r["blocks"] for r in plan["pipeline"]["ranks"]] == [[[0, 1]], [[1, 2]]]
+    assert plan["pipeline"]["micro_batches"] == 2  # pp x V, the fewest 1F1B takes
+    request = build_request(hf_config=projects["model"], gpus=4, seq=32, precision="fp32", pp=2)
+    first, last = plan_pp.rank_stages(request)
+    shapes = parameter_shapes(model)
+    held = [[name for name, _ in plan_pp.rank_parameters(shapes, rank.stages, [range(0, 1), range(1, 2)], 1)]
+            for rank in (first, last)]  # fmt: skip
+    assert held[0][0] == "model.embed_tokens.weight" and held[1][-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert sorted(held[0] + held[1]) == sorted(name for name, _ in shapes)
+    for rank, names in zip((first, last), held, strict=True):
+        own = [shape for name, shape in shapes if name in names]
+        shard = sum(math.ceil(shape[0] / 2) * math.prod(shape[1:]) for shape in own)
+        assert rank.per_gpu["parameters"] == 4 * shard and rank.per_gpu["optimizer_state"] == 8 * shard + 4 * len(own)
+        whole = sum(math.prod(shape) for shape in own)
+        assert rank.per_gpu["all_gather_buffers"] == rank.per_gpu["deferred_gradients"] == 4 * whole
+    assert last.per_gpu["loss_backward"] == 2 * 4 * 32 * 320 and first.per_gpu["loss_backward"] == 0
+    whole_model = replace(request, pp=1, loss_chunks=1)
+    tokens = 32
+    for ac, figure in activations_by_mode(whole_model, 4).items():
+        stage = plan_pp.stage_activation_bytes(whole_model, 4, ac, range(2), 1, True)
+        assert stage == figure + 4 * tokens * 320 - 8 * tokens - 4, ac
+    # A project's parallel.pp is read from its config.toml as --pp is.
+    config = tmp_path / "pp" / "config.toml"
+    config.parent.mkdir()
+    (config.parent / ".copier-answers.yml").write_bytes((projects["hf"] / ".copier-answers.yml").read_bytes())
+    text = (projects["hf"] / "config.toml").read_text().replace("[parallel]\n", "[parallel]\npp = 2\n")
+    text = re.sub(r"(?m)^grad_accum_steps = \d+", "grad_accum_steps = 2", text)
+    config.write_text(re.sub(r"(?m)^loss_chunks = \d+", "loss_chunks = 1", text))  # as a pp project's config.py wants
+    from_config = plan_json("--config", str(config), "--gpus", "4", "--seq", "32", "--batch", "1")
+    assert from_config["pipeline"]["ranks"] == plan["pipeline"]["ranks"]
+
+
+def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> None:
+    def error(*args: str) -> str:
+        result = invoke("plan", *args, "--seq", "32")
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
+
+    tied = save_config(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    assert error("--hf-config", str(tied), "--pp", "2") == (
+        f"--pp 2: {tied} ties lm_head to the input embedding (tie_word_embeddings), one matrix the first and the last "
+        "stage cannot share; plan an untied copy, or --pp 1"
+    )
+    assert error("--hf-config", str(projects["model"]), "--pp", "2", "--tp", "2", "--gpus", "8") == (
+        "--pp 2 with --tp 2: plan does not model an hf model's tensor-parallel pipeline stages yet; plan with --tp 1 "
+        "(an upper bound of the activations) or --pp 1"
+    )
+    assert error("--config", str(projects["lora"] / "config.toml"), "--pp", "2") == (
+        "--pp 2: plan does not model LoRA adapters with pp > 1 yet; plan with --pp 1"
+    )
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps({**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": 2}))
+    assert error("--hf-config", str(moe), "--pp", "2") == (
+        "--pp 2: plan does not model a mixture-of-experts hf model (qwen3_moe) with pp > 1 yet; plan it with --pp 1 "
+        "(--ep splits the experts)"
     )
 
 

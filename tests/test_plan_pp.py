@@ -65,8 +65,9 @@ def test_small_shape_by_hand_1f1b() -> None:
     assert block_activation_bytes(SMALL, 1, 32, FP32) == one == 140032
     assert first.activations["none"] == 2 * 2 * one  # 2 micro-batches x 2 blocks
     assert first.activations["full"] == 2 * 2 * FP32 * 32 * 64 + one  # their inputs, and one block recomputed
-    # The last stage: 1 micro-batch of its 2 blocks and the loss's saved tensors, plus the loss's backward.
-    head = activation_bytes(SMALL, 1, 32, FP32, "none", loss_chunks=8) - 4 * one
+    # The last stage: 1 micro-batch of its 2 blocks and the loss's saved tensors (of the whole logits: loss_chunks is
+    # 1 under PP), with the logits themselves (fp32, 32 x 256), which the schedule keeps as the stage's output.
+    head = activation_bytes(SMALL, 1, 32, FP32, "none", loss_chunks=1) - 4 * one + FP32 * 32 * 256
     assert last.activations["none"] == 2 * one + head
     assert last.per_gpu["loss_backward"] > 0 == first.per_gpu["loss_backward"]
     # The plan's rows are the worst rank's, and its total the larger of the last backward and the reduce-scatter.
@@ -149,10 +150,11 @@ def test_torch_keeps_a_stage_gathered_and_its_gradients_unsharded_until_the_last
 
 @pytest.mark.parametrize("ac", AC_MODES)
 def test_one_stage_holding_everything_is_the_plan_without_pp(ac: str) -> None:
-    # stage_activation_bytes with 1 micro-batch in flight over every block, loss included = activation_bytes.
+    # stage_activation_bytes with 1 micro-batch in flight over every block, loss included = activation_bytes of the
+    # whole logits (loss_chunks is 1 under PP), and the logits the schedule keeps as the last stage's output.
     request = small_request(pp=1, pp_schedule="1F1B", model=replace(SMALL, n_layers=5))
     got = plan_pp.stage_activation_bytes(request, FP32, ac, range(5), 1, True)
-    assert got == activation_bytes(request.model, 1, 32, FP32, ac, loss_chunks=request.loss_chunks)
+    assert got == activation_bytes(request.model, 1, 32, FP32, ac, loss_chunks=1) + FP32 * 32 * SMALL.vocab_size
 
 
 def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:

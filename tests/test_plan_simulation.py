@@ -39,7 +39,7 @@ OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "
 # model.path at a folder holding Llama 3.1 8B's config.json only (scripts/plan_memory.py reads no weights).
 HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")
 HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft"),
-            "hf-tp": ("--tp", "2")}  # fmt: skip
+            "hf-tp": ("--tp", "2"), "hf-pp": ("--pp", "2")}  # fmt: skip
 HF_8B = {"path": "Llama-3.1-8B"}  # HF_CONFIGS' name: the test points model.path at its folder
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
 # the sizes cost no memory or compute, the number of ops does: a row's time grows with its blocks).
@@ -102,6 +102,18 @@ ROWS = [
     # plan was read: +15.2%; with the embedding whole, as the config's plan alone says: +7.6% here, +31% under
     # selective AC, whose peak is the root's.)
     Row("hf-8b-tp2-none", HF_8B, project="hf-tp", tp=2, ac="none", blocks=8),
+    # Pipeline parallelism, cut by the model's declared pipeline plan: 2 stages of 4 blocks, 1F1B over 2 micro-batches,
+    # the whole logits on the last stage (loss_chunks 1 under PP); each pipeline rank simulated, the worst compared.
+    Row(
+        "hf-8b-pp2-selective",
+        HF_8B,
+        project="hf-pp",
+        ac="selective",
+        grad_accum_steps=2,
+        loss_chunks=1,
+        blocks=8,
+        extra={"parallel.pp": 2},
+    ),  # fmt: skip
     # Mixture-of-experts models (transformers' fused experts, FSDP-sharded: hf projects have no --ep).
     # Mixtral 8x7B's whole step (32 blocks), by hand: plan -1.8%; Qwen3's (48): -1.0%.
     Row("hf-qwen3-30b-a3b-selective", {"path": "Qwen3-30B-A3B"}, project="hf", ac="selective", blocks=8),

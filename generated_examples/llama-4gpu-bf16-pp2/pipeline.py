@@ -170,16 +170,18 @@ class PipelineModel(nn.Module):
         return total
 
     def run_schedule(self, args: tuple, target: torch.Tensor | None, losses: list[torch.Tensor], train: bool) -> None:
-        """One step of the schedule (train) or its forward-only pass, the last stage's losses appended to `losses`."""
+        """One step of the schedule (train) or its forward-only pass, the last stage's losses appended to `losses`.
+        return_outputs=False: by default the last stage keeps every micro-batch's output (the whole fp32 logits, batch
+        x seq_len x vocabulary each) until the step ends, to return them merged; only the losses are used here."""
         if train:
-            self.schedule.step(*args, target=target, losses=losses)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         elif self.eval_order is None:
-            self.schedule.eval(*args, target=target, losses=losses)
+            self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         else:
             training_order = self.schedule.pipeline_order_with_comms
             self.schedule.pipeline_order_with_comms = self.eval_order
             try:
-                self.schedule.eval(*args, target=target, losses=losses)
+                self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
             finally:
                 self.schedule.pipeline_order_with_comms = training_order
 

@@ -62,8 +62,8 @@ HF_CONFIGS = {
     "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
 # The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft,
-# --tp 2).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp")
+# --tp 2, --pp 2).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp")
 
 
 @dataclass(frozen=True)
@@ -122,16 +122,22 @@ class Row:
         name = f"llama {model}{depth}"
         if self.project != "llama":
             kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft", "hf-tp": "",
-                     "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
+                     "hf-pp": "", "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
             name = f"hf {self.model['path']} config.json{depth}{kind}"  # type: ignore[index]
+        pp = self.extra.get("parallel.pp", 1)
         parts = [name, f"{self.gpus} GPUs"] + ([f"TP {self.tp}"] if self.tp > 1 else [])
+        parts += [f"PP {pp} (1F1B)"] if pp > 1 else []
         replicas = self.extra.get("parallel.dp_replicate", 1)
         parts += [f"HSDP {replicas} x {self.gpus // replicas}"] if replicas > 1 else []
-        micro_batch = self.global_batch_size // (self.gpus // self.tp * self.grad_accum_steps)
+        micro_batch = self.global_batch_size // (self.gpus // self.tp // pp * self.grad_accum_steps)
         parts += [f"AC {self.ac}", f"micro-batch {micro_batch} x {self.seq_len}"]
-        if self.grad_accum_steps > 1:
-            parts.append(f"accum {self.grad_accum_steps} {self.grad_sync}")
+        if self.grad_accum_steps > 1:  # under PP the schedule's micro-batches (grad_sync does not apply)
+            parts.append(
+                f"{self.grad_accum_steps} micro-batches"
+                if pp > 1
+                else f"accum {self.grad_accum_steps} {self.grad_sync}"
+            )
         parts += ["CPU offload"] if self.offload else []
         reshard = self.extra.get("parallel.reshard_after_forward", True)
         parts += [] if reshard is True else [f"reshard_after_forward {str(reshard).lower()}"]

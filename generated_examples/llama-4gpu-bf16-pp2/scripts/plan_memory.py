@@ -16,6 +16,8 @@ estimate of the same step; this is the measurement it is checked against.
 
 What it does not see: the CUDA context and NCCL's buffers (about 0.5-2 GiB per GPU, outside the allocator),
 fragmentation beyond block rounding over many steps.
+With parallel.pp > 1 each pipeline rank is simulated in turn (its stage, built by pipeline.py, run by torch's own
+schedule over training.grad_accum_steps micro-batches) and the worst is reported, as `fsdp2gen plan` reports it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module  # noqa: E402
+from torch.distributed.pipelining._utils import extract_tensor_metas  # noqa: E402
+from torch.distributed.pipelining.stage import _StageMeta  # noqa: E402
 from torch.distributed.tensor import _sharding_prop as sharding_prop  # noqa: E402
 from torch.distributed.tensor import _utils as dtensor_utils  # noqa: E402
 from torch.nn.modules.module import register_module_forward_pre_hook  # noqa: E402
@@ -134,20 +138,55 @@ class ValuesReadOnTheHost(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def simulate(config: Config, gpus: int) -> dict[str, int]:
-    """One train_step of `config` on rank 0 of `gpus` ranks: the tracker's peak of GPU memory, by category.
+def simulate(config: Config, gpus: int) -> dict[str, Any]:
+    """One train_step of `config` on `gpus` ranks: rank 0's peak by category, or under parallel.pp > 1 the worst
+    pipeline rank's (the first rank of each pipeline rank's group, pp outermost as layout.py lays the mesh out),
+    with every pipeline rank's peak in "pipeline_ranks"."""
+    real_mesh_arithmetic()
+    pp = config.parallel.pp
+    ranks = [simulate_rank(config, gpus, pp_rank * (gpus // pp)) for pp_rank in range(pp)]
+    worst = max(range(pp), key=lambda pp_rank: ranks[pp_rank]["allocated"])
+    pipeline = {"rank": worst * (gpus // pp), "pipeline_rank": worst, "pipeline_ranks": [r["allocated"] for r in ranks]}
+    return ranks[worst] | pipeline
+
+
+def static_stage_metadata(model: Any, config: Config, micro_batch: int) -> torch.nn.Module:
+    """Give torch's pipeline stages the shapes they would exchange, and return the rank's stage (its FSDP root).
+
+    At its first step a PipelineStage learns its input and output shapes from its neighbours over the process
+    group (the previous stage sends them); the fake process group carries no messages, so they are given here, as
+    PipelineStage(input_args=..., output_args=...) would take them: the first stage's input is the token ids, a later
+    stage's the hidden states (batch x seq x hidden, in the dtype the previous stage's root outputs), each stage's
+    output the hidden states or (the last) the logits."""
+    schedule = model.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    text = config.model
+    width, vocab = text.dim, text.vocab_size
+    hidden = torch.float32 if config.parallel.output_dtype == "float32" else torch.bfloat16
+    tokens = (micro_batch, config.training.seq_len)
+    for stage in stages:
+        inputs = torch.zeros(tokens, dtype=torch.long) if stage.is_first else torch.zeros(*tokens, width, dtype=hidden)
+        outputs = torch.zeros(*tokens, vocab if stage.is_last else width, dtype=hidden)
+        inputs.requires_grad_(not stage.is_first)
+        outputs.requires_grad_()
+        metas = {"inputs": (inputs,), "outputs": (outputs,)}
+        stage._user_meta = _StageMeta(**{key: extract_tensor_metas(value) for key, value in metas.items()})
+    return stages[0].submod
+
+
+def simulate_rank(config: Config, gpus: int, rank: int) -> dict[str, Any]:
+    """One train_step of `config` on rank `rank` of `gpus` ranks: the tracker's peak of GPU memory, by category.
 
     The fake tensors sit on the CPU device: autograd needs a device guard for CUDA tensors, which a torch built
     without CUDA lacks even for fake ones. train.py's code path is CUDA's but for AdamW, switched to the fused
     implementation CUDA runs (see below).
     """
-    real_mesh_arithmetic()
     # Fake tensors hold no values: filling them (model.py's initialize: the model's random init, a pretrained
     # model's weights read from model.path, LoRA's adapters) would only cost time, and reading files cannot be
     # faked. The shards are allocated (to_empty) as in training; only their filling is skipped. So a config.json
     # alone (no weights) simulates a pretrained hf model.
     train.initialize = lambda model, config, device: None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
     try:
         layout = ParallelLayout.of(config.parallel, gpus)
         device = torch.device("cpu")
@@ -174,13 +213,15 @@ def simulate(config: Config, gpus: int) -> dict[str, int]:
                     param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            tracker = Tracker(model, optimizer)
+            # Under pp > 1 the model is this rank's PipelineModel; the tracker follows its stage's FSDP root.
+            tracked = static_stage_metadata(model, config, micro_batch) if config.parallel.pp > 1 else model
+            tracker = Tracker(tracked, optimizer)
 
             # FSDPMemTracker refuses a second forward of the root (grad accumulation) unless its per-module
             # statistics are cleared first; the peak this script keeps is its own (Tracker.gpu_peak).
             # (A global hook: it runs before the root's own, FSDP's, pre-forward hook.)
             def reset_at_root(module: torch.nn.Module, inputs: Any) -> None:
-                if module is model:
+                if module is tracked:
                     tracker.reset_mod_stats()
 
             hook = register_module_forward_pre_hook(reset_at_root)
@@ -207,17 +248,28 @@ def main() -> None:
     if args.gpus < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus must be at least 1, got {args.gpus}; give --gpus 1 or more\n")
     config = parse_args(rest)
+    layout = ParallelLayout.of(config.parallel, args.gpus)
+    if layout.pp > 1 and layout.pp_stages_per_rank > 1:
+        # FSDPMemTracker follows one FSDP root, and a rank's several stages are several.
+        v = layout.pp_stages_per_rank
+        problem = f"parallel.pp = {layout.pp} with pp_stages_per_rank {v} is not simulated (one stage per rank is)"
+        fix = "--parallel.pp_stages_per_rank 1 --parallel.pp_schedule 1F1B"
+        parser.exit(2, f"{parser.prog}: error: {problem}; simulate with {fix} (`fsdp2gen plan` plans it)\n")
     result = simulate(config, args.gpus)
     if args.json:
         print(json.dumps(result))
         return
     print(f"simulated: {args.gpus} GPU(s), micro-batch {result['micro_batch']} x {config.training.seq_len} tokens, "
-          f"{config.training.grad_accum_steps} micro-batch(es) per step; peak per GPU (rank 0):")  # fmt: skip
+          f"{config.training.grad_accum_steps} micro-batch(es) per step; peak per GPU "
+          f"(rank {result.get('rank', 0)}):")  # fmt: skip
     for key in CATEGORIES:
         print(f"  {key:<24}{result[key] / GIB:>10.2f} GiB")
     print(f"  {'allocated (peak)':<24}{result['allocated'] / GIB:>10.2f} GiB")
     print(f"  {'peak reached in':<24}{result['peak_at']}")
     print(f"  {'reserved (estimate)':<24}{result['reserved'] / GIB:>10.2f} GiB   (what nvidia-smi and OOMs see)")
+    if "pipeline_ranks" in result:
+        ranks = ", ".join(f"{rank}: {size / GIB:.2f} GiB" for rank, size in enumerate(result["pipeline_ranks"]))
+        print(f"  {'by pipeline rank':<24}{ranks} (the rows above: pipeline rank {result['pipeline_rank']}'s)")
 
 
 if __name__ == "__main__":
