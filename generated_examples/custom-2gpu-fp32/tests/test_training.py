@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, train, train_several
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, metrics, train, train_several
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 1e-5
@@ -47,8 +47,15 @@ SHARDED_RUN = [
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("sharded")
+    train(output_dir, *SHARDED_RUN)
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def sharded(sharded_dir: Path) -> list[dict]:
+    return metrics(sharded_dir)
 
 
 @pytest.fixture(scope="module")

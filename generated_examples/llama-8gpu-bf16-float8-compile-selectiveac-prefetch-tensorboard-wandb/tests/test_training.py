@@ -47,11 +47,20 @@ SHARDED_RUN = [
     "--training.steps", "3", "--training.grad_accum_steps", "2", "--eval.every", "3", "--eval.batches", "1",
     "--training.loss_chunks", "4",
 ]  # fmt: skip
+# The sharded run also logs to TensorBoard and checkpoints every 2 steps, for test_tensorboard_logs_the_metrics.
+TENSORBOARD_RUN = ["--job.tensorboard", "true", "--checkpoint.interval", "2"]
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("sharded")
+    train(output_dir, *SHARDED_RUN, *TENSORBOARD_RUN)
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def sharded(sharded_dir: Path) -> list[dict]:
+    return metrics(sharded_dir)
 
 
 @pytest.fixture(scope="module")
@@ -155,16 +164,17 @@ def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
 
 
-def test_tensorboard_logs_the_metrics(tmp_path: Path) -> None:
+def test_tensorboard_logs_the_metrics(tmp_path: Path, sharded_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    steps = ["--training.steps", "3", "--checkpoint.interval", "2", "--job.tensorboard", "true"]
-    metrics = train(tmp_path, *steps)
-    # As after a crash once step 3 was logged, before its checkpoint: the resume from step 2 logs step 3 again,
-    # and TensorBoard (purge_step) and metrics.jsonl show it once, the resumed value.
-    shutil.rmtree(tmp_path / "checkpoints" / "step-3")
-    metrics = train(tmp_path, *steps, nproc=1)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    # The sharded run logged its 3 steps; here, a copy of its folder. As after a crash once step 3 was logged, before
+    # its checkpoint: the resume from step 2 logs step 3 again, and TensorBoard (purge_step) and metrics.jsonl show
+    # it once, the resumed value.
+    run = tmp_path / "run"
+    shutil.copytree(sharded_dir, run)
+    shutil.rmtree(run / "checkpoints" / "step-3")
+    metrics = train(run, *SHARDED_RUN, *TENSORBOARD_RUN, nproc=1)
+    events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
     assert [step for step, _ in losses] == [m["step"] for m in metrics] == [1, 2, 3]
