@@ -14,9 +14,12 @@ them, gathered, to job.output_dir/from_scratch.pt: they must be the same bit for
 
     torchrun ... tests/check_pretrained.py [--section.key VALUE ...] from-scratch
 
-checks (and saves) only the model built from scratch.
+checks (and saves) only the model built from scratch; then, in the same launch, on each other layout of these ranks
+that FROM_SCRATCH_LAYOUTS (JSON: {NAME: [--parallel.key VALUE ...]}) names, saving to job.output_dir/NAME.
 """
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from config import parse_args
+from layout import ParallelLayout
 from model import ModelArgs
 from train import build_model_meta, run_on_every_rank
 
@@ -132,6 +137,12 @@ def main() -> None:
             config.model = ModelArgs(path=folder, pretrained=True)
             mismatches += check_pretrained(config, mesh, device)
         mismatches += check_from_scratch(config, mesh, device)
+        for name, overrides in json.loads(os.environ.get("FROM_SCRATCH_LAYOUTS", "{}")).items():
+            layout = parse_args([*args, *overrides, "--job.output_dir", str(Path(config.job.output_dir) / name)])
+            Path(layout.job.output_dir).mkdir(parents=True, exist_ok=True)
+            # Its own mesh, as init_distributed builds the launch's.
+            layout_mesh = ParallelLayout.of(layout.parallel, dist.get_world_size()).build_mesh(device.type)
+            mismatches += check_from_scratch(layout, layout_mesh, device)
         for line in mismatches:
             print("MISMATCH " + line, flush=True)
         return 1 if mismatches else 0

@@ -1,5 +1,6 @@
-"""Run under torchrun by test_training.py: load the newest checkpoint into the sharded model with
-train.py's own blocks and save its output on a fixed input, for comparison with the exported model."""
+"""Run by test_checkpoint.py (one process, a group of one; or under torchrun): load the newest checkpoint into the
+sharded model with train.py's own blocks and save its output on a fixed input, for comparison with the exported
+model."""
 
 import sys
 from pathlib import Path

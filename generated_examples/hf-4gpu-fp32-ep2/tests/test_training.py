@@ -5,6 +5,7 @@ Run with `pytest`. Each test trains a tiny model for a few steps; test_checkpoin
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, make_model, train
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, make_model, metrics, train, train_several
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 1e-5
@@ -42,8 +43,8 @@ def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
     assert peaks == sorted(peaks) and peaks[0] > 0, peaks
 
 
-# One sharded run, read by the next two tests: 2 micro-batches a step, a validation pass at the last step, the
-# loss computed 4 sequence chunks at a time. Each test makes one more run with one thing changed.
+# One sharded run and the same run in one process, read by the next two tests: 2 micro-batches a step, a validation
+# pass at the last step, the loss computed 4 sequence chunks at a time.
 SHARDED_RUN = [
     "--training.steps", "3", "--training.grad_accum_steps", "2", "--eval.every", "3", "--eval.batches", "1",
     "--training.loss_chunks", "4",
@@ -51,13 +52,27 @@ SHARDED_RUN = [
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("sharded")
+    train(output_dir, *SHARDED_RUN)
+    return output_dir
 
 
-def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
+@pytest.fixture(scope="module")
+def sharded(sharded_dir: Path) -> list[dict]:
+    return metrics(sharded_dir)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    # One launch of one process: that run, and the same with the loss of the whole logits (loss_chunks 1).
+    runs = {"chunked": [], "whole": ["--training.loss_chunks", "1"]}
+    return train_several(tmp_path_factory.mktemp("single"), runs, *SHARDED_RUN, nproc=1)
+
+
+def test_ranks_match_one_process(sharded: list[dict], single: dict[str, list[dict]]) -> None:
     # The global batch is fixed, so the number of ranks must not change the numbers.
-    single = train(tmp_path, *SHARDED_RUN, nproc=1)
+    single = single["chunked"]
     assert "val_loss" in single[-1] and "val_loss" in sharded[-1]
     for a, b in zip(single, sharded, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
@@ -65,13 +80,14 @@ def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
                 assert abs(a[key] - b[key]) <= PARITY_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
 
 
-def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path, sharded: list[dict]) -> None:
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(single: dict[str, list[dict]]) -> None:
     # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
     # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
-    # with 2 micro-batches, each one's chunks add into the same gradients.
-    whole = train(tmp_path, *SHARDED_RUN, "--training.loss_chunks", "1")
-    assert "val_loss" in whole[-1] and "val_loss" in sharded[-1]
-    for a, b in zip(whole, sharded, strict=True):
+    # with 2 micro-batches, each one's chunks add into the same gradients. Both in one process: chunking is each
+    # rank's own arithmetic, and test_ranks_match_one_process shows the chunked run the same on NPROC ranks.
+    whole, chunked = single["whole"], single["chunked"]
+    assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
+    for a, b in zip(whole, chunked, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
@@ -97,17 +113,18 @@ def test_pretrained_weights_load_sharded_and_equal_from_pretrained(tmp_path: Pat
 
 def test_from_scratch_init_is_the_same_on_any_number_of_ranks(tmp_path: Path) -> None:
     # Each whole tensor drawn from one seeded generator: 1 process, NPROC ranks (FSDP) and, on 2 ranks, 2 replicas
-    # of 1 shard (HSDP) fill the model with the same values, bit for bit. Seeding each rank apart would not.
-    runs = {"1 process": ([], 1), f"{NPROC} ranks": ([], NPROC)}
-    if NPROC == 2:
-        runs["HSDP 2 x 1"] = (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"], 2)
-    weights = {}
-    for name, (overrides, nproc) in runs.items():
-        output_dir = tmp_path / name.replace(" ", "-")
-        result = launch("tests/check_pretrained.py", output_dir, *overrides, "from-scratch", nproc=nproc)
+    # of 1 shard (HSDP, in the same launch) fill the model with the same values, bit for bit. Seeding each rank apart
+    # would not.
+    layouts = {"HSDP-2-x-1": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]} if NPROC == 2 else {}
+    for name, nproc, others in (("1-process", 1, {}), (f"{NPROC}-ranks", NPROC, layouts)):
+        env = {"FROM_SCRATCH_LAYOUTS": json.dumps(others)}
+        result = launch("tests/check_pretrained.py", tmp_path / name, "from-scratch", nproc=nproc, env=env)
         assert "MISMATCH" not in result.stdout, result.stdout
-        weights[name] = torch.load(output_dir / "from_scratch.pt", weights_only=True)
-    one = weights.pop("1 process")
+        assert result.stdout.count("from scratch: ") == 1 + len(others), result.stdout
+    weights = {}
+    for folder in ["1-process", f"{NPROC}-ranks", *(f"{NPROC}-ranks/{name}" for name in layouts)]:
+        weights[folder] = torch.load(tmp_path / folder / "from_scratch.pt", weights_only=True)
+    one = weights.pop("1-process")
     for name, gathered in weights.items():
         assert gathered.keys() == one.keys(), name
         assert [key for key, value in one.items() if not torch.equal(value, gathered[key])] == [], name

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model import Model, ModelArgs
-from runs import DEVICE, NPROC, PROJECT, launch, metrics, train
+from runs import DEVICE, NPROC, PROJECT, launch, metrics, train, train_several
 
 TEN_STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
 # Another world size splits the batch differently, so sums round differently: losses (absolute) and
@@ -140,9 +140,10 @@ def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tm
         cwd=PROJECT, capture_output=True, text=True,
     )  # fmt: skip
     assert export.returncode == 0, export.stderr
-    # The sharded model, loaded by train.py's checkpoint_load, on a fixed input.
+    # The sharded model, loaded by train.py's checkpoint_load, on a fixed input. In one process: what is compared is
+    # the export, and test_resume_on_fewer_ranks_continues_the_same_run loads the NPROC ranks' checkpoint in one.
     shutil.copytree(straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
-    launch("tests/model_output.py", tmp_path, *TEN_STEPS)
+    launch("tests/model_output.py", tmp_path, *TEN_STEPS, nproc=1)
     distributed = torch.load(tmp_path / "model_output.pt", weights_only=True)
 
     model = Model(ModelArgs(**json.loads((exported / "config.json").read_text())))
@@ -240,7 +241,13 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
 def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     run, other = tmp_path / "run", tmp_path / "other"
     steps = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "2"]
-    first = train(run, "--training.steps", "4", *steps, nproc=1)
+    # A run, and (in the same launch) a new run in a folder of its own beside it, read below.
+    runs = train_several(tmp_path, {
+        "run": ["--training.steps", "4", *steps],
+        "other": ["--training.steps", "4", "--checkpoint.resume", "never", "--checkpoint.interval", "2",
+                  "--checkpoint.keep_last", "1"],
+    }, nproc=1)  # fmt: skip
+    first, new = runs["run"], runs["other"]
     assert checkpoint_names(run) == ["step-2", "step-4"]
     before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
     # A new run in the same folder would prune the old run's checkpoints as if they were its own, or be
@@ -255,8 +262,6 @@ def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
     # In its own folder the new run gets its own id, and keeps only its newest checkpoint (keep_last 1).
     # (Beside the old run, not inside: a folder inside another run's folder is refused, that run may prune it.)
-    new = train(other, "--training.steps", "4", "--checkpoint.resume", "never", "--checkpoint.interval", "2",
-                "--checkpoint.keep_last", "1", nproc=1)  # fmt: skip
     assert checkpoint_names(other) == ["step-4"]
     # The old run resumes as itself, and every row and checkpoint says which run it belongs to.
     resumed = train(run, "--training.steps", "6", *steps, nproc=1)

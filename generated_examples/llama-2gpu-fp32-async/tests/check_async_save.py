@@ -1,6 +1,8 @@
 """Run under torchrun by test_checkpoint.py: background saves, checked from inside the ranks.
 
-    torchrun ... tests/check_async_save.py [--section.key VALUE ...] [timing | stager | publish-fails]
+    torchrun ... tests/check_async_save.py [--section.key VALUE ...] [timing] [stager] [publish-fails]
+
+Each check named (timing if none) runs in turn in the same processes, in a folder of its own: job.output_dir/<check>.
 
 timing (the default): times, on the same state, a synchronous dcp.save; then Checkpointer.save (which starts a
 background save and returns) and the training step that follows while that save is being written. Each rank
@@ -187,12 +189,21 @@ CHECKS = {"timing": check_timing, "stager": check_stager, "publish-fails": check
 
 
 def main() -> None:
-    # The check's name may come anywhere among the overrides (runs.launch puts its own first).
+    # The checks' names may come anywhere among the overrides (runs.launch puts its own first).
     args = [arg for arg in sys.argv[1:] if arg not in CHECKS]
-    check = CHECKS[next((arg for arg in sys.argv[1:] if arg in CHECKS), "timing")]
-    # As train.py's main: publish-fails ends in stop(), and every rank must still leave the process group
-    # (exiting with a live gloo group can abort the process instead of exiting with stop()'s code).
-    run_on_every_rank(check, args)
+    names = [arg for arg in sys.argv[1:] if arg in CHECKS] or ["timing"]
+
+    def run_checks(config, device, mesh) -> None:
+        # Several checks in one launch: each rank's process starts (imports torch, joins the group) once for all.
+        output_dir = Path(config.job.output_dir)
+        for name in names:
+            config.job.output_dir = str(output_dir / name)
+            CHECKS[name](config, device, mesh)
+            gc.collect()  # the check's model and optimizer, before the next builds its own
+
+    # As train.py's main: publish-fails ends in stop() (so it comes last), and every rank must still leave the
+    # process group (exiting with a live gloo group can abort the process instead of exiting with stop()'s code).
+    run_on_every_rank(run_checks, args)
 
 
 if __name__ == "__main__":

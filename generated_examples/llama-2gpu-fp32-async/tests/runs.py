@@ -63,3 +63,11 @@ def metrics(output_dir: Path) -> list[dict]:
 def train(output_dir: Path, *overrides: str, nproc: int = NPROC) -> list[dict]:
     launch("train.py", output_dir, *overrides, nproc=nproc)
     return metrics(output_dir)
+
+
+def train_several(output_dir: Path, runs: dict[str, list[str]], *overrides: str, nproc: int = NPROC) -> dict:
+    """The runs {NAME: its overrides} in ONE launch (tests/train_several.py), each with `overrides` then its own, in
+    output_dir/NAME: each rank imports torch and joins the process group once, not once per run. Their metrics, by
+    name."""
+    launch("tests/train_several.py", output_dir, *overrides, nproc=nproc, env={"TRAIN_RUNS": json.dumps(runs)})
+    return {name: metrics(output_dir / name) for name in runs}

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model import Model, ModelArgs
-from runs import DEVICE, NPROC, PROJECT, launch, metrics, train
+from runs import DEVICE, NPROC, PROJECT, launch, metrics, train, train_several
 
 TEN_STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
 # Another world size splits the batch differently, so sums round differently: losses (absolute) and
@@ -140,9 +140,10 @@ def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tm
         cwd=PROJECT, capture_output=True, text=True,
     )  # fmt: skip
     assert export.returncode == 0, export.stderr
-    # The sharded model, loaded by train.py's checkpoint_load, on a fixed input.
+    # The sharded model, loaded by train.py's checkpoint_load, on a fixed input. In one process: what is compared is
+    # the export, and test_resume_on_fewer_ranks_continues_the_same_run loads the NPROC ranks' checkpoint in one.
     shutil.copytree(straight / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
-    launch("tests/model_output.py", tmp_path, *TEN_STEPS)
+    launch("tests/model_output.py", tmp_path, *TEN_STEPS, nproc=1)
     distributed = torch.load(tmp_path / "model_output.pt", weights_only=True)
 
     model = Model(ModelArgs(**json.loads((exported / "config.json").read_text())))
@@ -240,7 +241,13 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
 def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     run, other = tmp_path / "run", tmp_path / "other"
     steps = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "2"]
-    first = train(run, "--training.steps", "4", *steps, nproc=1)
+    # A run, and (in the same launch) a new run in a folder of its own beside it, read below.
+    runs = train_several(tmp_path, {
+        "run": ["--training.steps", "4", *steps],
+        "other": ["--training.steps", "4", "--checkpoint.resume", "never", "--checkpoint.interval", "2",
+                  "--checkpoint.keep_last", "1"],
+    }, nproc=1)  # fmt: skip
+    first, new = runs["run"], runs["other"]
     assert checkpoint_names(run) == ["step-2", "step-4"]
     before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
     # A new run in the same folder would prune the old run's checkpoints as if they were its own, or be
@@ -255,8 +262,6 @@ def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     assert {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()} == before
     # In its own folder the new run gets its own id, and keeps only its newest checkpoint (keep_last 1).
     # (Beside the old run, not inside: a folder inside another run's folder is refused, that run may prune it.)
-    new = train(other, "--training.steps", "4", "--checkpoint.resume", "never", "--checkpoint.interval", "2",
-                "--checkpoint.keep_last", "1", nproc=1)  # fmt: skip
     assert checkpoint_names(other) == ["step-4"]
     # The old run resumes as itself, and every row and checkpoint says which run it belongs to.
     resumed = train(run, "--training.steps", "6", *steps, nproc=1)
@@ -269,40 +274,56 @@ def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     assert json.loads((other / "checkpoints" / "step-4" / "checkpoint.json").read_text())["run_id"] != run_id
 
 
-def test_training_continues_while_a_checkpoint_is_written(tmp_path: Path) -> None:
-    result = launch("tests/check_async_save.py", tmp_path)
+@pytest.fixture(scope="module")
+def background_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """ONE launch of tests/check_async_save.py for the next three tests, each check in a folder of its own: timing,
+    stager (train() itself: 6 steps, a save every 2), then publish-fails, which stops every rank."""
+    output_dir = tmp_path_factory.mktemp("background_saves")
+    steps = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    result = launch("tests/check_async_save.py", output_dir, "timing", "stager", "publish-fails", *steps, check=False)
     print(result.stdout)  # the numbers (pytest -s shows them)
+    return output_dir, result
+
+
+def test_training_continues_while_a_checkpoint_is_written(
+    background_saves: tuple[Path, subprocess.CompletedProcess],
+) -> None:
+    folder, result = background_saves
+    output_dir = folder / "timing"
     lines = re.findall(
         r"sync save ([\d.]+) s \| async save: paused ([\d.]+) s \+ step during the save ([\d.]+) s .*"
         r"still writing after it: (\w+)",
         result.stdout,
     )
-    assert len(lines) == NPROC, result.stdout
+    assert len(lines) == NPROC, result.stdout + result.stderr
     for sync_save, paused, step_during_save, still_writing in lines:
         # The save was still being written when the step ended, and the step did not wait for it.
         assert still_writing == "True"
         assert float(paused) + float(step_during_save) < float(sync_save)
     # The background save holds the state at the time it was started, like the synchronous one.
-    sync, background = load_checkpoint(tmp_path / "sync"), load_checkpoint(tmp_path / "checkpoints" / "step-2")
+    sync, background = load_checkpoint(output_dir / "sync"), load_checkpoint(output_dir / "checkpoints" / "step-2")
     assert_identical(sync, background)
     # So does the next one, copied into the same staging buffers while training went on.
     assert result.stdout.count("second async save into the same buffers") == NPROC
-    sync, background = load_checkpoint(tmp_path / "sync-again"), load_checkpoint(tmp_path / "checkpoints" / "step-3")
+    sync = load_checkpoint(output_dir / "sync-again")
+    background = load_checkpoint(output_dir / "checkpoints" / "step-3")
     assert_identical(sync, background)
 
 
-def test_one_stager_for_the_run_reused_by_every_save_and_closed(tmp_path: Path) -> None:
+def test_one_stager_for_the_run_reused_by_every_save_and_closed(
+    background_saves: tuple[Path, subprocess.CompletedProcess],
+) -> None:
     # A new stager per save would copy each save into freshly allocated (never pinned) memory.
-    steps = ["--training.steps", "6", "--checkpoint.interval", "2"]
-    result = launch("tests/check_async_save.py", tmp_path, "stager", *steps)
+    folder, result = background_saves
     # Pinned (page-locked) copies on a GPU, plain memory on CPU.
     pinned = DEVICE == "cuda"
     expected = (
         "1 stager(s), made with the options of staging_options: True; 3 saves, all by the same stager: True, "
         f"the model copied into the same buffers each time: True, pinned: [{pinned}]; closed after saves [3]"
     )
-    assert re.findall(r"^rank \d+: (.*)$", result.stdout, flags=re.M) == [expected] * NPROC, result.stdout
-    assert checkpoint_names(tmp_path) == ["step-4", "step-6"]
+    stager_lines = re.findall(r"^rank \d+: (\d+ stager\(s\).*)$", result.stdout, flags=re.M)
+    assert stager_lines == [expected] * NPROC, result.stdout + result.stderr
+    assert checkpoint_names(folder / "stager") == ["step-4", "step-6"]
 
 
 def test_staging_is_pinned_exactly_when_the_state_is_on_a_gpu() -> None:
@@ -320,12 +341,14 @@ def test_staging_is_pinned_exactly_when_the_state_is_on_a_gpu() -> None:
         assert (options.use_async_staging, options.use_shared_memory) == (False, False)
 
 
-def test_a_save_that_rank_0_cannot_publish_stops_every_rank_with_one_line(tmp_path: Path) -> None:
-    result = launch("tests/check_async_save.py", tmp_path, "publish-fails", check=False)
+def test_a_save_that_rank_0_cannot_publish_stops_every_rank_with_one_line(
+    background_saves: tuple[Path, subprocess.CompletedProcess],
+) -> None:
+    folder, result = background_saves
     assert result.returncode != 0
     assert "rank 0: publish_if_done returned" in result.stdout, result.stdout + result.stderr
     assert "MISSED" not in result.stdout
-    checkpoints = tmp_path / "checkpoints"
+    checkpoints = folder / "publish-fails" / "checkpoints"
     errors = re.findall(r"^.*error: .*$", result.stderr, flags=re.M)
     assert errors == [
         f"check_async_save.py: error: checkpoint step-1 could not be written to disk in {checkpoints} "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import DEVICE, FLOAT8_DEVICE, GLOBAL_BATCH, NPROC, PROJECT, launch, metrics, train
+from runs import DEVICE, FLOAT8_DEVICE, GLOBAL_BATCH, NPROC, PROJECT, launch, metrics, train, train_several
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 2e-2
@@ -41,22 +41,38 @@ def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
     assert peaks == sorted(peaks) and peaks[0] > 0, peaks
 
 
-# One sharded run, read by the next two tests: 2 micro-batches a step, a validation pass at the last step, the
-# loss computed 4 sequence chunks at a time. Each test makes one more run with one thing changed.
+# One sharded run and the same run in one process, read by the next two tests: 2 micro-batches a step, a validation
+# pass at the last step, the loss computed 4 sequence chunks at a time.
 SHARDED_RUN = [
     "--training.steps", "3", "--training.grad_accum_steps", "2", "--eval.every", "3", "--eval.batches", "1",
     "--training.loss_chunks", "4",
 ]  # fmt: skip
+# The sharded run also logs to TensorBoard and checkpoints every 2 steps, for test_tensorboard_logs_the_metrics.
+TENSORBOARD_RUN = ["--job.tensorboard", "true", "--checkpoint.interval", "2"]
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("sharded")
+    train(output_dir, *SHARDED_RUN, *TENSORBOARD_RUN)
+    return output_dir
 
 
-def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
+@pytest.fixture(scope="module")
+def sharded(sharded_dir: Path) -> list[dict]:
+    return metrics(sharded_dir)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    # One launch of one process: that run, and the same with the loss of the whole logits (loss_chunks 1).
+    runs = {"chunked": [], "whole": ["--training.loss_chunks", "1"]}
+    return train_several(tmp_path_factory.mktemp("single"), runs, *SHARDED_RUN, nproc=1)
+
+
+def test_ranks_match_one_process(sharded: list[dict], single: dict[str, list[dict]]) -> None:
     # The global batch is fixed, so the number of ranks must not change the numbers.
-    single = train(tmp_path, *SHARDED_RUN, nproc=1)
+    single = single["chunked"]
     assert "val_loss" in single[-1] and "val_loss" in sharded[-1]
     for a, b in zip(single, sharded, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
@@ -64,13 +80,14 @@ def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
                 assert abs(a[key] - b[key]) <= PARITY_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
 
 
-def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path, sharded: list[dict]) -> None:
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(single: dict[str, list[dict]]) -> None:
     # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
     # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
-    # with 2 micro-batches, each one's chunks add into the same gradients.
-    whole = train(tmp_path, *SHARDED_RUN, "--training.loss_chunks", "1")
-    assert "val_loss" in whole[-1] and "val_loss" in sharded[-1]
-    for a, b in zip(whole, sharded, strict=True):
+    # with 2 micro-batches, each one's chunks add into the same gradients. Both in one process: chunking is each
+    # rank's own arithmetic, and test_ranks_match_one_process shows the chunked run the same on NPROC ranks.
+    whole, chunked = single["whole"], single["chunked"]
+    assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
+    for a, b in zip(whole, chunked, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
@@ -83,6 +100,12 @@ def test_meta_init_matches_eager_init(tmp_path: Path) -> None:
 
 
 # Each option trades memory for speed or the reverse; none may change the numbers.
+OPTIONS = [
+    ("activation_checkpointing", "selective"),
+    ("activation_checkpointing", "layer"),
+    ("activation_checkpointing", "full"),
+    ("prefetch_blocks", "2"),
+]
 OPTIONS_OFF = [
     "--parallel.activation_checkpointing", "none",
     "--parallel.prefetch_blocks", "0",
@@ -92,36 +115,27 @@ OPTION_STEPS = ["--training.steps", "4", "--model.n_layers", "4"]
 
 
 @pytest.fixture(scope="module")
-def without_options(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("without_options"), *OPTION_STEPS, *OPTIONS_OFF)
+def option_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    # The run without the options and one with each, in one launch: an option changes how the parameters are held,
+    # gathered or recomputed, not the ranks' mesh.
+    runs = {"without": [], **{"-".join(option): [f"--parallel.{option[0]}", option[1]] for option in OPTIONS}}
+    return train_several(tmp_path_factory.mktemp("options"), runs, *OPTION_STEPS, *OPTIONS_OFF)
 
 
-@pytest.mark.parametrize(
-    "option",
-    [
-        ("activation_checkpointing", "selective"),
-        ("activation_checkpointing", "layer"),
-        ("activation_checkpointing", "full"),
-        ("prefetch_blocks", "2"),
-    ],
-    ids="-".join,
-)
+@pytest.mark.parametrize("option", OPTIONS, ids="-".join)
 def test_option_changes_memory_or_speed_not_numbers(
-    tmp_path: Path, without_options: list[dict], option: tuple[str, str]
+    option_runs: dict[str, list[dict]], option: tuple[str, str]
 ) -> None:
-    key, value = option
-    with_option = train(tmp_path, *OPTION_STEPS, *OPTIONS_OFF, f"--parallel.{key}", value)
-    for a, b in zip(without_options, with_option, strict=True):
+    for a, b in zip(option_runs["without"], option_runs["-".join(option)], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
 
 
 def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
-    # Slow on CPU (each process compiles the block for ~20 s), so the other tests run eagerly.
-    steps = ["--training.steps", "2"]
-    eager = train(tmp_path / "eager", *steps, "--parallel.compile", "false")
-    compiled = train(tmp_path / "compiled", *steps, "--parallel.compile", "true")
-    for a, b in zip(eager, compiled, strict=True):
+    # Slow on CPU (each process compiles the block for ~20 s), so the other tests run eagerly. Both runs in one launch.
+    runs = {"eager": ["--parallel.compile", "false"], "compiled": ["--parallel.compile", "true"]}
+    numbers = train_several(tmp_path, runs, "--training.steps", "2")
+    for a, b in zip(numbers["eager"], numbers["compiled"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
 
 
@@ -150,16 +164,17 @@ def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
 
 
-def test_tensorboard_logs_the_metrics(tmp_path: Path) -> None:
+def test_tensorboard_logs_the_metrics(tmp_path: Path, sharded_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    steps = ["--training.steps", "3", "--checkpoint.interval", "2", "--job.tensorboard", "true"]
-    metrics = train(tmp_path, *steps)
-    # As after a crash once step 3 was logged, before its checkpoint: the resume from step 2 logs step 3 again,
-    # and TensorBoard (purge_step) and metrics.jsonl show it once, the resumed value.
-    shutil.rmtree(tmp_path / "checkpoints" / "step-3")
-    metrics = train(tmp_path, *steps, nproc=1)
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    # The sharded run logged its 3 steps; here, a copy of its folder. As after a crash once step 3 was logged, before
+    # its checkpoint: the resume from step 2 logs step 3 again, and TensorBoard (purge_step) and metrics.jsonl show
+    # it once, the resumed value.
+    run = tmp_path / "run"
+    shutil.copytree(sharded_dir, run)
+    shutil.rmtree(run / "checkpoints" / "step-3")
+    metrics = train(run, *SHARDED_RUN, *TENSORBOARD_RUN, nproc=1)
+    events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
     assert [step for step, _ in losses] == [m["step"] for m in metrics] == [1, 2, 3]

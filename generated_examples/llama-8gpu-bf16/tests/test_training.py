@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, train
+from runs import GLOBAL_BATCH, NPROC, PROJECT, launch, metrics, train, train_several
 
 # 1 process vs NPROC processes: equal up to float rounding, looser when computing in low precision.
 PARITY_TOLERANCE = 2e-2
@@ -39,8 +39,8 @@ def test_loss_decreases_on_a_repeated_batch(tmp_path: Path) -> None:
     assert peaks == sorted(peaks) and peaks[0] > 0, peaks
 
 
-# One sharded run, read by the next two tests: 2 micro-batches a step, a validation pass at the last step, the
-# loss computed 4 sequence chunks at a time. Each test makes one more run with one thing changed.
+# One sharded run and the same run in one process, read by the next two tests: 2 micro-batches a step, a validation
+# pass at the last step, the loss computed 4 sequence chunks at a time.
 SHARDED_RUN = [
     "--training.steps", "3", "--training.grad_accum_steps", "2", "--eval.every", "3", "--eval.batches", "1",
     "--training.loss_chunks", "4",
@@ -48,13 +48,27 @@ SHARDED_RUN = [
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return train(tmp_path_factory.mktemp("sharded"), *SHARDED_RUN)
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("sharded")
+    train(output_dir, *SHARDED_RUN)
+    return output_dir
 
 
-def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
+@pytest.fixture(scope="module")
+def sharded(sharded_dir: Path) -> list[dict]:
+    return metrics(sharded_dir)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    # One launch of one process: that run, and the same with the loss of the whole logits (loss_chunks 1).
+    runs = {"chunked": [], "whole": ["--training.loss_chunks", "1"]}
+    return train_several(tmp_path_factory.mktemp("single"), runs, *SHARDED_RUN, nproc=1)
+
+
+def test_ranks_match_one_process(sharded: list[dict], single: dict[str, list[dict]]) -> None:
     # The global batch is fixed, so the number of ranks must not change the numbers.
-    single = train(tmp_path, *SHARDED_RUN, nproc=1)
+    single = single["chunked"]
     assert "val_loss" in single[-1] and "val_loss" in sharded[-1]
     for a, b in zip(single, sharded, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
@@ -62,13 +76,14 @@ def test_ranks_match_one_process(tmp_path: Path, sharded: list[dict]) -> None:
                 assert abs(a[key] - b[key]) <= PARITY_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
 
 
-def test_chunked_loss_equals_the_loss_of_the_whole_logits(tmp_path: Path, sharded: list[dict]) -> None:
+def test_chunked_loss_equals_the_loss_of_the_whole_logits(single: dict[str, list[dict]]) -> None:
     # The logits computed 4 sequence chunks at a time, each recomputed in backward (chunked_loss.py), give the
     # training loss, the gradients (their norm, and the next steps' losses) and the validation loss of the whole;
-    # with 2 micro-batches, each one's chunks add into the same gradients.
-    whole = train(tmp_path, *SHARDED_RUN, "--training.loss_chunks", "1")
-    assert "val_loss" in whole[-1] and "val_loss" in sharded[-1]
-    for a, b in zip(whole, sharded, strict=True):
+    # with 2 micro-batches, each one's chunks add into the same gradients. Both in one process: chunking is each
+    # rank's own arithmetic, and test_ranks_match_one_process shows the chunked run the same on NPROC ranks.
+    whole, chunked = single["whole"], single["chunked"]
+    assert "val_loss" in whole[-1] and "val_loss" in chunked[-1]
+    for a, b in zip(whole, chunked, strict=True):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) <= CHUNKED_TOLERANCE * max(1.0, abs(a[key])), (key, a, b)
