@@ -2,6 +2,8 @@
 train.py under FakeTensorMode with the fake process group, measured by torch's FSDPMemTracker), for a matrix of
 real Llama 3 shapes, the llama family's and a Hugging Face model's (Llama 3.1 8B's config.json, no weights: plain,
 with LoRA, with QLoRA and with task sft); README.md's table is this matrix (FSDP2GEN_UPDATE_DOCS=1 writes it there).
+A row whose peak stays at one place is simulated at two small depths and extrapolated to its whole depth (exact in
+bytes: test_the_simulated_step_is_affine_in_the_depth).
 
 To add a configuration, add a Row to ROWS (tests/helpers/plan_simulation.py says what a Row sets), then rerun this
 file with FSDP2GEN_UPDATE_DOCS=1 to put it in the README's table.
@@ -20,10 +22,13 @@ import pytest
 
 from tests.conftest import REPO, generate, save_tiny_llama
 from tests.helpers.plan_simulation import (
+    FIGURES,
     LLAMA_70B,
     TABLE_HEAD,
     Row,
     difference,
+    extrapolate,
+    peak_place,
     plan_bytes,
     simulate_rows,
     table,
@@ -41,21 +46,34 @@ HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpoin
 HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft"),
             "hf-tp": ("--tp", "2"), "hf-pp": ("--pp", "2")}  # fmt: skip
 HF_8B = {"path": "Llama-3.1-8B"}  # HF_CONFIGS' name: the test points model.path at its folder
-# Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds to a minute on 2 cores (fake tensors:
-# the sizes cost no memory or compute, the number of ops does: a row's time grows with its blocks).
-# Full depth: the 1B rows (what AC, accumulation and resharding keep per block, summed over all 16), 8b-selective,
-# the headline run (its peak in a block), 70B (TP 8: plan misses a fixed ~1.6 GiB that is 33% of 8 of its 80
-# blocks) and the hf 8B and LoRA rows. A row whose mechanism does not depend on the depth (TP's split, offload,
-# HSDP's shard group, task sft, NF4, experts) simulates its model's first 8 blocks (`blocks`; plan plans the same
-# truncated model, so the comparison stays like for like): a whole 8B step costs 8-30 s of CPU, 8 blocks 2-6 s.
+# Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds on 2 cores (fake tensors: the sizes cost
+# no memory or compute, the number of ops does: a row's time grows with its blocks, 70B's 80 blocks cost 40 s).
+# So a row whose peak's place does not move with the depth is simulated at 2 and 3 blocks and extrapolated to its
+# whole depth (`extrapolated_from`, exact in bytes: test_the_simulated_step_is_affine_in_the_depth), which plan
+# plans: AC none (the peak at the output layer's backward, all blocks' activations held), full AC (at the loss),
+# accumulation into unsharded gradients, resharding, the headline run (in the last block's backward), 70B, TP 8,
+# offload; LoRA at 9 and 10 (below). Whole depth, simulated: the rows whose peak moves with the depth until close
+# to it (selective and layer AC, accumulation every micro-batch, 8B and hf 8B selective: the loss's peak up to 16
+# of 8B's 32 blocks, the output layer's backward at 32; layer AC's steps alternate between 2 blocks). A row whose
+# mechanism does not depend on the depth (TP's split and HSDP's shard group under selective AC, task sft, NF4,
+# experts: the first three's peak moves, the others' cost as much at two small depths) simulates its model's first
+# 8 blocks (`blocks`; plan plans the same truncated model, so the comparison stays like for like).
 ROWS = [
-    Row("1b-none", "1b", ac="none"),
-    Row("1b-none-whole-logits", "1b", ac="none", loss_chunks=1),
+    Row("1b-none", "1b", ac="none", extrapolated_from=(2, 3)),
+    Row("1b-none-whole-logits", "1b", ac="none", loss_chunks=1, extrapolated_from=(2, 3)),
     Row("1b-selective", "1b", ac="selective"),
     Row("1b-layer", "1b", ac="layer"),
-    Row("1b-full", "1b", ac="full"),
+    Row("1b-full", "1b", ac="full", extrapolated_from=(2, 3)),
     Row("1b-accum-every", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2),
-    Row("1b-accum-last", "1b", ac="selective", global_batch_size=16, grad_accum_steps=2, grad_sync="last_micro_batch"),
+    Row(
+        "1b-accum-last",
+        "1b",
+        ac="selective",
+        global_batch_size=16,
+        grad_accum_steps=2,
+        grad_sync="last_micro_batch",
+        extrapolated_from=(2, 3),
+    ),
     # The unsharded gradients accumulated in a 16-bit reduce_dtype (plan counted them in fp32: 31% over).
     Row(
         "1b-accum-last-reduce-bf16",
@@ -65,17 +83,18 @@ ROWS = [
         grad_accum_steps=2,
         grad_sync="last_micro_batch",
         extra={"parallel.reduce_dtype": "bfloat16"},
+        extrapolated_from=(2, 3),
     ),  # fmt: skip
     # Blocks kept gathered between forward and backward, or sharded over groups of 4 of the 8 ranks (plan counted
     # neither before: 21% under the simulation with false).
-    Row("1b-keep-gathered", "1b", ac="none", extra={"parallel.reshard_after_forward": False}),
-    Row("1b-reshard-4", "1b", ac="none", extra={"parallel.reshard_after_forward": 4}),
+    Row("1b-keep-gathered", "1b", ac="none", extra={"parallel.reshard_after_forward": False}, extrapolated_from=(2, 3)),
+    Row("1b-reshard-4", "1b", ac="none", extra={"parallel.reshard_after_forward": 4}, extrapolated_from=(2, 3)),
     Row("8b-selective", "8b", ac="selective"),
     Row("8b-tp2-selective", "8b", tp=2, ac="selective", global_batch_size=4, blocks=8),
-    Row("8b-tp8-full", "8b", tp=8, ac="full", global_batch_size=1, seq_len=8192, blocks=8),
-    Row("8b-offload-full", "8b", ac="full", offload=True, blocks=8),
+    Row("8b-tp8-full", "8b", tp=8, ac="full", global_batch_size=1, seq_len=8192, extrapolated_from=(2, 3)),
+    Row("8b-offload-full", "8b", ac="full", offload=True, extrapolated_from=(2, 3)),
     # torchtitan's headline run: local batch 2 x 8192 tokens.
-    Row("8b-headline", "8b", ac="selective", global_batch_size=16, seq_len=8192),
+    Row("8b-headline", "8b", ac="selective", global_batch_size=16, seq_len=8192, extrapolated_from=(2, 3)),
     # 2 nodes of 8 GPUs as a multi-node project is generated (parallel.dp_replicate = nodes): HSDP, 2 copies of 8
     # shards. plan --config reads dp_replicate (it planned FSDP over 16 ranks, 18% under, before).
     Row(
@@ -87,21 +106,23 @@ ROWS = [
         blocks=8,
         extra={"parallel.dp_replicate": 2},
     ),  # fmt: skip
-    # 8 nodes of 8 GPUs: FSDP over 8 x TP 8, all 80 blocks: the slowest row (about 2 minutes on 2 cores).
-    Row("70b-tp8-full", LLAMA_70B, gpus=64, tp=8, ac="full", global_batch_size=8),
+    # 8 nodes of 8 GPUs: FSDP over 8 x TP 8, all 80 blocks (plan misses a fixed ~1.6 GiB, 33% of 8 blocks' peak).
+    Row("70b-tp8-full", LLAMA_70B, gpus=64, tp=8, ac="full", global_batch_size=8, extrapolated_from=(2, 3)),
     # A Hugging Face model from its config.json (transformers' modules, pretrained: its weights not read), with
     # LoRA (rank 16 on the 7 linear layers, the project's defaults: only the adapters train) and with task sft.
     Row("hf-8b-selective", HF_8B, project="hf", ac="selective"),
-    Row("hf-8b-lora-selective", HF_8B, project="hf-lora", ac="selective"),
+    # LoRA's peak is the first block's forward up to 8 blocks (the frozen weights hold no gradients or AdamW state),
+    # the last block's backward from 9: simulated at 9 and 10.
+    Row("hf-8b-lora-selective", HF_8B, project="hf-lora", ac="selective", extrapolated_from=(9, 10)),
     # QLoRA: the same adapters on NF4 frozen weights (nf4.py; the simulation fills no NF4 values, only their shapes).
     Row("hf-8b-qlora-selective", HF_8B, project="hf-qlora", ac="selective", blocks=8),
     Row("hf-8b-sft-selective", HF_8B, project="hf-sft", ac="selective", blocks=8),
     # Tensor parallelism as the model declares it (config.base_model_tp_plan, and transformers' embedding_rowwise):
     # no sequence parallelism, so the activations between the layers stay whole on each tp rank. Without AC, where
     # the activations are most of the peak. (Planned with the blocks' activations whole, as before the declared
-    # plan was read: +15.2%; with the embedding whole, as the config's plan alone says: +7.6% here, +31% under
-    # selective AC, whose peak is the root's.)
-    Row("hf-8b-tp2-none", HF_8B, project="hf-tp", tp=2, ac="none", blocks=8),
+    # plan was read: +15.2% at 8 of its blocks; with the embedding whole, as the config's plan alone says: +7.6% at
+    # 8 blocks, +31% under selective AC, whose peak is the root's.)
+    Row("hf-8b-tp2-none", HF_8B, project="hf-tp", tp=2, ac="none", extrapolated_from=(2, 3)),
     # Pipeline parallelism, cut by the model's declared pipeline plan: 2 stages of 4 blocks, 1F1B over 2 micro-batches,
     # the whole logits on the last stage (loss_chunks 1 under PP); each pipeline rank simulated, the worst compared.
     Row(
@@ -137,7 +158,7 @@ def hf_projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny = save_tiny_llama(root / "tiny", "the cat sat on the mat " * 50, special, chat_template=template)
     projects = {kind: generate(root / kind, *HF_OPTIONS, "--hf-model", str(tiny), *extra)
                 for kind, extra in HF_KINDS.items()}  # fmt: skip
-    for index, row in enumerate(row for row in ROWS if row.project != "llama"):
+    for index, row in enumerate(row for row in [*ROWS, *SIMULATED] if row.project != "llama"):
         (root / f"model-{index}").mkdir()
         (root / f"model-{index}" / "config.json").write_text(json.dumps(row.hf_config()))
         projects[row.id] = root / f"model-{index}"
@@ -158,8 +179,35 @@ def project_of(request: pytest.FixtureRequest):
 
 
 # test_offload_leaves_only_the_gathered_parameters_on_the_gpu's reference: 8b-offload-full without the offload.
-ON_GPU = Row("8b-full", "8b", ac="full", blocks=8)
+ON_GPU = Row("8b-full", "8b", ac="full", extrapolated_from=(2, 3))
+# test_the_simulated_step_is_affine_in_the_depth's rows, one of each mechanism whose peak the extrapolation puts at
+# the whole depth (the output layer's backward with every block's activations, the loss under full AC with TP, the
+# unsharded gradients of accumulation, the last block's backward, an hf model's with TP as it declares it),
+# simulated at a third depth; and the cheapest one also at its whole depth.
+COLLINEAR = ("1b-none", "1b-full", "1b-accum-last", "8b-headline", "70b-tp8-full", "hf-8b-tp2-none")
+WHOLE = "1b-none"
+
+
+def third_depth(row: Row) -> Row:
+    """`row`'s model at the depth after its two (as far from the second as the second is from the first)."""
+    first, second = row.extrapolated_from
+    return row.at_depth(2 * second - first)
+
+
+def whole_depth(row: Row) -> Row:
+    """`row` simulated at its whole depth (no extrapolation)."""
+    return replace(row, id=f"{row.id}-whole", extrapolated_from=())
+
+
+BY_ID = {row.id: row for row in ROWS}
+# Every simulation this file runs, grouped by project (SIMULATION_ORDER, below).
+SIMULATED = [
+    *(simulated for row in [*ROWS, ON_GPU] for simulated in row.simulated()),
+    *(third_depth(BY_ID[row_id]) for row_id in COLLINEAR),
+    whole_depth(BY_ID[WHOLE]),
+]
 MEASURED: dict[str, dict] = {}
+SIMULATIONS: dict[str, dict] = {}  # simulate_rows' figures by the id of a row in SIMULATED, and its "blocks"
 # The projects in the one simulating process, in turn (QLoRA's, whose nf4.py extends torch, last).
 SIMULATION_ORDER = ("llama", "hf", "hf-sft", "hf-lora", "hf-tp", "hf-qlora")
 
@@ -170,19 +218,26 @@ def simulation_order(row: Row) -> tuple[int, str]:
     return (SIMULATION_ORDER.index(row.project) if known else len(SIMULATION_ORDER), row.project)
 
 
+SIMULATED.sort(key=simulation_order)
+
+
 def measured(project_of, row: Row) -> dict:
-    """plan's and the simulation's figures for `row`. The first row asked for simulates every row (ROWS and ON_GPU,
-    of every project) in one process (simulate_rows), grouped by project: each row once per test session, one
-    import of torch and transformers, fake tensors' dispatch cache shared (a process per project cost 4 more
-    imports of transformers; a process per row, a third more time on 1B rows)."""
-    if row.id not in MEASURED:
-        rows = sorted([*ROWS, ON_GPU], key=simulation_order)
-        located = [project_of(other) for other in rows]
+    """plan's and the simulation's figures for `row` ("sim": extrapolated to its whole depth where it says so; "at":
+    the simulations it is from). The first row asked for simulates every row (SIMULATED) in one process
+    (simulate_rows), grouped by project: each row once per test session, one import of torch and transformers, fake
+    tensors' dispatch cache shared (a process per project cost 4 more imports of transformers; a process per row, a
+    third more time on 1B rows)."""
+    if not SIMULATIONS:
+        located = [project_of(other) for other in SIMULATED]
         configs = [write_row_config(project, other) for project, other in located]
-        projects = [project for project, _ in located]
-        simulated = simulate_rows(projects, configs, [other.gpus for other in rows])
-        for (_, other), config, sim in zip(located, configs, simulated, strict=True):
-            MEASURED[other.id] = {"plan": plan_bytes(config, other), "sim": sim}
+        simulated = simulate_rows([project for project, _ in located], configs, [other.gpus for other in SIMULATED])
+        for other, sim in zip(SIMULATED, simulated, strict=True):
+            SIMULATIONS[other.id] = {**sim, "blocks": other.blocks or other.full_depth}
+    if row.id not in MEASURED:
+        at = [SIMULATIONS[other.id] for other in row.simulated()]
+        sim = extrapolate(row, at) if row.extrapolated_from else at[0]
+        project, located = project_of(row)
+        MEASURED[row.id] = {"plan": plan_bytes(write_row_config(project, located), located), "sim": sim, "at": at}
     return MEASURED[row.id]
 
 
@@ -190,6 +245,8 @@ def measured(project_of, row: Row) -> dict:
 def test_plan_is_within_10_percent_of_the_simulated_step(project_of, row: Row) -> None:
     figures = measured(project_of, row)
     plan, sim = figures["plan"], figures["sim"]
+    # Extrapolated: the peak is at the same place at both depths (a block counted from the last one).
+    assert len({peak_place(at) for at in figures["at"]}) == 1, [at["peak_at"] for at in figures["at"]]
     # The breakdown adds up to the simulated peak, and the allocator reserves at least what is allocated.
     parts = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
     assert sum(sim[part] for part in parts) == sim["allocated"], sim
@@ -207,6 +264,24 @@ def test_offload_leaves_only_the_gathered_parameters_on_the_gpu(project_of) -> N
     assert on_gpu["allocated"] - offloaded["allocated"] >= on_gpu["optimizer_state"]
 
 
+def test_the_simulated_step_is_affine_in_the_depth(project_of) -> None:
+    """The extrapolation is exact: at a third depth every figure (the breakdown, allocated, reserved) is on the line
+    of the two that the row is extrapolated from, to the byte, the peak at the same place; and a whole depth's
+    simulation equals its extrapolation to the byte."""
+    for row_id in COLLINEAR:
+        row = BY_ID[row_id]
+        points = [*measured(project_of, row)["at"], SIMULATIONS[third_depth(row).id]]
+        assert len({peak_place(point) for point in points}) == 1, (row_id, [point["peak_at"] for point in points])
+        for key in FIGURES:
+            values = [point[key] for point in points]
+            # equal steps between the depths first, second and 2 * second - first: one line
+            assert values[2] - values[1] == values[1] - values[0], (row_id, key, values)
+    whole = SIMULATIONS[whole_depth(BY_ID[WHOLE]).id]
+    extrapolated = measured(project_of, BY_ID[WHOLE])["sim"]
+    assert {key: whole[key] for key in FIGURES} == {key: extrapolated[key] for key in FIGURES}
+    assert peak_place(whole) == peak_place(extrapolated)
+
+
 def test_script_prints_the_breakdown_and_refuses_bad_input(project: Path) -> None:
     config = write_row_config(project, Row("tiny-text", "debug", seq_len=128, global_batch_size=8))
     run = [sys.executable, "scripts/plan_memory.py", "--config", str(config)]
@@ -220,8 +295,7 @@ def test_script_prints_the_breakdown_and_refuses_bad_input(project: Path) -> Non
     assert bad.stderr.strip().splitlines() == [
         "plan_memory.py: error: --gpus must be at least 1, got 0; give --gpus 1 or more"
     ]
-    as_json = subprocess.run([*run, "--gpus", "2", "--json"], cwd=project, capture_output=True, text=True, timeout=300)
-    assert json.loads(as_json.stdout.splitlines()[-1])["allocated"] > 0
+    # --json: every row of the matrix is the script's main() with --json (simulate_rows.py), its line parsed.
 
 
 def test_readme_table_is_the_matrix(project_of) -> None:

@@ -12,7 +12,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fsdp2gen.plan import build_request, estimate
@@ -88,6 +88,22 @@ class Row:
     # num_hidden_layers. plan and the simulation both see the truncated model. The blocks repeat (the same shapes,
     # the same ops), so a few of them show what all of them do, at a fraction of the ops to simulate.
     blocks: int = 0
+    # Simulate the model at these two depths (its first d1 and d2 blocks; () : at `blocks`, or whole) and extrapolate
+    # every figure linearly to its whole depth, which plan plans. Exact in bytes once the peak's place is the same
+    # at both depths (the loss, the output layer's backward, the last block's backward): each block then adds the
+    # same bytes to every figure (its shards, AdamW state, saved activations, rounded blocks), and the rest (the
+    # root's, the logits') stays. test_the_simulated_step_is_affine_in_the_depth proves it for rows of each kind.
+    # Not for a row whose peak moves with the depth (selective AC's peak is the loss's at 8 of 8B's blocks, the
+    # output layer's backward at 32): those keep their whole depth.
+    extrapolated_from: tuple[int, int] | tuple[()] = ()
+
+    def at_depth(self, blocks: int) -> Row:
+        """This row's model cut to its first `blocks` blocks, simulated as it is."""
+        return replace(self, id=f"{self.id}-at-{blocks}-blocks", blocks=blocks, extrapolated_from=())
+
+    def simulated(self) -> list[Row]:
+        """The rows the simulation runs for this one: itself, or its model at each depth it is extrapolated from."""
+        return [self.at_depth(blocks) for blocks in self.extrapolated_from] or [self]
 
     def keys(self) -> dict[str, object]:
         """The config.toml keys this row sets, as "section.key"."""
@@ -119,6 +135,10 @@ class Row:
     def label(self) -> str:
         model = self.model if isinstance(self.model, str) else "70b" if self.model == LLAMA_70B else "custom"
         depth = f" ({self.blocks} of its {self.full_depth} blocks)" if self.blocks else ""
+        if self.extrapolated_from:
+            depth = " (simulated at {} and {} of its {} blocks, extrapolated)".format(
+                *self.extrapolated_from, self.full_depth
+            )
         name = f"llama {model}{depth}"
         if self.project != "llama":
             kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft", "hf-tp": "",
@@ -220,6 +240,30 @@ def simulate_rows(projects: Path | list[Path], configs: list[Path], gpus: list[i
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()[-len(configs) :]
     return [json.loads(line) for line in lines]
+
+
+# The simulation's figures in bytes (simulate_rows' JSON): the breakdown, and the peak and reserved totals.
+FIGURES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "allocated", "reserved")
+
+
+def peak_place(simulated: dict) -> str:
+    """Where the simulation's peak is (its peak_at), a block counted from the last one ("layers.-1": the last block,
+    "layers.-2": the one before): the same place at every depth once it is the steady state's."""
+    blocks = simulated["blocks"]
+    return re.sub(r"layers\.(\d+)", lambda match: f"layers.{int(match[1]) - blocks}", simulated["peak_at"])
+
+
+def extrapolate(row: Row, simulated: list[dict]) -> dict:
+    """Every figure of `row` at its whole depth from its simulations at the depths row.extrapolated_from (in order):
+    the second one's, plus its difference from the first one per block times the blocks left."""
+    (first, second), (at_first, at_second) = row.extrapolated_from, simulated
+    steps, rest = divmod(row.full_depth - second, second - first)
+    assert rest == 0, f"{row.id}: {row.full_depth} blocks are not {second} + a multiple of {second - first}"
+    figures = {key: at_second[key] + steps * (at_second[key] - at_first[key]) for key in FIGURES}
+    # The peak's place at the whole depth: a block as far from the last one as at the second depth.
+    shift = row.full_depth - at_second["blocks"]
+    place = re.sub(r"layers\.(\d+)", lambda match: f"layers.{int(match[1]) + shift}", at_second["peak_at"])
+    return {**at_second, **figures, "blocks": row.full_depth, "peak_at": place}
 
 
 def difference(plan: int, simulated: int) -> float:

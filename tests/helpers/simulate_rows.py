@@ -1,5 +1,5 @@
 """scripts/plan_memory.py's simulate() for several configs of one or more generated projects, in one process, one
-JSON line each, as `plan_memory.py --config C --gpus N --json` prints it.
+JSON line each: `plan_memory.py --config C --gpus N --json`'s main(), as a launch of it prints it.
 
     python simulate_rows.py PROJECT CONFIG GPUS [PROJECT CONFIG GPUS ...]
 
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
 
 
 def load(project: Path, previous: Path | None):
-    """`project`'s plan_memory and parse_args, imported fresh: the modules and sys.path entries of `previous` gone."""
+    """`project`'s plan_memory, imported fresh: the modules and sys.path entries of `previous` gone."""
     if previous is not None:
         for name, module in list(sys.modules.items()):
             if Path(getattr(module, "__file__", None) or "/").is_relative_to(previous):
@@ -30,10 +29,9 @@ def load(project: Path, previous: Path | None):
     os.chdir(project)
     sys.path[:0] = [str(project / "scripts"), str(project)]
     plan_memory = importlib.import_module("plan_memory")
-    parse_args = importlib.import_module("config").parse_args
     gc.collect()
     gc.freeze()  # torch and the project, imported once, outlive its rows: the collector's full passes skip them
-    return plan_memory, parse_args
+    return plan_memory
 
 
 triples = sys.argv[1:]
@@ -41,6 +39,11 @@ previous = None
 for project, config, gpus in zip(triples[::3], triples[1::3], triples[2::3], strict=True):
     project = Path(project).resolve()
     if project != previous:
-        plan_memory, parse_args = load(project, previous)
+        plan_memory = load(project, previous)
         previous = project
-    print(json.dumps(plan_memory.simulate(parse_args(["--config", config]), int(gpus))), flush=True)
+    # The script's own `--json` output (main(): its arguments, simulate(), the JSON line), as a launch prints it.
+    # main() freezes what is alive (gc.freeze): the previous row's garbage collected first.
+    gc.collect()
+    sys.argv = ["plan_memory.py", "--config", config, "--gpus", gpus, "--json"]
+    plan_memory.main()
+    sys.stdout.flush()
