@@ -3,15 +3,15 @@ mixture-of-experts model declares (expert_parallel.py): tiny Qwen3-MoE and Mixtr
 save_pretrained (one tensor per expert in the files, fused experts in the model), trained by a generated project on
 ep 2 x dp_shard_mod_ep 2 (4 gloo ranks, each holding 2 of the 4 experts of every layer, each of those sharded over
 2 ranks) and by one process: both agree in losses, gradient norms, load figures and final weights, step 1's loss is
-plain transformers' on the same batch, the ep 2 checkpoint of step 2 resumes in one process (ep 1) equal to the
-uninterrupted run, and scripts/export.py and generate.py read the ep 2 checkpoints as one process's. The Qwen3-MoE
-run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and still
-equals one process). A dense model is refused in one line by `fsdp2gen new --ep`
-and by preflight.
+plain transformers' on the same batch, the checkpoints of step 2 resume across layouts (ep 2's with ep 1, one
+process's with ep 2) equal to the uninterrupted run, and scripts/export.py and generate.py read the ep 2 checkpoints
+as one process's. The Qwen3-MoE run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun: it
+resumes bit for bit (and still equals one process). A dense model is refused in one line by `fsdp2gen new --ep` and
+by preflight.
 
-Two launches in all (tests/helpers/several_runs.py), and torchrun's restart of the first: the 4-rank one trains both
-models; the one-process launch runs the preflight cases, both
-references (and plain transformers) and the resume. No network: every model is a local folder written here.
+Two launches in all (tests/helpers/several_runs.py), and torchrun's restart of the second: the one-process launch
+runs the preflight cases and both references (and plain transformers); the 4-rank one trains both models and the
+resumes across layouts. No network: every model is a local folder written here.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Both models at ep 2 on 4 ranks (Qwen3-MoE's run killed mid-step and restarted), then in one process (and the
-    resume, and the preflight cases)."""
+    """Every run in one process (and the preflight cases), then at ep 2 on 4 ranks (Qwen3-MoE's run killed mid-step
+    and restarted), and the resumes across layouts."""
     root = tmp_path_factory.mktemp("hf-ep")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4",
                        "--ep", "2", "--fp32")  # fmt: skip
@@ -86,23 +86,29 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     def project_of(name: str) -> dict:
         return {"project": str(sft)} if name == "sft" else {}
 
-    # Rank 3 SIGKILLs itself in step 4 (after its backward, before the optimizer step; the newest checkpoint is
-    # step 2's): torchrun restarts all 4 ranks, which resume from step 2 and compute steps 3 and 4 again.
-    ep2 = launch_several(project, {
-        "scripts": [prepare_chats(sft, root)],
-        "runs": [{"args": options("qwen3-moe", "ep2"), "kill": KILL}, options("mixtral", "ep2"),
-                 {"args": options("sft", "ep2"), **project_of("sft")}],
-    }, root / "ep2.json", nproc=4, restarts=1)  # fmt: skip
     dense = [*TRAIN, "--model.path", str(models["qwen3"]), "--job.output_dir", str(root / "refused")]
     three = [*TRAIN, "--model.path", str(models["three-experts"]), "--model.pretrained", "false", "--job.output_dir",
              str(root / "refused")]  # fmt: skip
     one = launch_several(project, {
+        "scripts": [prepare_chats(sft, root)],
         "preflight": {"dense": ["--world-size", "4", *dense], "three-experts": ["--world-size", "4", *three]},
-        "runs": [*({"args": options(name, "one"), "reference": True, **project_of(name)} for name in RUNS),
-                 # The ep 2 run's folder up to its checkpoint of step 2, resumed by one process with parallel.ep 1.
-                 {"args": [*options("qwen3-moe", "resume"), "--parallel.ep", "1"],
-                  "interrupted": {"from": str(root / "ep2-qwen3-moe"), "remove": ["checkpoints/step-4"]}}],
+        "runs": [{"args": options(name, "one"), "reference": True, **project_of(name)} for name in RUNS],
     }, root / "one.json", nproc=1)  # fmt: skip
+
+    # Rank 3 SIGKILLs itself in step 4 (after its backward, before the optimizer step; the newest checkpoint is
+    # step 2's): torchrun restarts all 4 ranks, which resume from step 2 and compute steps 3 and 4 again. Then the
+    # checkpoints of step 2 change layout: the ep 2 run's resumed with parallel.ep 1 (FSDP over the 4 ranks, every
+    # expert on each), and the one process's resumed at ep 2 (each rank reading only its experts), each from a copy
+    # of its folder without the step-4 checkpoint.
+    def resumed(run: str, source: str, *layout: str) -> dict:
+        interrupted = {"from": str(root / f"{source}-qwen3-moe"), "remove": ["checkpoints/step-4"]}
+        return {"args": [*options("qwen3-moe", run), *layout], "interrupted": interrupted}
+
+    ep2 = launch_several(project, {
+        "runs": [{"args": options("qwen3-moe", "ep2"), "kill": KILL}, options("mixtral", "ep2"),
+                 {"args": options("sft", "ep2"), **project_of("sft")},
+                 resumed("resume", "ep2", "--parallel.ep", "1"), resumed("resume-ep2", "one")],
+    }, root / "ep2.json", nproc=4, restarts=1)  # fmt: skip
     return {"root": root, "ep2": ep2, "one": one, "project": project}
 
 
@@ -155,10 +161,14 @@ def test_a_rank_killed_mid_step_under_ep2_dp2_restarts_and_resumes_bit_for_bit(r
     assert_resumed_bit_for_bit(runs["ep2"].stdout, run, KILL, 2, keys)
 
 
-def test_an_ep2_checkpoint_resumes_with_ep1_as_the_uninterrupted_run(runs: dict) -> None:
+def test_checkpoints_resume_across_layouts_ep2_to_ep1_and_one_process_to_ep2(runs: dict) -> None:
+    # The same 4 ranks: ep 2's checkpoint of step 2 resumed with ep 1, and one process's resumed with ep 2; steps 3
+    # and 4 and the final weights are the uninterrupted one-process run's (within the layouts' rounding).
     root = runs["root"]
-    assert f"resumed from {root / 'resume-qwen3-moe' / 'checkpoints' / 'step-2'} at step 2" in runs["one"].stdout
-    assert_same_run(root / "resume-qwen3-moe", root / "one-qwen3-moe", [3, 4])
+    for run, source in (("resume", "ep2"), ("resume-ep2", "one")):
+        checkpoint = root / f"{run}-qwen3-moe" / "checkpoints" / "step-2"
+        assert f"resumed from {checkpoint} at step 2" in runs["ep2"].stdout, (source, runs["ep2"].stdout[-3000:])
+        assert_same_run(root / f"{run}-qwen3-moe", root / "one-qwen3-moe", [3, 4])
 
 
 @pytest.mark.parametrize("name", MOE)
