@@ -8,16 +8,16 @@ rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal t
 rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the responses'
 tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The Llama run (4
 steps) has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and still equals one
-process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes in one process without a pipeline and
-equals the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; a mixture of experts
-whose config.json asks for transformers' load-balancing loss, one function of every layer's router logits at once;
-Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage would scale them
-again) are refused in one line by `fsdp2gen new` and by preflight.
+process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes without a pipeline on the same ranks, and
+one process's at pp 2, both equal to the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied
+embeddings; a mixture of experts whose config.json asks for transformers' load-balancing loss, one function of every
+layer's router logits at once; Granite, whose forward scales the embeddings outside the modules its plan names, so that
+each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
 
-Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set
-of processes), and torchrun's restart of the first: the chat data's preparation and the 4 ranks' seven runs, then one
-process's seven references, the resume, plain transformers and the preflight cases. No network: every model is a
-local folder written by the test.
+Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set of
+processes), and torchrun's restart of the second: the chat data's preparation, one process's seven references, plain
+transformers and the preflight cases, then the 4 ranks' seven runs and the two resumes across layouts. No network: every
+model is a local folder written by the test.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def run_options(models: dict[str, Path], output_dir: Path, name: str, pipeline: 
 
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
-    """The pp 2 x dp 2 runs (4 ranks; Llama's killed mid-step and restarted), then in one process the same runs at
-    pp 1, the resume of the Llama run's step 2 at pp 1, plain transformers' step-1 losses and the preflight cases.
-    Returns (root, one process's stdout, the 4 ranks' stdout)."""
+    """In one process the runs at pp 1, plain transformers' step-1 losses and the preflight cases; then the pp 2 x
+    dp 2 runs (4 ranks; Llama's killed mid-step and restarted) and Llama's resumes across layouts. Returns (root, one
+    process's stdout, the 4 ranks' stdout)."""
     root = tmp_path_factory.mktemp("hf-pp")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--gpus", "4",
                        "--pp", "2", "--fp32")  # fmt: skip
@@ -120,24 +120,30 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
             {"project": str(lora)} if name == LORA_SFT else {}
         )
 
-    # Rank 3 SIGKILLs itself in Llama's step 4 (after its backward, before the optimizer step; the newest checkpoint
-    # is step 2's): torchrun restarts all 4 ranks, which resume from step 2, compute steps 3 and 4 again, and go on
-    # with the runs after it.
-    runs = [run(name, True) | ({"kill": KILL} if name == "llama" else {}) for name in RUNS]
-    pp2 = launch_several(project, {"scripts": [prepare_chats(lora, root)], "runs": runs}, root / "pp2.json", nproc=4,
-                         restarts=1)  # fmt: skip
-    # The Llama run as it was after step 2: resumed without a pipeline, in one process, for steps 3 and 4.
     preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
     spec = {
-        "runs": [run(name, False) | {"reference": name != "qwen3-scratch"} for name in RUNS]
-        + [{"args": run_options(models, root / "resumed", "llama", False),
-            "interrupted": {"from": str(root / "llama-pp2"), "remove": ["checkpoints/step-4"]}}],
+        "scripts": [prepare_chats(lora, root)],
+        "runs": [run(name, False) | {"reference": name != "qwen3-scratch"} for name in RUNS],
         "preflight": {
             name: [*preflight, "--model.path", str(models[name])]
             for name in ("gpt2", "qwen3-tied", "qwen3-moe-aux", "granite")
         },
     }  # fmt: skip
-    return root, launch_several(project, spec, root / "one.json", nproc=1).stdout, pp2.stdout
+    one = launch_several(project, spec, root / "one.json", nproc=1)
+
+    # Rank 3 SIGKILLs itself in Llama's step 4 (after its backward, before the optimizer step; the newest checkpoint
+    # is step 2's): torchrun restarts all 4 ranks, which resume from step 2, compute steps 3 and 4 again, and go on
+    # with the runs after it. Then Llama's checkpoints of step 2 change layout on the same 4 ranks, each from a copy
+    # of its folder without the step-4 checkpoint: pp 2's resumed without a pipeline (FSDP over the 4 ranks), and
+    # one process's resumed at pp 2 (each stage reading only its own layers).
+    def resumed(folder: str, source: str, pipeline: bool) -> dict:
+        interrupted = {"from": str(root / source), "remove": ["checkpoints/step-4"]}
+        return {"args": run_options(models, root / folder, "llama", pipeline), "interrupted": interrupted}
+
+    runs = [run(name, True) | ({"kill": KILL} if name == "llama" else {}) for name in RUNS]
+    runs += [resumed("resumed", "llama-pp2", False), resumed("resumed-pp2", "llama-one", True)]
+    pp2 = launch_several(project, {"runs": runs}, root / "pp2.json", nproc=4, restarts=1)
+    return root, one.stdout, pp2.stdout
 
 
 def steps(name: str) -> list[int]:
@@ -191,10 +197,12 @@ def test_a_rank_killed_mid_step_under_pp2_dp2_restarts_and_resumes_bit_for_bit(r
     assert_resumed_bit_for_bit(stdout, root / "llama-pp2", KILL, 2, ("loss", "grad_norm"))
 
 
-def test_a_pp2_checkpoint_resumes_in_one_process_as_the_uninterrupted_run(runs: tuple[Path, str, str]) -> None:
-    root, stdout, _ = runs
-    assert f"resumed from {root / 'resumed' / 'checkpoints' / 'step-2'} at step 2" in stdout
-    assert_equal_runs(root / "resumed", root / "llama-one", [3, 4])
+def test_checkpoints_resume_across_layouts_pp2_to_pp1_and_one_process_to_pp2(runs: tuple[Path, str, str]) -> None:
+    # Steps 3 and 4 and the final weights of both resumes are the uninterrupted one-process run's.
+    root, _, stdout = runs
+    for folder in ("resumed", "resumed-pp2"):
+        assert f"resumed from {root / folder / 'checkpoints' / 'step-2'} at step 2" in stdout, stdout[-3000:]
+        assert_equal_runs(root / folder, root / "llama-one", [3, 4])
 
 
 def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(
