@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.several_runs import launch_several
 
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
@@ -426,15 +427,6 @@ def write_prepared(folder: Path, complete: bool = True, vocab_size: int = 100, t
     (folder / "index.json").write_text(json.dumps(index))
 
 
-def run_train(project: Path, output_dir: Path, *args: str) -> None:
-    """`python train.py` (one process) with the tiny model: a run to resume from."""
-    result = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(output_dir), *args],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-
-
 @pytest.fixture(scope="module")
 def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The fp32 project, the broken files the cases point at, and two finished 2-step runs to resume."""
@@ -461,9 +453,10 @@ def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     (tmp / "missing-shard" / "val-00000.bin").unlink()
     project = projects["fp32"]
     finished, model_only = tmp / "finished", tmp / "model-only"
-    run_train(project, finished, "--training.steps", "2", "--checkpoint.interval", "1")
-    run_train(project, model_only, "--training.steps", "2", "--checkpoint.interval", "1",
-              "--checkpoint.model_only_final", "true")  # fmt: skip
+    # Both in one process (tests/helpers/several_runs.py: train.train() per run), as `python train.py` makes each.
+    head = [*TINY, "--job.device", "cpu", "--training.steps", "2", "--checkpoint.interval", "1", "--job.output_dir"]
+    runs = [[*head, str(finished)], [*head, str(model_only), "--checkpoint.model_only_final", "true"]]
+    launch_several(project, runs, tmp_path_factory.mktemp("bad-input-runs") / "runs.json", nproc=1)
     return {"project": project, "tmp": tmp, "finished": finished, "model_only": model_only}
 
 

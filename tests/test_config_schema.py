@@ -32,33 +32,48 @@ MODEL_KEYS = {
 MODEL_KEYS["llama-moe"] = MODEL_KEYS["llama"] | {"model.n_experts", "model.top_k", "model.expert_bias_rate"}
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-moe", "custom", "hf"])
-def test_every_key_is_refused_in_one_line_or_trains(family: str, tmp_path: Path) -> None:
-    options, base = ["--family", family, "--fp32"], [*TINY, *BASE]
-    if family == "llama-moe":
-        # Mixture-of-experts blocks (debug-moe: 8 experts, top 2; TINY's 2 blocks, the second with experts): the
-        # draws of its keys train MoE models, where on the dense llama they mostly stop at "needs moe_ffn_dim".
-        options, base = ["--family", "llama", "--moe", "--fp32"], [*TINY, "--model.moe_ffn_dim", "32", *BASE]
-    elif family == "hf":
-        model = save_tiny_llama(tmp_path / "tiny-llama", "hello world " * 50)
-        options, base = [*options, "--hf-model", str(model)], HF_BASE
-    elif family == "custom":
-        # The custom model has no n_kv_heads or ffn_dim.
-        pairs = [TINY[i : i + 2] for i in range(0, len(TINY), 2)]
-        base = [arg for pair in pairs if pair[0] not in ("--model.n_kv_heads", "--model.ffn_dim") for arg in pair]
-        base += BASE
-    project = generate(tmp_path / "run", *options)
-    (tmp_path / "base.json").write_text(json.dumps(base))
-    scratch = tmp_path / "scratch"
+FAMILIES = ("llama", "llama-moe", "custom", "hf")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """{family: its report}: config_property.py over one project of each family, in one process (torch imported
+    once; each project's modules in place of the one's before)."""
+    root = tmp_path_factory.mktemp("config-property")
+    argv = []
+    for family in FAMILIES:
+        tmp = root / family
+        tmp.mkdir()
+        options, base = ["--family", family, "--fp32"], [*TINY, *BASE]
+        if family == "llama-moe":
+            # Mixture-of-experts blocks (debug-moe: 8 experts, top 2; TINY's 2 blocks, the second with experts): the
+            # draws of its keys train MoE models, where on the dense llama they mostly stop at "needs moe_ffn_dim".
+            options, base = ["--family", "llama", "--moe", "--fp32"], [*TINY, "--model.moe_ffn_dim", "32", *BASE]
+        elif family == "hf":
+            model = save_tiny_llama(tmp / "tiny-llama", "hello world " * 50)
+            options, base = [*options, "--hf-model", str(model)], HF_BASE
+        elif family == "custom":
+            # The custom model has no n_kv_heads or ffn_dim.
+            pairs = [TINY[i : i + 2] for i in range(0, len(TINY), 2)]
+            base = [arg for pair in pairs if pair[0] not in ("--model.n_kv_heads", "--model.ffn_dim") for arg in pair]
+            base += BASE
+        project = generate(tmp / "run", *options)
+        (tmp / "base.json").write_text(json.dumps(base))
+        argv += [str(project), str(tmp / "base.json"), str(tmp / "report.json")]
+    scratch = root / "scratch"
     scratch.mkdir()
     result = subprocess.run(
-        [sys.executable, str(HELPERS / "config_property.py"), str(project), str(tmp_path / "base.json"),
-         str(tmp_path / "report.json")],
-        cwd=scratch, env={**torchrun_env(), "PYTHONPATH": str(project), "HF_HUB_OFFLINE": "1"},
-        capture_output=True, text=True, timeout=1800,
+        [sys.executable, str(HELPERS / "config_property.py"), *argv],
+        cwd=scratch, env={**torchrun_env(), "PYTHONPATH": "", "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    return {family: json.loads((root / family / "report.json").read_text()) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_key_is_refused_in_one_line_or_trains(family: str, reports: dict[str, dict]) -> None:
+    report = reports[family]
     assert report["keys_drawn"] == report["keys"]  # every key, none left out
     assert MODEL_KEYS[family] <= set(report["keys"])
     assert report["unbounded"] == []

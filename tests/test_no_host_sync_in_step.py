@@ -18,9 +18,25 @@ RUN = [*TINY, "--job.log_every", "4", "--training.steps", "8", "--eval.every", "
 REPORTING = {4, 6, 8}  # logging steps, the validation step, the last step (which also saves)
 
 
-def syncs_per_step(project: Path, out: Path) -> list[dict]:
-    torchrun(project, str(HELPERS / "sync_probe.py"), *RUN, "--job.output_dir", str(out / "run"),
-             env={"PROBE_OUT": str(out)})  # fmt: skip
+@pytest.fixture(scope="module")
+def reports(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{run: its folder}: the fp32 and fp16 projects' runs and a mixture-of-experts project's, RUN each, counted in
+    one 2-rank launch (sync_probe.py --runs: each rank imports torch and joins the process group once); a run's
+    folder holds rank0.json, rank1.json and its output folder run/."""
+    root = tmp_path_factory.mktemp("syncs")
+    # TINY's 2 blocks: the first dense (debug-moe's n_dense_layers 1), the second a mixture of experts.
+    moe = generate(root / "project-moe", "--gpus", "2", "--fp32", "--moe")
+    folders = {"fp32": projects["fp32"], "fp16": projects["fp16"], "moe": moe}
+    runs = [{"project": str(project), "args": [*RUN, "--job.output_dir", str(root / name / "run")],
+             "out": str(root / name)} for name, project in folders.items()]  # fmt: skip
+    for name in folders:
+        (root / name).mkdir()
+    (root / "runs.json").write_text(json.dumps(runs))
+    torchrun(projects["fp32"], str(HELPERS / "sync_probe.py"), "--runs", str(root / "runs.json"))
+    return {name: root / name for name in folders}
+
+
+def syncs_per_step(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -30,9 +46,8 @@ OWN = {4: [1, 0], 6: [2, 1], 8: [2, 1]}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_steps_that_do_not_report_make_no_host_sync(projects: dict[str, Path], tmp_path: Path, precision: str) -> None:
-    reports = syncs_per_step(projects[precision], tmp_path)
-    for rank, report in enumerate(reports):
+def test_steps_that_do_not_report_make_no_host_sync(reports: dict[str, Path], precision: str) -> None:
+    for rank, report in enumerate(syncs_per_step(reports[precision])):
         assert len(report["steps"]) == 8, report
         sites = {
             int(step): [call for call in calls if where(call) not in NO_GPU_SYNC]
@@ -44,21 +59,18 @@ def test_steps_that_do_not_report_make_no_host_sync(projects: dict[str, Path], t
         own = {step: [call for call in sites.get(step, []) if not where(call).startswith("torch/")] for step in OWN}
         assert {step: len(calls) for step, calls in own.items()} == {step: OWN[step][rank] for step in OWN}, own
     # The rows are those of a run that synced every step: one per step, with every number.
-    rows = metrics(tmp_path / "run")
+    rows = metrics(reports[precision] / "run")
     assert [row["step"] for row in rows] == list(range(1, 9))
     assert all(isinstance(row["loss"], float) and isinstance(row["grad_norm"], float) for row in rows)
     assert [("val_loss" in row) for row in rows] == [step in (6, 8) for step in range(1, 9)]
 
 
-def test_a_moe_step_makes_no_host_sync(tmp_path: Path) -> None:
+def test_a_moe_step_makes_no_host_sync(reports: dict[str, Path]) -> None:
     """A mixture-of-experts block's grouped GEMM (moe.py's grouped_swiglu: bf16 on H100 and newer, and CPU at
     16-byte-aligned widths, as here) takes each expert's token count on the device: a MoE step copies nothing to
     the host either (the load figures stay on the device until metrics.py's report). (The per-expert loop that
     fp32 or older GPUs run needs the counts on the host: one copy per MoE block, as torchtitan's loop.)"""
-    project = generate(tmp_path / "project", "--gpus", "2", "--fp32", "--moe")
-    # TINY's 2 blocks: the first dense (debug-moe's n_dense_layers 1), the second a mixture of experts.
-    reports = syncs_per_step(project, tmp_path)
-    for rank, report in enumerate(reports):
+    for rank, report in enumerate(syncs_per_step(reports["moe"])):
         assert len(report["steps"]) == 8, report
         for step in range(1, 9):
             calls = [where(call) for call in report["sites"].get(str(step), []) if where(call) not in NO_GPU_SYNC]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, project_modules, torchrun, torchrun_env
+from tests.conftest import HELPERS, project_modules, torchrun
+from tests.helpers.several_runs import launch_several
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.vocab_size", "128", "--model.ffn_dim", "172", "--model.max_seq_len", "64", "--training.seq_len", "32",
@@ -47,27 +46,35 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(projects: dict[s
         assert report["scale_after"] == report["scale_before"] / 2
 
 
-def test_fp16_metrics_count_skipped_steps(projects: dict[str, Path], tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--training.steps", "2", "--job.output_dir", str(tmp_path / "out")],
-        cwd=projects["fp16"], env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def one_process_runs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of three runs of one process each (FSDP's mixed precision over a mesh of 1), made in one process
+    (tests/helpers/several_runs.py: train.train() per run, each its project's, seeded from its config): "fp32" and
+    "bf16", 10 steps of one config, and "fp16", 2 steps."""
+    root = tmp_path_factory.mktemp("one-process")
+    compared = [*TINY, "--training.steps", "10", "--training.global_batch_size", "8", "--training.lr", "1e-2"]
+    runs = [
+        {"project": str(projects["fp32"]), "args": [*compared, "--job.output_dir", str(root / "fp32")]},
+        {"project": str(projects["bf16"]), "args": [*compared, "--job.output_dir", str(root / "bf16")]},
+        {"project": str(projects["fp16"]), "args": [*TINY, "--training.steps", "2", "--job.output_dir",
+                                                    str(root / "fp16")]},
+    ]  # fmt: skip
+    launch_several(projects["fp32"], runs, root / "runs.json", nproc=1)
+    return root
+
+
+def test_fp16_metrics_count_skipped_steps(one_process_runs: Path) -> None:
+    records = [json.loads(line) for line in (one_process_runs / "fp16" / "metrics.jsonl").read_text().splitlines()]
     # The initial scale of 2**16 overflows nothing on this tiny model: no step skipped, scale unchanged.
     assert [(r["skipped_steps"], r["loss_scale"], r["mfu"]) for r in records] == [(0, 65536.0, None)] * 2
 
 
-def test_bf16_training_stays_within_2e_2_of_fp32(projects: dict[str, Path], tmp_path: Path) -> None:
-    # One process each (FSDP's mixed precision over a mesh of 1): the rounding, not the ranks, is what is compared.
-    losses = {}
-    for precision in ("fp32", "bf16"):
-        args = [*TINY, "--training.steps", "10", "--training.global_batch_size", "8", "--training.lr", "1e-2",
-                "--job.output_dir", str(tmp_path / precision)]  # fmt: skip
-        run = subprocess.run([sys.executable, "train.py", *args], cwd=projects[precision], env=torchrun_env(),
-                             capture_output=True, text=True)  # fmt: skip
-        assert run.returncode == 0, run.stderr[-3000:]
-        losses[precision] = [json.loads(line)["loss"] for line in (tmp_path / precision / "metrics.jsonl").open()]
+def test_bf16_training_stays_within_2e_2_of_fp32(one_process_runs: Path) -> None:
+    # One process each (a mesh of 1): the rounding, not the ranks, is what is compared.
+    losses = {
+        precision: [json.loads(line)["loss"] for line in (one_process_runs / precision / "metrics.jsonl").open()]
+        for precision in ("fp32", "bf16")
+    }
     assert len(losses["bf16"]) == 10
     for fp32, bf16 in zip(losses["fp32"], losses["bf16"], strict=True):
         assert abs(fp32 - bf16) <= 2e-2, (losses["fp32"], losses["bf16"])

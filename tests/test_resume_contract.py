@@ -11,7 +11,9 @@
 - A tokenizer without a vocabulary (an hf model folder whose tokenizer files are empty) is refused before
   prepare_data.py writes anything.
 
-Launches: 3 plain `python train.py` processes (world size 1, the tiny model), plus the property's in-process steps.
+Launches (world size 1, the tiny model): a plain `python train.py` (the uninterrupted run), then one process for the
+three resumes of the tests below (tests/helpers/several_runs.py: train.train() per run), plus the property's
+in-process steps.
 HYPOTHESIS_PROFILE=nightly draws more.
 """
 
@@ -42,6 +44,7 @@ from tests.conftest import (
     save_tiny_llama,
     torchrun_env,
 )
+from tests.helpers.several_runs import launch_several
 
 BASE = [*TINY, "--job.device", "cpu", "--training.steps", "4", "--checkpoint.interval", "2"]
 FRESH = "start a new run in another --job.output_dir"
@@ -99,25 +102,19 @@ def test_a_resume_is_refused_or_continues_the_run_for_drawn_keys_and_values(
     assert report["json_passed_over"] >= 1 and report["json_refused"] + report["json_passed_over"] >= 10, report
 
 
-def test_keys_a_resume_may_change_continue_the_run_and_are_named_once(
-    project: Path, straight: Path, tmp_path: Path
-) -> None:
+def test_keys_a_resume_may_change_continue_the_run_and_are_named_once(straight: Path, resumes: dict) -> None:
     expected = numbers(straight)
     # How the run logs, validates and saves: the continuation is the uninterrupted run's, bit for bit.
-    run = crashed_after_step_2(straight, tmp_path / "logging")
-    result = train(project, run, "--job.log_every", "2", "--checkpoint.interval", "1", "--eval.every", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.findall(r"^resume: .*$", result.stdout, flags=re.M) == [
+    run, stdout = resumes["logging"]
+    assert re.findall(r"^resume: .*$", stdout, flags=re.M) == [
         "resume: this run changes job.log_every 1 -> 2, eval.every 100 -> 1, checkpoint.interval 2 -> 1 (schema.py: "
         "a resume may change them)"
-    ], result.stdout
+    ], stdout
     assert {step: numbers(run)[step] for step in (3, 4)} == {step: expected[step] for step in (3, 4)}
     # The learning rate: the step after the checkpoint is the same (its loss and gradients come before the update),
     # and the new rate applies from it on, along the same schedule (it was 0.01; the schedule's factor stays).
-    run = crashed_after_step_2(straight, tmp_path / "lr")
-    result = train(project, run, "--training.lr", "0.03")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.findall(r"^resume: .*$", result.stdout, flags=re.M) == [
+    run, stdout = resumes["lr"]
+    assert re.findall(r"^resume: .*$", stdout, flags=re.M) == [
         "resume: this run changes training.lr 0.01 -> 0.03 (schema.py: a resume may change them)"
     ]
     resumed = numbers(run)
@@ -144,10 +141,9 @@ def rewrite(folder: str) -> None:
     torch_save_to_dcp(folder + ".pt", folder + ".new")
 
 
-def test_weights_that_do_not_fit_the_checkpoint_json_are_set_aside_and_the_previous_checkpoint_resumes(
-    project: Path, straight: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
+def weights_that_do_not_fit(straight: Path, run: Path) -> dict[str, bytes]:
+    """`run`: a copy of the straight run whose step-4 holds intact files with one weight of another shape, listed
+    with their checksums in its checkpoint.json (so only the load finds the mismatch); step-4's files."""
     shutil.copytree(straight, run)
     newest = run / "checkpoints" / "step-4"
     rewrite(str(newest))
@@ -161,17 +157,46 @@ def test_weights_that_do_not_fit_the_checkpoint_json_are_set_aside_and_the_previ
     info = json.loads((newest / "checkpoint.json").read_text())
     info["files"] = {path.name: record(path) for path in sorted(newest.iterdir()) if path.name != "checkpoint.json"}
     (newest / "checkpoint.json").write_text(json.dumps(info))
-    damaged = {path.name: path.read_bytes() for path in newest.iterdir()}
-    result = train(project, run, "--training.steps", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = re.findall(r"^.*(?:warning|error): .*$", result.stderr, flags=re.M)
-    assert len(lines) == 1 and "rm " not in result.stderr, result.stderr[-3000:]
+    return {path.name: path.read_bytes() for path in newest.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def resumes(project: Path, straight: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The resumes of the straight run the tests below read, in one process (several_runs.py; each run train.py's
+    BASE with its own arguments): {"logging", "lr", "unfit": (its folder, its stdout)}, "stderr" (the launch's),
+    "damaged" (the unfit run's step-4 files as they were before its resume)."""
+    root = tmp_path_factory.mktemp("resumes")
+    extra = {
+        "logging": ["--job.log_every", "2", "--checkpoint.interval", "1", "--eval.every", "1"],
+        "lr": ["--training.lr", "0.03"],
+        "unfit": ["--training.steps", "4"],
+    }
+    crashed_after_step_2(straight, root / "logging")
+    crashed_after_step_2(straight, root / "lr")
+    damaged = weights_that_do_not_fit(straight, root / "unfit")
+    runs = [[*BASE, "--job.output_dir", str(root / name), *args] for name, args in extra.items()]
+    result = launch_several(project, runs, root / "runs.json", nproc=1)
+    # The launch's stdout, cut at the line several_runs.py prints before each run.
+    outputs = re.split(r"^run \d+: .*\n", result.stdout, flags=re.M)[1:]
+    assert len(outputs) == len(extra), result.stdout[-3000:]
+    found = {name: (root / name, stdout) for name, stdout in zip(extra, outputs, strict=True)}
+    return {**found, "stderr": result.stderr, "damaged": damaged}
+
+
+def test_weights_that_do_not_fit_the_checkpoint_json_are_set_aside_and_the_previous_checkpoint_resumes(
+    straight: Path, resumes: dict
+) -> None:
+    (run, stdout), stderr, damaged = resumes["unfit"], resumes["stderr"], resumes["damaged"]
+    newest = run / "checkpoints" / "step-4"
+    # (The launch's stderr: the other two resumes say nothing there.)
+    lines = re.findall(r"^.*(?:warning|error): .*$", stderr, flags=re.M)
+    assert len(lines) == 1 and "rm " not in stderr, stderr[-3000:]
     assert lines[0] == (
         f"train.py: warning: checkpoint {newest} is corrupt (ValueError: Size mismatch between saved torch.Size([64, "
         "64]) and current: torch.Size([128, 64]) for train.model.output.weight); kept as step-4.corrupt, resuming from "
         "step-2"
     )
-    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in result.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in stdout
     # Kept as it was, beside the new step-4 of the resumed run; the steps after step 2 are the uninterrupted run's.
     aside = run / "checkpoints" / "step-4.corrupt"
     assert {path.name: path.read_bytes() for path in aside.iterdir()} == damaged

@@ -1,7 +1,10 @@
 """The property of a generated project's config, checked with hypothesis inside that project (one process: torch
 and the project's modules are imported once, every accepted draw is trained in it):
 
-    cd SCRATCH && PYTHONPATH=PROJECT python config_property.py PROJECT BASE.json REPORT.json
+    cd SCRATCH && python config_property.py PROJECT BASE.json REPORT.json [PROJECT BASE.json REPORT.json ...]
+
+(several projects in turn, in one process: torch is imported once; each project's modules are forgotten before the
+next one's are imported.)
 
 For draws of 1 or 2 `--section.key VALUE` overrides, over every key of every section of the project's Config
 (enumerated from its dataclasses) and values across types, signs, NaN/inf, huge and tiny magnitudes, strings
@@ -118,8 +121,25 @@ def train_first_step(argv: list[str]) -> dict:
     raise AssertionError(f"train.py {argv} ended without a training step")
 
 
+previous: list[str] = []  # the project whose modules are imported
+
+
 def main() -> None:
-    project, base_file, report_file = sys.argv[1:4]
+    args = sys.argv[1:]
+    assert args and len(args) % 3 == 0, "usage: config_property.py PROJECT BASE.json REPORT.json [...]"
+    for project, base_file, report_file in zip(args[0::3], args[1::3], args[2::3], strict=True):
+        check(str(Path(project).resolve()), base_file, report_file)
+
+
+def check(project: str, base_file: str, report_file: str) -> None:
+    """The property for one project (see the module's docstring): its modules imported in place of the last's."""
+    if previous:  # the project before this one: its modules (train, config, preflight, ...) and its path
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if file and name != "__main__" and Path(file).resolve().parent == Path(previous[0]):
+                del sys.modules[name]
+        sys.path.remove(previous.pop())
+    previous.append(project)
     sys.path.insert(0, project)
     # Imported before any draw: what importing prints (warnings of optional libraries) is not a draw's output.
     import preflight  # noqa: F401

@@ -7,6 +7,12 @@ step's count includes its metrics.log, validation and checkpoint). On CPU ranks 
 calls are made as on a GPU: counting them is what a GPU's sync debug mode would report for the project's code.
 Each rank writes $PROBE_OUT/rank<N>.json: {"steps": [count of step 1, ...], "sites": {step: [call, ...]}}, a call
 written "item file:line function".
+
+    sync_probe.py --runs RUNS.json    (torchrun, in the first run's project; test_no_host_sync_in_step.py)
+
+counts several runs in one launch (each rank imports torch and joins the process group once): RUNS.json is a list
+of {"project": FOLDER, "args": [train.py ARGS], "out": FOLDER}; each run is FOLDER's train.train() with its own
+config and mesh (tests/helpers/several_runs.py swaps the projects' modules), its counts written to its "out".
 """
 
 import json
@@ -53,17 +59,52 @@ def counting(name: str):
     return wrapper
 
 
-original_train_step = train.train_step
+def counted(train) -> None:
+    """Count from each train_step that begins in the `train` module on."""
+    original_train_step = train.train_step
+
+    def counted_train_step(*args, **kwargs):
+        counts.append(0)
+        return original_train_step(*args, **kwargs)
+
+    train.train_step = counted_train_step
 
 
-def counted_train_step(*args, **kwargs):
-    counts.append(0)
-    return original_train_step(*args, **kwargs)
+def write_counts(out: str) -> None:
+    """This rank's counts of the run just trained into `out`; counting stops until the next step begins."""
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"steps": list(counts), "sites": sites}))
+    counts.clear()
+    sites.clear()
+
+
+def several(runs_file: str) -> None:
+    """Each run of RUNS.json in turn (see the module's docstring), in this one process group."""
+    import importlib
+
+    from several_runs import use_project
+
+    runs = json.loads(Path(runs_file).read_text())
+    sys.argv = ["train.py"]  # the project's messages name the script they come from
+    device, _ = train.init_distributed(parse_args(runs[0]["args"]))
+    for run in runs:
+        use_project(Path(run["project"]).resolve())
+        project_train = importlib.import_module("train")
+        config = importlib.import_module("config").parse_args(run["args"])
+        layout = importlib.import_module("layout").ParallelLayout
+        mesh = layout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
+        counted(project_train)
+        project_train.train(config, device, mesh)
+        write_counts(run["out"])
+        dist.barrier()  # every rank has finished the run (its last files written) before the next
+    importlib.import_module("train").close_process_group()
 
 
 for name in WRAPPED:
     setattr(torch.Tensor, name, counting(name))
-train.train_step = counted_train_step
+if sys.argv[1:2] == ["--runs"]:
+    several(sys.argv[2])
+    sys.exit(0)
+counted(train)
 config = parse_args(sys.argv[1:])
 device, mesh = train.init_distributed(config)
 if device.type == "cuda":
@@ -81,7 +122,5 @@ if device.type == "cuda":
 
     warnings.showwarning = count_cuda_syncs
 train.train(config, device, mesh)
-steps = list(counts)
-counts.clear()  # stop counting
-Path(os.environ["PROBE_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps({"steps": steps, "sites": sites}))
+write_counts(os.environ["PROBE_OUT"])
 train.close_process_group()
