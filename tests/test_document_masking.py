@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun, torchrun_env
+from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun_env
 from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
@@ -168,10 +168,11 @@ def test_two_ranks_train_on_packed_documents(corpus: dict, families: dict, tmp_p
     # the masked run's launch (tests/helpers/several_runs.py: train.train() per run, each its own config).
     unmasked = [*common, "--training.steps", "1", "--data.document_mask", "false", "--job.output_dir",
                 str(tmp_path / "plain")]  # fmt: skip
-    launch_several(project, [[*common, "--job.output_dir", str(tmp_path / "masked")], unmasked],
-                   tmp_path / "runs.json", nproc=2)  # fmt: skip
+    # The tp 2 run too, by the tp project's train.py (several_runs.py's "project").
     tp = generate(tmp_path / "tp", "--gpus", "2", "--tp", "2", "--fp32", "--tokenizer", str(corpus["tokenizer"]))
-    torchrun(tp, "train.py", *common, "--job.output_dir", str(tmp_path / "tp-masked"))
+    tp_masked = {"args": [*common, "--job.output_dir", str(tmp_path / "tp-masked")], "project": str(tp)}
+    launch_several(project, [[*common, "--job.output_dir", str(tmp_path / "masked")], unmasked, tp_masked],
+                   tmp_path / "runs.json", nproc=2)  # fmt: skip
     masked, plain, tp_masked = (metrics(tmp_path / run) for run in ("masked", "plain", "tp-masked"))
     assert len(masked) == 3 and len(plain) == 1
     assert all(np.isfinite(record["loss"]) for record in masked)

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, generate, torchrun
+from tests.conftest import TINY, generate
 from tests.helpers.scripts import run_scripts
+from tests.helpers.several_runs import launch_several
 
 SENTENCE = "the quick brown fox jumps over the lazy dog."
 PROMPT = "the quick brown"
@@ -45,26 +46,35 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     return root / "tokenizer.json", root / "tokens.bin", tokenizer.get_vocab_size()
 
 
-def train(style: str, corpus: tuple[Path, Path, int], root: Path, *options: str) -> tuple[Path, Path]:
-    """(project, its output folder) after 30 steps on the corpus: the loss is near its floor by then."""
+@pytest.fixture(scope="module")
+def trained(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """style -> (project, its output folder) after 30 steps on the corpus (the loss is near its floor by then): a
+    project of each checkpoint style, both runs in ONE 2-rank launch (tests/helpers/several_runs.py; the full run
+    by the full project's train.py)."""
     _, tokens, vocab_size = corpus
-    project = generate(root / "run", "--gpus", "2", "--fp32", "--checkpoint", style)
-    torchrun(project, "train.py", *TINY, "--job.device", "cpu", "--model.vocab_size", str(vocab_size),
-             "--training.steps", "30", "--eval.every", "0", "--data.path", str(tokens),
-             "--data.document_mask", "false",
-             "--job.output_dir", str(root / "out"), *options)  # fmt: skip
-    return project, root / "out"
+    root = tmp_path_factory.mktemp("generate")
+    projects = {style: generate(root / style / "run", "--gpus", "2", "--fp32", "--checkpoint", style)
+                for style in ("dcp", "full")}  # fmt: skip
+    common = [*TINY, "--job.device", "cpu", "--model.vocab_size", str(vocab_size), "--training.steps", "30",
+              "--eval.every", "0", "--data.path", str(tokens), "--data.document_mask", "false"]  # fmt: skip
+    runs = [
+        [*common, "--job.output_dir", str(root / "dcp" / "out")],
+        # data.tokenizer is recorded in the checkpoint: generate.py needs no --tokenizer.
+        {"args": [*common, "--data.tokenizer", str(corpus[0]), "--job.output_dir", str(root / "full" / "out")],
+         "project": str(projects["full"])},
+    ]  # fmt: skip
+    launch_several(projects["dcp"], runs, root / "runs.json", nproc=2)
+    return {style: (project, root / style / "out") for style, project in projects.items()}
 
 
 @pytest.fixture(scope="module")
-def dcp(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return train("dcp", corpus, tmp_path_factory.mktemp("generate-dcp"))
+def dcp(trained: dict[str, tuple[Path, Path]]) -> tuple[Path, Path]:
+    return trained["dcp"]
 
 
 @pytest.fixture(scope="module")
-def full(corpus: tuple[Path, Path, int], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    # data.tokenizer is recorded in the checkpoint: generate.py needs no --tokenizer.
-    return train("full", corpus, tmp_path_factory.mktemp("generate-full"), "--data.tokenizer", str(corpus[0]))
+def full(trained: dict[str, tuple[Path, Path]]) -> tuple[Path, Path]:
+    return trained["full"]
 
 
 def greedy_runs(style: str, corpus: tuple[Path, Path, int], output: Path) -> list[list[str]]:

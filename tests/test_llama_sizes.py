@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, generate, metrics, project_modules, torchrun, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +54,20 @@ def test_tied_embeddings_train_on_two_ranks_and_export(project: Path, tmp_path: 
     losses = [record["loss"] for record in metrics(tmp_path)]
     assert losses[-1] < 0.8 * losses[0], losses
 
+    # Export and load: nothing distributed, so in this process (run_in_this_process, project_modules), no process
+    # of their own.
     exported = tmp_path / "exported"
-    export = subprocess.run([sys.executable, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"),
-                             "--output", str(exported)], cwd=project, capture_output=True, text=True)  # fmt: skip
-    assert export.returncode == 0, export.stderr
-    load = (
-        "import json, sys\nfrom safetensors.torch import load_file\nfrom model import ModelArgs, Transformer\n"
-        "model = Transformer(ModelArgs(**json.loads(open(sys.argv[1] + '/config.json').read())))\n"
-        "model.load_state_dict(load_file(sys.argv[1] + '/model.safetensors'))\n"
-        "print(model.output.weight is model.tok_embeddings.weight)"
+    run_in_this_process(
+        project, "scripts/export.py", str(tmp_path / "checkpoints" / "step-5"), "--output", str(exported)
     )
-    loaded = subprocess.run([sys.executable, "-c", load, str(exported)], cwd=project, capture_output=True, text=True)
-    assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.strip() == "True"
+    from safetensors.torch import load_file
+
+    with project_modules(project):
+        from model import ModelArgs, Transformer
+
+        model = Transformer(ModelArgs(**json.loads((exported / "config.json").read_text())))
+        model.load_state_dict(load_file(exported / "model.safetensors"))
+        assert model.output.weight is model.tok_embeddings.weight
 
 
 def test_tied_embeddings_in_a_full_checkpoint_on_one_rank(checkpoint_projects: dict[str, Path], tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Training options, proven numerically on CPU ranks with real torchrun processes.
 
-- Sharded runs (2 ranks; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4 accumulated micro-batches) equal plain
-  single-process PyTorch (tests/helpers/reference_loop.py, no FSDP) step by step and in their final parameters,
-  with clipping active on every step. (Resharding to groups after forward: the 8-GPU project's own test.)
+- Sharded runs (2 ranks; HSDP 2 x 2; TP 2 x FSDP 2; 2 ranks x 4 accumulated micro-batches; 4 ranks resharding
+  to groups of 2 after forward) equal plain single-process PyTorch (tests/helpers/reference_loop.py, no FSDP)
+  step by step and in their final parameters, with clipping active on every step. Every 4-rank run shares one
+  launch, every 2-rank run another.
 - A project generated with every memory/speed option passes its own tests, which check that each option
   (CPU offload, explicit prefetch, no resharding; activation checkpointing: test_op_level_ac.py) leaves the
   numbers unchanged, that compiled blocks match eager, and that TensorBoard gets the metrics.
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun_env
 from tests.helpers.scripts import run_in_this_process
 from tests.helpers.several_runs import launch_several
 
@@ -54,11 +55,13 @@ def tp_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 SHARDED = {
     "2-ranks": (2, []),
-    # (An int reshard_after_forward, keeping parameters sharded over groups between forward and backward: the
-    # 8-GPU project's own test_resharding_to_groups_changes_memory_not_numbers, 8 ranks in groups of 4 with 2
-    # micro-batches equal to one process, run by test_training_runs.py.)
     # HSDP: 2 replicas, each sharded over 2 ranks.
     "4-ranks-hsdp-2x2": (4, ["--parallel.dp_replicate", "2"]),
+    # An int reshard_after_forward: parameters stay sharded over groups of 2 (of the 4 ranks a parameter is sharded
+    # over) between forward and backward, gathered again for each of 2 micro-batches' backward. (The generated
+    # project's own test_resharding_to_groups_changes_memory_not_numbers checks the same against one process.)
+    "4-ranks-reshard-groups-of-2": (4, ["--parallel.dp_replicate", "1", "--parallel.reshard_after_forward", "2",
+                                        "--training.grad_accum_steps", "2"]),
     # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
     # after every micro-batch (the default), and held unsharded until the last one.
     "2-ranks-accumulate-4": (2, ["--training.grad_accum_steps", "4"]),
@@ -78,10 +81,13 @@ def sharded_runs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     return {case: root / case for case in cases}
 
 
-def several_runs(project: Path, runs: dict[Path, list[str]], nproc: int) -> None:
-    """train.py's run of RUN + options into each output folder, all in one launch of `nproc` ranks."""
+def several_runs(project: Path, runs: dict[Path, list[str]], nproc: int, other: dict[Path, Path] | None = None) -> None:
+    """train.py's run of RUN + options into each output folder, all in one launch of `nproc` ranks; a folder in
+    `other` is run by that project's train.py (several_runs.py's "project") instead of `project`'s."""
     argv = [[*RUN, *options, "--checkpoint.model_only_final", "true", "--job.output_dir", str(output_dir)]
             for output_dir, options in runs.items()]  # fmt: skip
+    argv = [{"args": args, "project": str((other or {})[folder])} if folder in (other or {}) else args
+            for folder, args in zip(runs, argv, strict=True)]  # fmt: skip
     launch_several(project, argv, next(iter(runs)).parent / "runs.json", nproc)
 
 
@@ -90,7 +96,7 @@ def test_sharded_run_equals_plain_pytorch(
     projects: dict[str, Path],
     reference: tuple[list[dict], dict],
     sharded_runs: dict[str, Path],
-    tmp_path: Path,
+    four_rank_runs: dict[bool | str, Path],
     case: str,
 ) -> None:
     nproc, options = SHARDED[case]
@@ -105,35 +111,40 @@ def test_sharded_run_equals_plain_pytorch(
         )
         sync = 'set_requires_gradient_sync(training.grad_sync == "every_micro_batch" or index == len(batches) - 1)'
         assert source.count(sync) == 1 and source.count("train_step(state, batches, config)") == 1
-    if nproc == 2:  # run in sharded_runs' launch
-        assert_equals_reference(sharded_runs[case], reference)
-    else:
-        torchrun(projects["fp32"], "train.py", *RUN, *options, "--checkpoint.model_only_final", "true",
-                 "--job.output_dir", str(tmp_path), nproc=nproc)  # fmt: skip
-        assert_equals_reference(tmp_path, reference)
+    # 2 ranks: sharded_runs' launch; 4 ranks: four_rank_runs' launch (the fp32 project's train.py).
+    assert_equals_reference(sharded_runs[case] if nproc == 2 else four_rank_runs[case], reference)
 
 
 TIED = ["--model.tie_embeddings", "true"]
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    """The untied and the tied tp run, in ONE launch of 4 ranks (as sharded_runs): tied -> output folder."""
-    root = tmp_path_factory.mktemp("tp-runs")
-    several_runs(tp_project, {root / "untied": [], root / "tied": TIED}, nproc=4)
-    return {False: root / "untied", True: root / "tied"}
+def four_rank_runs(
+    tp_project: Path, projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[bool | str, Path]:
+    """Every 4-rank run in ONE launch (as sharded_runs): the untied and the tied tp run (tied -> output folder),
+    then the 4-rank cases of SHARDED, run by the fp32 project's train.py (case -> output folder)."""
+    root = tmp_path_factory.mktemp("four-ranks")
+    cases = {case: options for case, (nproc, options) in SHARDED.items() if nproc == 4}
+    runs = {root / "untied": [], root / "tied": TIED} | {root / case: options for case, options in cases.items()}
+    several_runs(tp_project, runs, nproc=4, other={root / case: projects["fp32"] for case in cases})
+    return {False: root / "untied", True: root / "tied"} | {case: root / case for case in cases}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_tensor_parallel_run_equals_plain_pytorch(
-    tp_project: Path, reference: tuple[list[dict], dict], tp_runs: dict[bool, Path], tmp_path: Path, tied: bool
+    tp_project: Path,
+    reference: tuple[list[dict], dict],
+    four_rank_runs: dict[bool | str, Path],
+    tmp_path: Path,
+    tied: bool,
 ) -> None:
     """4 ranks, tp 2 x FSDP 2, torchtitan's layout: sequence-parallel norms, vocabulary-split embedding and
     output, loss_parallel, block linears split; all parameters on the 2-D mesh, clipping on every step. Tied:
     the embedding and output share one vocabulary-split parameter (train.py re-ties them after TP)."""
     assert "tp = 2\n" in (tp_project / "config.toml").read_text()
     expected = reference_run(tp_project, tmp_path / "reference", TIED) if tied else reference
-    worst = assert_equals_reference(tp_runs[tied], expected)
+    worst = assert_equals_reference(four_rank_runs[tied], expected)
     print(f"\ntp 2 x dp 2, tied={tied}: max |diff| vs plain PyTorch {worst}")
 
 
