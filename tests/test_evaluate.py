@@ -27,6 +27,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import generate, metrics, project_modules, save_tiny_llama, torchrun_env
+from tests.helpers.scripts import run_scripts
 from tests.test_hf_llama import LLAMA3_ROPE
 from tests.test_newcomer_path import ITEMS, TASK, log_likelihoods_by_hand
 
@@ -65,26 +66,35 @@ def test_each_evaluation_gets_a_new_folder(evaluate: ModuleType, tmp_path: Path)
     assert second.name == first.name + "-2" or second.name.split("-step")[0] != first.name.split("-step")[0]
 
 
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [
-        (["{model_parent}", "--tasks", "arc_easy"],
-         "is neither a checkpoint (no checkpoint.json) nor a Hugging Face model folder (no config.json); give a "
-         "step-N folder or a folder written by scripts/export.py"),
-        (["--tasks", "{root}/nameless.yaml"],
-         "nameless.yaml declares no `task: NAME`; add one (lm-eval calls a task by it)"),
-        (["--tasks", "missing.yaml"],
-         "--tasks missing.yaml: no such file; give a task's YAML file or an lm-eval task name"),
-    ],
-)  # fmt: skip
-def test_bad_input_is_one_line_and_exit_2(hf_project: dict, arguments: list[str], message: str) -> None:
+BAD_INPUT = [
+    (["{model_parent}", "--tasks", "arc_easy"],
+     "is neither a checkpoint (no checkpoint.json) nor a Hugging Face model folder (no config.json); give a "
+     "step-N folder or a folder written by scripts/export.py"),
+    (["--tasks", "{root}/nameless.yaml"],
+     "nameless.yaml declares no `task: NAME`; add one (lm-eval calls a task by it)"),
+    (["--tasks", "missing.yaml"],
+     "--tasks missing.yaml: no such file; give a task's YAML file or an lm-eval task name"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refused(hf_project: dict) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `python scripts/evaluate.py ARGS` for each of BAD_INPUT's arguments, then of
+    `python preflight.py` with a sequence longer than the model's positions: one after the other in ONE Python
+    process (run_scripts), as the scripts run alone."""
     (hf_project["root"] / "nameless.yaml").write_text("dataset_path: json\noutput_type: multiple_choice\n")
-    arguments = [a.format(model_parent=hf_project["model"].parent, root=hf_project["root"]) for a in arguments]
-    result = subprocess.run([sys.executable, "scripts/evaluate.py", *arguments], cwd=hf_project["project"],
-                            env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 2 and result.stdout == ""
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("evaluate.py: error: ") and line.endswith(message), line
+    runs = [["scripts/evaluate.py", *(a.format(model_parent=hf_project["model"].parent, root=hf_project["root"])
+                                      for a in arguments)] for arguments, _ in BAD_INPUT]  # fmt: skip
+    preflight = ["preflight.py", "--world-size", "1", "--training.seq_len", "128", "--job.device", "cpu"]
+    return run_scripts(hf_project["project"], *runs, preflight)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)))
+def test_bad_input_is_one_line_and_exit_2(refused: list, case: int) -> None:
+    code, stdout, stderr = refused[case]
+    assert code == 2 and stdout == ""
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("evaluate.py: error: ") and line.endswith(BAD_INPUT[case][1]), line
 
 
 def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(
@@ -120,13 +130,11 @@ def test_scores_are_logged_with_the_run_in_tensorboard_and_evaluations_jsonl(
         evaluate.write_results(dict(results), folder, source)
 
 
-def test_hf_preflight_names_the_models_position_limit(hf_project: dict) -> None:
+def test_hf_preflight_names_the_models_position_limit(refused: list) -> None:
     """hf projects have no model.max_seq_len: the limit is config.json's max_position_embeddings."""
-    result = subprocess.run([sys.executable, "preflight.py", "--world-size", "1", "--training.seq_len", "128",
-                             "--job.device", "cpu"], cwd=hf_project["project"], env=torchrun_env(), capture_output=True,
-                            text=True)  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+    code, _, stderr = refused[-1]  # the refused fixture's preflight.py run
+    assert code == 2
+    assert stderr.strip().splitlines()[-1] == (
         "preflight.py: error: training.seq_len (128) exceeds config.json's max_position_embeddings (64); "
         "use --training.seq_len 64 or less"
     )

@@ -6,6 +6,8 @@ No network: every model is a local folder written by the test.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, torchrun, torchrun_env
-from tests.helpers.scripts import run_scripts
+from tests.helpers.scripts import run_in_this_process, run_scripts
 
 # hidden 64, 2 layers: each model is a few hundred KB.
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
@@ -63,6 +65,72 @@ def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
                     "--gpus", "2", "--fp32")  # fmt: skip
 
 
+def edited_model(model: Path, folder: Path, edit: Callable[[dict], object]) -> Path:
+    """A copy of `model` in `folder` whose model.safetensors `edit` changed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, folder)
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def halve_the_norm(weights: dict) -> None:
+    weights["model.norm.weight"] = weights["model.norm.weight"][:32].clone()
+
+
+@pytest.fixture(scope="module")
+def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The project's one-process runs, in ONE Python process (run_scripts: an hf train.py's imports cost ~6 CPU-s a
+    process), one after the other; name -> (exit code, stdout, stderr), "root" -> their folder (root / name: a run's
+    output folder):
+    - "prepare": scripts/prepare_data.py of TEXT into root / "tokens" (the qwen2-tied run's data);
+    - "llama-untied", "gpt2-tied": 5 steps of each model, and "NAME-export": scripts/export.py of its step 5;
+    - "seed-0", "seed-0-again", "seed-1": 2 steps of a Llama with dropout, seeded 0, 0, 1 ("llama-dropout": its
+      folder, "tokens.bin" its data);
+    - "shape": a run of a Qwen2 whose model.norm.weight has half its shape ("shape-model"), which stops;
+    - "shard-class": a run whose parallel.shard_modules names no class of the model, which stops."""
+    root = tmp_path_factory.mktemp("one-process")
+    (root / "text.txt").write_text(TEXT)
+    runs = {"prepare": ["scripts/prepare_data.py", str(root / "text.txt"), "--output", str(root / "tokens"),
+                        "--val-fraction", "0"]}  # fmt: skip
+    for name in ("llama-untied", "gpt2-tied"):
+        runs[name] = ["train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5",
+                      "--job.output_dir", str(root / name)]  # fmt: skip
+        runs[f"{name}-export"] = ["scripts/export.py", str(root / name / "checkpoints" / "step-5"), "--output",
+                                  str(root / name / "exported")]  # fmt: skip
+    # Dropout on, and every sample the same (test_training_seed_seeds_every_run_of_a_pretrained_model).
+    dropout = root / "llama-dropout"
+    shutil.copytree(models["llama-untied"], dropout)
+    config = json.loads((dropout / "config.json").read_text())
+    (dropout / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    np.tile(np.arange(16, dtype=np.uint16), 5).tofile(root / "tokens.bin")  # 4 windows of 16 + 1 tokens
+    for run, seed in {"seed-0": 0, "seed-0-again": 0, "seed-1": 1}.items():
+        runs[run] = ["train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed), "--model.path",
+                     str(dropout), "--data.path", str(root / "tokens.bin"), "--eval.every", "0",
+                     "--data.document_mask", "false", "--job.output_dir", str(root / run)]  # fmt: skip
+    # The runs that stop, last.
+    shape = edited_model(models["qwen2-tied"], root / "shape-model", halve_the_norm)
+    runs["shape"] = ["train.py", *TRAIN, "--model.path", str(shape), "--job.output_dir", str(root / "shape")]
+    runs["shard-class"] = ["train.py", *TRAIN, "--parallel.shard_modules", "Qwen2Layer", "--job.output_dir",
+                           str(root / "shard-class")]  # fmt: skip
+    return {"root": root, **dict(zip(runs, run_scripts(project, *runs.values()), strict=True))}
+
+
+def in_this_process(project: Path, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python ARGV` in `project`, run in this process (run_in_this_process): for a
+    script that involves nothing distributed, which needs no process (and torch and transformers imports) of its
+    own."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_in_this_process(project, *argv)
+        except SystemExit as exit:
+            code = 0 if exit.code is None else exit.code
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def loads(project: Path, models: dict[str, Path], bf16_sharded_model: Path) -> str:
     """The stdout of ONE 2-rank launch of tests/helpers/hf_load_probe.py: first the project's check_pretrained.py
@@ -91,50 +159,50 @@ def test_sharded_pretrained_models_equal_from_pretrained(loads: str, models: dic
 
 @pytest.mark.parametrize("name", ["llama-untied", "qwen2-tied", "gpt2-tied"])
 def test_five_steps_then_export_loads_with_from_pretrained(
-    project: Path, models: dict[str, Path], name: str, tmp_path: Path
+    project: Path, models: dict[str, Path], name: str, tmp_path: Path, one_process: dict
 ) -> None:
     # qwen2-tied trains on 2 ranks, then its checkpoint and its export continue a prompt alike (generate.py). The
-    # untied and GPT-2 exports do not depend on the ranks: one process trains and exports (run_scripts, one Python
-    # process: an hf train.py's imports cost ~6 CPU-s a process).
+    # untied and GPT-2 exports do not depend on the ranks: one process trains and exports (the one_process
+    # fixture's runs, one Python process: an hf train.py's imports cost ~6 CPU-s a process).
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if name != "qwen2-tied":
+        tmp_path = one_process["root"] / name
     overrides = ["--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(tmp_path)]
     checkpoint, exported = tmp_path / "checkpoints" / "step-5", tmp_path / "exported"
     export = ["scripts/export.py", str(checkpoint), "--output", str(exported)]
     if name == "qwen2-tied":
-        # Real text through the model's own tokenizer (data.tokenizer ""): scripts/prepare_data.py writes the
-        # shards. The text is too short for a validation split (tests/test_real_data.py has one).
-        (tmp_path / "text.txt").write_text(TEXT)
-        command = [sys.executable, "scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output",
-                   str(tmp_path / "tokens"), "--val-fraction", "0"]  # fmt: skip
-        prepared = subprocess.run(command, cwd=project, capture_output=True, text=True)
-        assert prepared.returncode == 0, prepared.stderr
+        # Real text through the model's own tokenizer (data.tokenizer ""): scripts/prepare_data.py (one_process's
+        # "prepare") writes the shards. The text is too short for a validation split (tests/test_real_data.py has
+        # one).
+        assert one_process["prepare"][0] == 0, one_process["prepare"][2][-3000:]
+        tokens = one_process["root"] / "tokens"
         tokenizer = AutoTokenizer.from_pretrained(models[name])
         expected = [*tokenizer(TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
-        assert np.fromfile(tmp_path / "tokens" / "train-00000.bin", dtype=np.uint16).tolist() == expected
+        assert np.fromfile(tokens / "train-00000.bin", dtype=np.uint16).tolist() == expected
         assert tokenizer.decode(expected[:-1]) == TEXT
-        overrides += ["--data.path", str(tmp_path / "tokens"), "--eval.every", "0"]
+        overrides += ["--data.path", str(tokens), "--eval.every", "0"]
         # Also saved as a Hugging Face folder at step 5 (checkpoint.save_format "hf"), checked against the export.
         torchrun(project, "train.py", *TRAIN, *overrides, "--checkpoint.save_format", "hf")
         # generate.py finds the tokenizer through the run's model.path, or in the exported folder; the checkpoint
         # and its export are the same weights, so they continue the prompt alike.
         prompt = ["--prompt", "the cat", "--max-new-tokens", "8"]
-        exported_run, from_checkpoint, from_export, sampled = run_scripts(
-            project,
+        # export.py and generate.py involve nothing distributed: run in this process (in_this_process).
+        exported_run, from_checkpoint, from_export, sampled = (in_this_process(project, *argv) for argv in (
             export,
             ["scripts/generate.py", str(checkpoint), *prompt],
             ["scripts/generate.py", "--exported", str(exported), *prompt],
             ["scripts/generate.py", "--exported", str(exported), *prompt, "--temperature", "1", "--top-k", "10"],
-        )  # fmt: skip
+        ))  # fmt: skip
         assert exported_run[0] == 0, exported_run
         # stderr has transformers' progress bars.
         assert from_checkpoint[0] == 0 and from_checkpoint[1].strip(), from_checkpoint
         assert from_export[:2] == from_checkpoint[:2]
         assert sampled[0] == 0, sampled
     else:
-        trained, exported_run = run_scripts(project, ["train.py", *TRAIN, *overrides], export)
+        trained, exported_run = one_process[name], one_process[f"{name}-export"]
         assert trained[0] == 0, trained[2][-3000:]
         assert exported_run[0] == 0, exported_run[2][-3000:]
     losses = [record["loss"] for record in metrics(tmp_path)]
@@ -175,9 +243,8 @@ def test_five_steps_then_export_loads_with_from_pretrained(
         info["config"]["data"]["tokenizer"] = str(models["qwen2-tied"])
         (checkpoint / "checkpoint.json").write_text(json.dumps(info))
         again = tmp_path / "exported-with-tokenizer"
-        export = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), "--output", str(again)],
-                                cwd=project, capture_output=True, text=True)  # fmt: skip
-        assert export.returncode == 0, export.stderr
+        # export.py involves nothing distributed: in this process (run_in_this_process), not a process of its own.
+        run_in_this_process(project, "scripts/export.py", str(checkpoint), "--output", str(again))
         tokenizer, expected = AutoTokenizer.from_pretrained(again), AutoTokenizer.from_pretrained(models["qwen2-tied"])
         assert tokenizer(TEXT)["input_ids"] == expected(TEXT)["input_ids"]
         assert tokenizer.eos_token == expected.eos_token == "<|endoftext|>"
@@ -206,13 +273,11 @@ def test_generated_hf_projects_own_tests_pass(project: Path) -> None:
     assert len(growth) == 2 and all(float(grew) < 1.5 * float(full) for _, grew, full in growth), growth
 
 
-def test_wrong_shard_class_stops_with_a_clear_message(project: Path, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "train.py", *TRAIN, "--parallel.shard_modules", "Qwen2Layer", "--job.output_dir",
-         str(tmp_path)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 2
-    message = result.stderr.strip().splitlines()[-1]
+def test_wrong_shard_class_stops_with_a_clear_message(one_process: dict) -> None:
+    # one_process's "shard-class" run (one process: which classes the model has does not depend on the ranks).
+    code, _, stderr = one_process["shard-class"]
+    assert code == 2
+    message = stderr.strip().splitlines()[-1]
     assert message.startswith("train.py: error: parallel.shard_modules: no module of class Qwen2Layer in the model; ")
     assert "Qwen2DecoderLayer" in message
 
@@ -221,13 +286,7 @@ def train_with_edited_weights(
     project: Path, model: Path, tmp_path: Path, edit: Callable[[dict], object]
 ) -> tuple[Path, subprocess.CompletedProcess]:
     """A copy of `model` whose model.safetensors `edit` changed, and a 2-rank training run of it."""
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "model"
-    shutil.copytree(model, folder)
-    weights = load_file(folder / "model.safetensors")
-    edit(weights)
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    folder = edited_model(model, tmp_path / "model", edit)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TRAIN,
          "--model.path", str(folder), "--job.output_dir", str(tmp_path / "out")],
@@ -254,30 +313,14 @@ def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
     assert "terminate called" not in result.stderr and "SIGABRT" not in result.stderr
 
 
-def test_training_seed_seeds_every_run_of_a_pretrained_model(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
+def test_training_seed_seeds_every_run_of_a_pretrained_model(one_process: dict) -> None:
     # Dropout on, and every sample the same (so that the seed's data order changes nothing): the losses depend
     # only on the dropout masks, which training.seed must decide, also when the weights are loaded, not drawn.
-    import json
-    import shutil
-
-    model = tmp_path / "llama-dropout"
-    shutil.copytree(models["llama-untied"], model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
-    np.tile(np.arange(16, dtype=np.uint16), 5).tofile(tmp_path / "tokens.bin")  # 4 windows of 16 + 1 tokens
-
-    # The three runs one after the other in one Python process (run_scripts): the seed, not a fresh process, must
-    # make a run's dropout masks.
-    runs = {"seed-0": 0, "seed-0-again": 0, "seed-1": 1}
-    results = run_scripts(project, *(
-        ["train.py", *TRAIN, "--training.steps", "2", "--training.seed", str(seed), "--model.path", str(model),
-         "--data.path", str(tmp_path / "tokens.bin"), "--eval.every", "0", "--data.document_mask", "false",
-         "--job.output_dir", str(tmp_path / run)] for run, seed in runs.items()
-    ))  # fmt: skip
-    assert [code for code, _, _ in results] == [0, 0, 0], results[-1][2][-3000:]
-    first, again, other = ([record["loss"] for record in metrics(tmp_path / run)] for run in runs)
+    # The three runs one after the other in one Python process (one_process, after other runs): the seed, not a
+    # fresh process, must make a run's dropout masks.
+    runs = ("seed-0", "seed-0-again", "seed-1")
+    assert [one_process[run][0] for run in runs] == [0, 0, 0], one_process["seed-1"][2][-3000:]
+    first, again, other = ([record["loss"] for record in metrics(one_process["root"] / run)] for run in runs)
     assert len(first) == 2 and again == first
     assert other[0] != first[0]
 
@@ -307,18 +350,17 @@ def test_bf16_sharded_files_load_bit_identical_to_from_pretrained_by_either_path
     ], loads  # fmt: skip
 
 
-def test_a_weight_of_another_shape_stops_every_rank_with_one_line(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
-    # Checked against the files' headers before any rank reads a slice: one line, exit 2.
-    def halve_the_norm(weights: dict) -> None:
-        weights["model.norm.weight"] = weights["model.norm.weight"][:32].clone()
-
-    folder, result = train_with_edited_weights(project, models["qwen2-tied"], tmp_path, halve_the_norm)
-    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
+def test_a_weight_of_another_shape_stops_with_one_line(one_process: dict) -> None:
+    # Checked against the files' headers before any rank reads a slice: one line, exit 2. One process (one_process's
+    # "shape" run): the error takes the path of test_weights_missing_from_the_files_stop_every_rank_with_one_line's
+    # (model.py's first_error: gathered from every rank, rank 0 prints it), whose 2 ranks show that every rank stops.
+    code, _, stderr = one_process["shape"]
+    folder = one_process["root"] / "shape-model"
+    assert code == 2, stderr[-3000:]
+    assert re.findall(r"^train\.py: error: .*$", stderr, flags=re.M) == [
         f"train.py: error: {folder} has model.norm.weight of shape [32] but the model's is [64]; its config.json "
         "must be the one the weights were saved with"
-    ], result.stderr[-3000:]
+    ], stderr[-3000:]
 
 
 def test_op_level_activation_checkpointing_keeps_the_numbers_of_a_model_with_qkv_bias(

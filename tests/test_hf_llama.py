@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, project_modules, save_tiny_llama, torchrun
-from tests.helpers.scripts import run_scripts
+from tests.helpers.scripts import run_in_this_process
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
@@ -160,12 +159,11 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
     assert sorted(p.name for p in (out / "hf").iterdir()) == ["step-4", "step-6"]  # keep_last 2
 
     exported, native = tmp_path / "exported", tmp_path / "native"
-    # Both exports in one Python process (run_scripts): its imports cost seconds a process.
-    for code, _, stderr in run_scripts(project, *(
-        ["scripts/export.py", str(out / "checkpoints" / "step-6"), "--output", str(folder), "--format", form]
-        for folder, form in ((exported, "hf"), (native, "native"))
-    )):  # fmt: skip
-        assert code == 0, stderr
+    # Both exports in this process (run_in_this_process: export.py involves nothing distributed; a process of their
+    # own would import torch again).
+    for folder, form in ((exported, "hf"), (native, "native")):
+        run_in_this_process(project, "scripts/export.py", str(out / "checkpoints" / "step-6"), "--output", str(folder),
+                            "--format", form)  # fmt: skip
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in exported.iterdir()}  # fmt: skip
     # Llama 3.1's rotary scaling leaves with the model (the logits below depend on it).
@@ -275,12 +273,17 @@ def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(
         assert len(error) == 1 and "tokenizer.json does not exist" in error[0], error
 
 
-def test_export_format_hf_without_a_transformers_class_is_one_line(tmp_path: Path) -> None:
-    # (A mixture of experts that does not route as Mixtral: tests/test_moe.py.)
+def test_export_format_hf_without_a_transformers_class_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (A mixture of experts that does not route as Mixtral: tests/test_moe.py.) `python scripts/export.py`, run in
+    # this process (run_in_this_process: it refuses before it reads anything; a process of its own imports torch).
     reason = "your own model (model.py) has no Hugging Face transformers class to load it"
-    command = [sys.executable, "scripts/export.py", "--format", "hf", "--output", str(tmp_path / "exported")]
-    result = subprocess.run(command, cwd=REPO / "generated_examples" / "custom-2gpu-fp32", capture_output=True,
-                            text=True)  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.startswith(f"export.py: error: --format hf: {reason}") and result.stderr.count("\n") == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        run_in_this_process(REPO / "generated_examples" / "custom-2gpu-fp32", "scripts/export.py", "--format", "hf",
+                            "--output", str(tmp_path / "exported"))  # fmt: skip
+    assert exit.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"export.py: error: --format hf: {reason}") and stderr.count("\n") == 1
     assert not (tmp_path / "exported").exists()

@@ -78,8 +78,16 @@ def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The project's one-process runs, in ONE Python process (run_scripts; an hf project's imports cost ~6 CPU-s a
     process): "one", the 4-step run without torchrun; "merged" and "adapter", scripts/export.py of the 2-rank run's
     step-4 checkpoint, the merged model and the PEFT adapter; "no-match", train.py with lora.target_modules that match
-    nothing. name -> (exit code, stdout, stderr); "root" -> the folder of their outputs (each in root/NAME)."""
+    nothing; then "readme": the export and generate lines of the generated README's Run section, as printed (after
+    their `python`), in "project", a copy of the project with the 2-rank run in its outputs/ (what they name).
+    name -> (exit code, stdout, stderr) ("readme": "lines" -> the lines, "results" -> theirs); "root" -> the folder
+    of their outputs (each in root/NAME)."""
+    from tests.test_newcomer_path import bash_blocks
+
     root = tmp_path_factory.mktemp("lora-one-process")
+    project = root / "project"
+    shutil.copytree(lora["project"], project)
+    shutil.copytree(lora["out"], project / "outputs")
     step_4 = str(lora["out"] / "checkpoints" / "step-4")
     runs = {
         "one": ["train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(root / "one")],
@@ -88,7 +96,11 @@ def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "no-match": ["train.py", *TRAIN, "--lora.target_modules", "attn_proj", "--job.output_dir",
                      str(root / "no-match")],
     }  # fmt: skip
-    return {"root": root, **dict(zip(runs, run_scripts(lora["project"], *runs.values()), strict=True))}
+    run_block = bash_blocks((project / "README.md").read_text().split("\n## Run\n", 1)[1])[0]
+    lines = [line for line in run_block if "scripts/generate.py" in line or "scripts/export.py" in line]
+    results = run_scripts(project, *runs.values(), *(shlex.split(line)[1:] for line in lines))
+    return {"root": root, **dict(zip(runs, results, strict=False)),
+            "readme": {"lines": lines, "results": results[len(runs):]}}  # fmt: skip
 
 
 def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, one_process: dict) -> None:
@@ -161,19 +173,12 @@ def test_lora_refuses_what_it_cannot_adapt(flags: list[str], message: str, tmp_p
     assert message in result.stderr
 
 
-def test_the_run_sections_generate_command_works_on_a_lora_run(lora: dict, tmp_path: Path) -> None:
+def test_the_run_sections_generate_command_works_on_a_lora_run(one_process: dict) -> None:
     """The generated README's Run section samples from a LoRA run through the merged export (generate.py alone would
-    refuse a checkpoint of adapters): its export and generate lines, as printed, on the run in outputs/."""
-    from tests.test_newcomer_path import bash_blocks
-
-    project = tmp_path / "project"
-    shutil.copytree(lora["project"], project)
-    shutil.copytree(lora["out"], project / "outputs")
-    run_block = bash_blocks((project / "README.md").read_text().split("\n## Run\n", 1)[1])[0]
-    lines = [line for line in run_block if "scripts/generate.py" in line or "scripts/export.py" in line]
+    refuse a checkpoint of adapters): its export and generate lines, as printed, on the run in outputs/ (run in
+    one_process's Python process, after its other runs)."""
+    lines, results = one_process["readme"]["lines"], one_process["readme"]["results"]
     assert [line.split()[:2] for line in lines] == [["python", "scripts/export.py"], ["python", "scripts/generate.py"]]
-    # The lines as printed, after their `python`, one after the other in one Python process (run_scripts).
-    results = run_scripts(project, *(shlex.split(line)[1:] for line in lines))
     for line, (code, _, stderr) in zip(lines, results, strict=True):
         assert code == 0, f"{line}: {stderr[-2000:]}"
     assert results[-1][1].strip(), "generate.py printed no continuation"

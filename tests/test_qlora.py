@@ -15,14 +15,12 @@ import importlib.util
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun, torchrun_env
-from tests.helpers.several_runs import launch_several
+from tests.conftest import HELPERS, generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.several_runs import launch_several, preflight_answers
 from tests.test_lora import export_merged_and_adapter
 
 TEMPLATE = (
@@ -55,21 +53,25 @@ def qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     intermediate_size=2816)  # fmt: skip
     project = generate(root / "run", "--family", "hf", "--hf-model", str(root / "model"), "--qlora", "--task", "sft",
                        "--gpus", "2", "--fp32")  # fmt: skip
-    prepare = [sys.executable, "scripts/prepare_chat.py", str(root / "chats.jsonl"), "--output", str(root / "data")]
-    result = subprocess.run(prepare, cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
     out, resumed = root / "out", root / "resumed"
     train = [*TRAIN, "--data.path", str(root / "data")]
-    # The run, and (in the same launch: tests/helpers/several_runs.py) its resume from step 2 in `resumed`, from a
-    # copy of the run's folder without the step-4 checkpoint and with the metrics of steps 1-2.
+    # In one launch (tests/helpers/several_runs.py): first (rank 0) the project's prepare_chat.py, then preflight.py
+    # with lora.target_modules lm_head (test_linears_that_nf4_cannot_hold_on_these_ranks_stop_before_anything_is_built),
+    # then the run, and its resume from step 2 in `resumed`, from a copy of the run's folder without the step-4
+    # checkpoint and with the metrics of steps 1-2.
+    prepare = ["scripts/prepare_chat.py", str(root / "chats.jsonl"), "--output", str(root / "data")]
+    lm_head = ["--world-size", "2", *train, "--lora.target_modules", "lm_head", "--job.output_dir",
+               str(root / "lm-head")]  # fmt: skip
     run = [*train, "--training.steps", "4", "--checkpoint.interval", "2"]
     interrupted = {"from": str(out), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
-    result = launch_several(project, [[*run, "--job.output_dir", str(out)],
-                                      {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted}],
+    runs = [[*run, "--job.output_dir", str(out)],
+            {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted}]  # fmt: skip
+    result = launch_several(project, {"runs": runs, "scripts": [prepare], "preflight": {"lm_head": lm_head}},
                             root / "runs.json", nproc=2)  # fmt: skip
     # rank 4 on the 7 linear layers of 2 blocks: (256 + 256) x 4 x 4 attention, (256 + 512) x 4 x 3 MLP, per block.
     assert "model: 1,510,656 parameters, 34,816 of them trainable (the others frozen)" in result.stdout
-    return {"root": root, "project": project, "model": root / "model", "out": out, "train": train, "resumed": resumed}
+    return {"root": root, "project": project, "model": root / "model", "out": out, "train": train, "resumed": resumed,
+            "lm_head": preflight_answers(result.stdout)["lm_head"]}  # fmt: skip
 
 
 def probe(qlora: dict, nproc: int, output_dir: Path, **env: str) -> dict:
@@ -157,13 +159,12 @@ def test_exported_adapter_on_the_dequantized_base_and_merged_model_give_the_trai
             assert (logits - expected["logits"]).abs().max().item() <= 1e-5
 
 
-def test_linears_that_nf4_cannot_hold_on_these_ranks_stop_before_anything_is_built(qlora: dict, tmp_path: Path):
-    # lm_head (320 x 256) holds 5 groups of 64 x 256 values: 2.5 on each of 2 ranks.
-    command = [sys.executable, "preflight.py", "--world-size", "2", *qlora["train"], "--lora.target_modules",
-               "lm_head", "--job.output_dir", str(tmp_path / "out")]  # fmt: skip
-    result = subprocess.run(command, cwd=qlora["project"], env=torchrun_env(), capture_output=True, text=True)
-    assert result.returncode == 2 and not (tmp_path / "out").exists()
-    assert result.stderr.splitlines()[-1] == (
+def test_linears_that_nf4_cannot_hold_on_these_ranks_stop_before_anything_is_built(qlora: dict) -> None:
+    # lm_head (320 x 256) holds 5 groups of 64 x 256 values: 2.5 on each of 2 ranks. (`python preflight.py`, run in
+    # the qlora fixture's launch.)
+    code, _, stderr = qlora["lm_head"]
+    assert code == 2 and not (qlora["root"] / "lm-head").exists()
+    assert stderr.splitlines()[-1] == (
         "preflight.py: error: qlora: lm_head.weight (320 x 256) cannot be stored in NF4 on 2 shards: each shard "
         "must hold whole rows and a multiple of 16384 values (64-value blocks, their scales in groups of 256); use "
         "--parallel.dp_shard 1 --parallel.dp_replicate 2 (HSDP), or leave lm_head out of lora.target_modules"

@@ -49,14 +49,36 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model_dir = save_tiny_llama(root / "model", " ".join(WORDS) * 20, special_tokens=special, chat_template=TEMPLATE)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(model_dir), "--task", "sft", "--gpus", "2",
                        "--tp", "2", "--fp32")  # fmt: skip
-    result = prepare(project, str(root / "chats.jsonl"), "--output", str(root / "data"), "--val-fraction", "0.1")
-    assert result.returncode == 0, result.stderr
-    return {"root": root, "project": project, "model": model_dir, "data": root / "data", "records": records}
+    scripts = {"prepare": ["scripts/prepare_chat.py", str(root / "chats.jsonl"), "--output", str(root / "data"),
+                           "--val-fraction", "0.1"]}  # fmt: skip
+    # The scripts of the other tests, in the same Python process (run_scripts: an hf project's imports cost ~6 CPU-s
+    # a process): test_bad_chat_lines_are_one_line_and_exit_2's cases ("bad/CASE": prepare_chat.py of the case's
+    # file), test_a_tokenizer_without_chat_template_is_refused's ("no-template": prepare_chat.py with the model's
+    # tokenizer saved without its template), test_the_data_line_says_plain_text_and_names_prepare_chat's ("plain":
+    # prepare_data.py of plain text; "lines": the data lines, last, as it joins a process group).
+    for case, (line, _) in BAD_CHATS.items():
+        (root / "bad" / case).mkdir(parents=True)
+        (root / "bad" / case / "chats.jsonl").write_text(line)
+        scripts[f"bad/{case}"] = ["scripts/prepare_chat.py", str(root / "bad" / case / "chats.jsonl"), "--output",
+                                  str(root / "bad" / case / "data")]  # fmt: skip
+    from transformers import AutoTokenizer
 
-
-def prepare(project: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/prepare_chat.py", *args], cwd=project, capture_output=True,
-                          text=True)  # fmt: skip
+    plain = root / "no-template" / "plain"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    scripts["no-template"] = ["scripts/prepare_chat.py", str(root / "chats.jsonl"), "--output",
+                              str(root / "no-template" / "data"), "--tokenizer", str(plain)]  # fmt: skip
+    (root / "text.txt").write_text(" ".join(WORDS) * 50)
+    (root / "data_lines.py").write_text(DATA_LINES)
+    scripts["plain"] = ["scripts/prepare_data.py", str(root / "text.txt"), "--output", str(root / "plain"),
+                        "--val-fraction", "0"]  # fmt: skip
+    scripts["lines"] = [str(root / "data_lines.py"), str(root / "plain"), str(root / "data"), ""]
+    results = dict(zip(scripts, run_scripts(project, *scripts.values()), strict=True))
+    assert results["prepare"][0] == 0, results["prepare"][2]
+    return {"root": root, "project": project, "model": model_dir, "data": root / "data", "records": records,
+            "scripts": results}  # fmt: skip
 
 
 def shards(data: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -158,18 +180,10 @@ BAD_CHATS = {
 
 
 @pytest.fixture(scope="module")
-def bad_chats(chat: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tuple]]:
-    """Each case's file and scripts/prepare_chat.py's (exit code, stdout, stderr) on it; the cases run one after
-    the other in one Python process (run_scripts)."""
-    root = tmp_path_factory.mktemp("bad-chats")
-    for case, (line, _) in BAD_CHATS.items():
-        (root / case).mkdir()
-        (root / case / "chats.jsonl").write_text(line)
-    results = run_scripts(chat["project"], *(
-        ["scripts/prepare_chat.py", str(root / case / "chats.jsonl"), "--output", str(root / case / "data")]
-        for case in BAD_CHATS
-    ))  # fmt: skip
-    return {case: (root / case, result) for case, result in zip(BAD_CHATS, results, strict=True)}
+def bad_chats(chat: dict) -> dict[str, tuple[Path, tuple]]:
+    """Each case's folder (its chats.jsonl) and scripts/prepare_chat.py's (exit code, stdout, stderr) on it (run in
+    the chat fixture's Python process)."""
+    return {case: (chat["root"] / "bad" / case, chat["scripts"][f"bad/{case}"]) for case in BAD_CHATS}
 
 
 @pytest.mark.parametrize("case", BAD_CHATS)
@@ -183,18 +197,12 @@ def test_bad_chat_lines_are_one_line_and_exit_2(case: str, bad_chats: dict) -> N
     assert not (folder / "data").exists()
 
 
-def test_a_tokenizer_without_chat_template_is_refused(chat: dict, tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    plain = tmp_path / "plain"
-    tokenizer = AutoTokenizer.from_pretrained(chat["model"])
-    tokenizer.chat_template = None
-    tokenizer.save_pretrained(plain)
-    (plain / "chat_template.jinja").unlink(missing_ok=True)
-    result = prepare(chat["project"], str(chat["root"] / "chats.jsonl"), "--output", str(tmp_path / "data"),
-                     "--tokenizer", str(plain))  # fmt: skip
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
+def test_a_tokenizer_without_chat_template_is_refused(chat: dict) -> None:
+    # prepare_chat.py with the model's tokenizer saved without its chat template (run in the chat fixture's process).
+    plain = chat["root"] / "no-template" / "plain"
+    code, _, stderr = chat["scripts"]["no-template"]
+    assert code == 2
+    assert stderr.splitlines()[-1] == (
         f"prepare_chat.py: error: the tokenizer of {plain} has no chat template (tokenizer_config.json's "
         "chat_template); use an instruct model's tokenizer with --tokenizer, or add a template"
     )
@@ -220,24 +228,17 @@ for path in sys.argv[1:]:
 """
 
 
-def test_the_data_line_says_plain_text_and_names_prepare_chat(chat: dict, tmp_path: Path) -> None:
+def test_the_data_line_says_plain_text_and_names_prepare_chat(chat: dict) -> None:
     """Plain-text shards (scripts/prepare_data.py) train every token: allowed in an sft project, never silently. And
     the hint of a run on synthetic tokens names the chat preparation, not scripts/prepare_data.py."""
-    (tmp_path / "text.txt").write_text(" ".join(WORDS) * 50)
-    (tmp_path / "data_lines.py").write_text(DATA_LINES)
-    # The preparation, then the data lines, in one Python process (run_scripts).
-    prepared, result = run_scripts(
-        chat["project"],
-        ["scripts/prepare_data.py", str(tmp_path / "text.txt"), "--output", str(tmp_path / "plain"), "--val-fraction",
-         "0"],
-        [str(tmp_path / "data_lines.py"), str(tmp_path / "plain"), str(chat["data"]), ""],
-    )  # fmt: skip
+    # The preparation, then the data lines (DATA_LINES), in the chat fixture's Python process (run_scripts).
+    prepared, result = chat["scripts"]["plain"], chat["scripts"]["lines"]
     assert prepared[0] == 0, prepared[2]
     assert result[0] == 0, result[2]
     lines = result[1].splitlines()
     assert lines[0].startswith(
-        f"data: {tmp_path / 'plain'} is PLAIN TEXT (no loss mask: scripts/prepare_data.py or a token file), so every "
-        "token is a target, as in pretraining; chats to fine-tune on are prepared by scripts/prepare_chat.py: "
+        f"data: {chat['root'] / 'plain'} is PLAIN TEXT (no loss mask: scripts/prepare_data.py or a token file), so "
+        "every token is a target, as in pretraining; chats to fine-tune on are prepared by scripts/prepare_chat.py: "
     ), lines
     assert lines[1].startswith(f"data: {chat['data']}: "), lines
     assert lines[3] == "data: to train on chats, prepare them with scripts/prepare_chat.py and pass --data.path", lines
