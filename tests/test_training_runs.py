@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, generate, run_own_tests, torchrun, torchrun_env
 
 # scripts/launch_local.sh training on two CPU ranks (5 steps on a repeated batch: the loss falls steadily, one
 # progress line with its ETA per step, the checkpoints) is test_run_ownership.py's
@@ -30,11 +30,16 @@ def test_generated_projects_own_tests_pass(projects: dict[str, Path]) -> None:
     assert re.search(r"^11 passed, 1 deselected in ", stdout, flags=re.M), stdout[-2000:]
 
 
-# Resharding to groups after forward (an int reshard_after_forward: FSDP over 4 ranks, groups of 2, 2 micro-batches
-# each) equals plain one-process PyTorch: test_option_numerics.py's 4-ranks-reshard-groups-of-2 case (1e-5, 10
-# clipped steps, final weights), the check the 8-GPU project's own test_resharding_to_groups_changes_memory_not_numbers
-# makes against one process (its 8-rank launch, ~40 CPU-s, is no longer run here). 8 gloo ranks on one node equal
-# to one process: test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.
+def test_a_project_resharding_to_groups_passes_its_own_resharding_test(tmp_path: Path) -> None:
+    # The 8-GPU project with reshard_after_forward = 4, as generated; its own test takes the rank count it needs
+    # (RESHARD_RANKS: 4 on CPU) and groups that divide it (2): FSDP over 4 ranks, groups of 2, 2 micro-batches each
+    # == 1 process. (The same against plain PyTorch at 1e-5, 10 clipped steps and final weights:
+    # test_option_numerics.py's 4-ranks-reshard-groups-of-2. 8 gloo ranks on one node equal to one process:
+    # test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.)
+    project = generate(tmp_path / "run", "--gpus", "8", "--fp32", "--reshard-after-forward", "4")
+    stdout = run_own_tests(project, "-vv", "tests/test_training.py", "-k", "resharding_to_groups")
+    assert re.search(r" 1 passed, \d+ deselected in ", stdout), stdout[-2000:]
+    assert "tests/test_training.py::test_resharding_to_groups_changes_memory_not_numbers PASSED" in stdout, stdout
 
 
 # The checkpoint tests that run each style's own save and load code. The others (preflight's refusals, a new run
