@@ -321,19 +321,31 @@ BAD_PREPARE = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_PREPARE)
-def test_prepare_data_refuses_bad_input_in_one_line(case: str, corpus: dict, llama: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bad_prepare_results(corpus: dict, llama: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """{case: (exit code, stdout, stderr, its --output folder)} of `python scripts/prepare_data.py ARGS` for every
+    case of BAD_PREPARE, all run in ONE Python process (run_scripts: one import of the script's libraries, not 8)."""
     root = corpus["root"]
     (root / "empty.txt").write_text("")
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
     (root / "model.bin").write_bytes(b"\x00")
     config = (llama["project"] / "config.toml").read_text()
     (root / "small-vocab.toml").write_text(config.replace("[model]\n", "[model]\nvocab_size = 128\n"))
-    args, expected = BAD_PREPARE[case]
-    args = [arg.format(root=root) for arg in args]
-    if "--output" not in args:
-        args += ["--output", str(tmp_path / "data")]
-    result = prepare(llama["project"], *args)
-    message = expected.format(root=root, tokenizer=corpus["tokenizer"])
-    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, f"prepare_data.py: error: {message}")
-    assert not (tmp_path / "data").exists()  # nothing half-written
+    folder = tmp_path_factory.mktemp("bad-prepare")
+    runs, outputs = [], {}
+    for case, (args, _) in BAD_PREPARE.items():
+        args = [arg.format(root=root) for arg in args]
+        outputs[case] = folder / case / "data"
+        if "--output" not in args:
+            args += ["--output", str(outputs[case])]
+        runs.append(["scripts/prepare_data.py", *args])
+    results = run_scripts(llama["project"], *runs)
+    return {case: (*result, outputs[case]) for case, result in zip(BAD_PREPARE, results, strict=True)}
+
+
+@pytest.mark.parametrize("case", BAD_PREPARE)
+def test_prepare_data_refuses_bad_input_in_one_line(case: str, corpus: dict, bad_prepare_results: dict) -> None:
+    code, _, stderr, output = bad_prepare_results[case]
+    message = BAD_PREPARE[case][1].format(root=corpus["root"], tokenizer=corpus["tokenizer"])
+    assert (code, stderr.splitlines()[-1]) == (2, f"prepare_data.py: error: {message}")
+    assert not output.exists()  # nothing half-written
