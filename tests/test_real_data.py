@@ -111,17 +111,18 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus: dict, lla
     (interrupted / "train-00003.bin.tmp").write_bytes(b"\x01\x02\x03")
     (interrupted / "index.json").write_text(json.dumps({**complete, **kept, "pieces_done": pieces_done,
                                                         "complete": False}))  # fmt: skip
-    result = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
-                     str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    command = ["scripts/prepare_data.py", str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+               str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000"]  # fmt: skip
+    # The resumed preparation, then the same command again on the finished folder: one Python process (run_scripts).
+    result, again = run_scripts(llama["project"], command, command)
+    assert result[0] == 0, result[2]
+    # What the first run left is what the second found: the folder as of now, the second run having changed nothing.
     assert json.loads((interrupted / "index.json").read_text()) == complete
     for shard in complete["train"] + complete["val"]:
         assert (interrupted / shard["file"]).read_bytes() == (llama["data"] / shard["file"]).read_bytes()
     assert sorted(p.name for p in interrupted.iterdir()) == sorted(p.name for p in llama["data"].iterdir())
     # Run again on a finished folder: nothing changes.
-    again = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
-                    str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
-    assert again.returncode == 0 and "already prepared" in again.stdout
+    assert again[0] == 0 and "already prepared" in again[1], again
 
 
 def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: dict, llama: dict, tmp_path: Path):
@@ -133,14 +134,19 @@ def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: 
     pq.write_table(pa.table({"id": [r["id"] for r in records], "body": [r["text"] for r in records]}),
                    tmp_path / "docs.parquet")  # fmt: skip
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(tmp_path / "docs-dataset")
-    shards = {}
-    for name, args in {
+    inputs = {
         "jsonl": [str(corpus["root"] / "docs.jsonl")],
         "parquet": [str(tmp_path / "docs.parquet"), "--text-field", "body"],
         "datasets": [str(tmp_path / "docs-dataset")],
-    }.items():
-        result = prepare(llama["project"], *args, "--output", str(tmp_path / name), "--val-fraction", "0.2")
-        assert result.returncode == 0, result.stderr
+    }
+    # The three preparations in one Python process (run_scripts: pyarrow and datasets imported once).
+    results = run_scripts(llama["project"], *[
+        ["scripts/prepare_data.py", *args, "--output", str(tmp_path / name), "--val-fraction", "0.2"]
+        for name, args in inputs.items()
+    ])  # fmt: skip
+    shards = {}
+    for name, result in zip(inputs, results, strict=True):
+        assert result[0] == 0, result[2]
         shards[name] = [
             (tmp_path / name / f).read_bytes() for f in sorted(p.name for p in (tmp_path / name).glob("*.bin"))
         ]
