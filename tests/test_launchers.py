@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
-from tests.helpers.scripts import run_in_this_process
+from tests.helpers.in_process import script_in_this_process
 from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable, wait_for_job
 
 
@@ -54,16 +54,8 @@ def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, 
 
 def train_in_this_process(project: Path, *args: str) -> None:
     """`python train.py ARGS` (one process, no torchrun) run in the test's own process: the one-process reference,
-    which needs no launch of its own (torch is imported here already). train.py ends with sys.exit(its exit code)."""
-    import gc
-
-    try:
-        run_in_this_process(project, "train.py", *args)
-    except SystemExit as exit:
-        assert exit.code in (None, 0), exit.code
-    finally:
-        gc.unfreeze()  # train.py froze what this process held (for a training process, its imports), and
-        gc.enable()  # switched the collector off while it imported: both set back for the tests that follow
+    which needs no launch of its own (torch is imported here already)."""
+    script_in_this_process(project, "train.py", *args)
     assert (Path(args[args.index("--job.output_dir") + 1]) / "metrics.jsonl").is_file()
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.in_process import script_in_this_process
 from tests.helpers.scripts import run_scripts
 from tests.helpers.several_runs import launch_several
 
@@ -247,18 +248,15 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
 
     # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses. And
     # one process trains the same model on the same samples from the start. (Both one process without torchrun,
-    # one after the other in run_scripts' Python process.)
+    # one after the other in this test's own process: script_in_this_process.)
     resharded, single = tmp_path / "resharded", tmp_path / "single"
     shutil.copytree(resumed, resharded)
     shutil.rmtree(resharded / "checkpoints" / "step-8")
     (resharded / "metrics.jsonl").write_text("".join((out / "metrics.jsonl").read_text().splitlines(True)[:4]))
-    results = run_scripts(
-        project,
-        ["train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8", "--checkpoint.interval",
-         "4", "--job.wandb", "false"],
-        ["train.py", *common, "--job.output_dir", str(single), "--training.steps", "8", "--job.wandb", "false"],
-    )  # fmt: skip
-    assert [code for code, _, _ in results] == [0, 0], [stderr[-2000:] for _, _, stderr in results]
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8",
+                           "--checkpoint.interval", "4", "--job.wandb", "false")  # fmt: skip
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(single), "--training.steps", "8",
+                           "--job.wandb", "false")  # fmt: skip
     one = [(r["step"], r["loss"]) for r in metrics(resharded)][4:]
     assert [step for step, _ in one] == [5, 6, 7, 8]
     assert all(abs(loss - r["loss"]) <= 1e-5 for (_, loss), r in zip(one, records[4:], strict=True)), one
@@ -275,14 +273,11 @@ def test_hf_trains_on_text_prepared_with_its_own_tokenizer(tmp_path: Path) -> No
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model_dir), "--gpus", "2", "--fp32")
     data = tmp_path / "data"
     common = [*TRAIN, "--data.path", str(data), "--eval.every", "4", "--training.steps", "8"]
-    # The preparation, then one process's training (no torchrun), in one Python process (run_scripts).
-    prepared, one = run_scripts(
-        project,
-        ["scripts/prepare_data.py", str(tmp_path / "corpus.txt"), "--output", str(data), "--val-fraction", "0.2"],
-        ["train.py", *common, "--job.output_dir", str(tmp_path / "one")],
-    )  # fmt: skip
-    assert prepared[0] == 0, prepared[2]
-    assert one[0] == 0, one[2][-3000:]
+    # The preparation, then one process's training (no torchrun), in this test's own process (transformers is
+    # imported here already: save_tiny_llama).
+    script_in_this_process(project, "scripts/prepare_data.py", str(tmp_path / "corpus.txt"), "--output", str(data),
+                           "--val-fraction", "0.2")  # fmt: skip
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(tmp_path / "one"))
     assert json.loads((data / "index.json").read_text())["tokenizer"] == str(model_dir)
     torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "two"))
     validation = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
