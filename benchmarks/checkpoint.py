@@ -24,9 +24,11 @@ Target: dcp-async blocked time <= 0.10 x dcp save time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import filecmp
 import gc
 import importlib.util
+import io
 import os
 import statistics
 import subprocess
@@ -238,9 +240,16 @@ def worker(root: Path, repeat: int, overrides: list[str]) -> None:
 
 def generate(root: Path) -> None:
     """One project per style under root/STYLE, whose shared files are checked to be identical."""
+    # `fsdp2gen new` of this checkout, in this process: one import of the generator for the three projects.
+    sys.path.insert(0, str(REPO))
+    from fsdp2gen.cli import app
+
     for style in STYLES:
-        command = [sys.executable, "-m", "fsdp2gen", "new", str(root / style), "--yes", "--gpus", "2", "--fp32"]
-        subprocess.run([*command, "--checkpoint", style], cwd=REPO, check=True, capture_output=True)
+        with contextlib.redirect_stdout(io.StringIO()):
+            app(
+                ["new", str(root / style), "--yes", "--gpus", "2", "--fp32", "--checkpoint", style],
+                standalone_mode=False,
+            )
     for name in ("config.py", "data.py", "model.py", "preflight.py", "checkpoint_common.py", "errors.py"):
         for style in STYLES[1:]:
             if not filecmp.cmp(root / STYLES[0] / name, root / style / name, shallow=False):

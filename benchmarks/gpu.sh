@@ -253,11 +253,15 @@ if [[ -n "$PP" ]]; then
   done
   if [[ ${#runs[@]} -gt 0 ]]; then
     (cd "$PROJECT" && "$PYTHON" - "$WORK" "$DEVICE" "$PLAN_FSDP" "$PLAN_PP" "${runs[@]}" <<'PY') || status=1
-import json, os, statistics, sys
-import torch
+import importlib.metadata, json, os, statistics, sys
 
 work, device, plans, runs = sys.argv[1], sys.argv[2], dict(zip(("fsdp", "pp2-1F1B"), sys.argv[3:5])), sys.argv[5:]
-print(f"device {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'} | torch {torch.__version__}")
+if device == "cuda":
+    import torch  # the device's name; on CPU the report needs no torch (an import costs seconds of CPU)
+    name = torch.cuda.get_device_name(0)
+else:
+    name = "cpu"
+print(f"device {name} | torch {importlib.metadata.version('torch')}")
 base = None
 for variant in runs:
     with open(os.path.join(work, variant, "metrics.jsonl")) as f:

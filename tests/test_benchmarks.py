@@ -231,6 +231,7 @@ def test_gpu_script_pp_compares_pp2_with_fsdp_on_the_same_ranks_or_says_it_is_sk
     assert result.stderr == "benchmarks/gpu.sh: --pp runs pp 2 on GPUS=3; set GPUS to an even number, 2 or more\n"
     out = run_benchmark("bash", "benchmarks/gpu.sh", "--pp", "--device", "cpu", "--tiny", env={**env, "GPUS": "2"})
     assert out.startswith("pipeline: tiny, 2 GPUs (h100-80gb), bf16, global batch 4; pp2-1F1B: pp 2 x dp_shard 1"), out
+    assert re.search(r"^device cpu \| torch \S+$", out, flags=re.M), out
     assert re.search(r"^fsdp: [\d,]+ tokens/s/GPU \| step \d+\.\d{3} s \| peak \d+\.\d\d GiB \| 1 timed steps$", out,
                      flags=re.M), out  # fmt: skip
     ratios = (

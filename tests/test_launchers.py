@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.helpers.in_process import script_in_this_process
 from tests.helpers.slurm_cluster import ENABLE, free_port, local_slurm_cluster, unavailable, wait_for_job
 
 
@@ -51,6 +52,13 @@ def launch_two_nodes(project: Path, output_dirs: tuple[Path, Path], nproc: int, 
     return [(node.wait(timeout=600), node.communicate()[0]) for node in nodes]
 
 
+def train_in_this_process(project: Path, *args: str) -> None:
+    """`python train.py ARGS` (one process, no torchrun) run in the test's own process: the one-process reference,
+    which needs no launch of its own (torch is imported here already)."""
+    script_in_this_process(project, "train.py", *args)
+    assert (Path(args[args.index("--job.output_dir") + 1]) / "metrics.jsonl").is_file()
+
+
 @pytest.fixture(scope="module")
 def two_node_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("two-nodes") / "run", "--nodes", "2", "--gpus", "2", "--fp32")
@@ -76,12 +84,10 @@ def test_two_node_hsdp_launch_on_localhost_equals_one_process(
     # node, replicated across nodes. (8 ranks on one node: tests/test_context_parallel.py, test_expert_parallel.py.)
     project = two_node_project
     assert "dp_replicate = 2\n" in (project / "config.toml").read_text()
-    reference = subprocess.run(
-        [sys.executable, "train.py", *TINY, *TWO_NODE_RUN, "--job.device", "cpu",
-         "--job.output_dir", str(tmp_path / "one")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
+    # The one-process reference runs in this test's own process (no launch of its own: nothing distributed in it).
+    train_in_this_process(
+        project, *TINY, *TWO_NODE_RUN, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one")
+    )
     info = json.loads((uninterrupted / "checkpoints" / "step-8" / "checkpoint.json").read_text())
     assert info["world_size"] == 4 and info["config"]["parallel"]["dp_replicate"] == 2
     for a, b in zip(metrics(tmp_path / "one"), metrics(uninterrupted), strict=True):
@@ -198,11 +204,8 @@ def test_a_node_local_output_dir_stops_the_run(two_node_project: Path, tmp_path:
 def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> None:
     project = generate(tmp_path / "run", "--launcher", "ray", "--gpus", "2", "--fp32")
     steps = [*TINY, "--training.steps", "3"]
-    reference = subprocess.run(
-        [sys.executable, "train.py", *steps, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
+    # The one-process reference runs in this test's own process (no launch of its own: nothing distributed in it).
+    train_in_this_process(project, *steps, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one"))
     # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own.
     env = {key: value for key, value in torchrun_env().items() if key != "RAY_ADDRESS"}
     ray = subprocess.run(

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
+from tests.helpers.in_process import script_in_this_process
 from tests.helpers.scripts import run_scripts
 from tests.helpers.several_runs import launch_several
 
@@ -111,17 +112,18 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus: dict, lla
     (interrupted / "train-00003.bin.tmp").write_bytes(b"\x01\x02\x03")
     (interrupted / "index.json").write_text(json.dumps({**complete, **kept, "pieces_done": pieces_done,
                                                         "complete": False}))  # fmt: skip
-    result = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
-                     str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    command = ["scripts/prepare_data.py", str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+               str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000"]  # fmt: skip
+    # The resumed preparation, then the same command again on the finished folder: one Python process (run_scripts).
+    result, again = run_scripts(llama["project"], command, command)
+    assert result[0] == 0, result[2]
+    # What the first run left is what the second found: the folder as of now, the second run having changed nothing.
     assert json.loads((interrupted / "index.json").read_text()) == complete
     for shard in complete["train"] + complete["val"]:
         assert (interrupted / shard["file"]).read_bytes() == (llama["data"] / shard["file"]).read_bytes()
     assert sorted(p.name for p in interrupted.iterdir()) == sorted(p.name for p in llama["data"].iterdir())
     # Run again on a finished folder: nothing changes.
-    again = prepare(llama["project"], str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
-                    str(interrupted), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
-    assert again.returncode == 0 and "already prepared" in again.stdout
+    assert again[0] == 0 and "already prepared" in again[1], again
 
 
 def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: dict, llama: dict, tmp_path: Path):
@@ -133,14 +135,19 @@ def test_parquet_and_datasets_folders_give_the_tokens_of_the_same_jsonl(corpus: 
     pq.write_table(pa.table({"id": [r["id"] for r in records], "body": [r["text"] for r in records]}),
                    tmp_path / "docs.parquet")  # fmt: skip
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(tmp_path / "docs-dataset")
-    shards = {}
-    for name, args in {
+    inputs = {
         "jsonl": [str(corpus["root"] / "docs.jsonl")],
         "parquet": [str(tmp_path / "docs.parquet"), "--text-field", "body"],
         "datasets": [str(tmp_path / "docs-dataset")],
-    }.items():
-        result = prepare(llama["project"], *args, "--output", str(tmp_path / name), "--val-fraction", "0.2")
-        assert result.returncode == 0, result.stderr
+    }
+    # The three preparations in one Python process (run_scripts: pyarrow and datasets imported once).
+    results = run_scripts(llama["project"], *[
+        ["scripts/prepare_data.py", *args, "--output", str(tmp_path / name), "--val-fraction", "0.2"]
+        for name, args in inputs.items()
+    ])  # fmt: skip
+    shards = {}
+    for name, result in zip(inputs, results, strict=True):
+        assert result[0] == 0, result[2]
         shards[name] = [
             (tmp_path / name / f).read_bytes() for f in sorted(p.name for p in (tmp_path / name).glob("*.bin"))
         ]
@@ -241,18 +248,15 @@ def test_llama_trains_on_text_with_validation_wandb_and_a_profile(llama: dict, t
 
     # The same checkpoint resumed on one process (resharded by DCP) reads the same samples: the same losses. And
     # one process trains the same model on the same samples from the start. (Both one process without torchrun,
-    # one after the other in run_scripts' Python process.)
+    # one after the other in this test's own process: script_in_this_process.)
     resharded, single = tmp_path / "resharded", tmp_path / "single"
     shutil.copytree(resumed, resharded)
     shutil.rmtree(resharded / "checkpoints" / "step-8")
     (resharded / "metrics.jsonl").write_text("".join((out / "metrics.jsonl").read_text().splitlines(True)[:4]))
-    results = run_scripts(
-        project,
-        ["train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8", "--checkpoint.interval",
-         "4", "--job.wandb", "false"],
-        ["train.py", *common, "--job.output_dir", str(single), "--training.steps", "8", "--job.wandb", "false"],
-    )  # fmt: skip
-    assert [code for code, _, _ in results] == [0, 0], [stderr[-2000:] for _, _, stderr in results]
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(resharded), "--training.steps", "8",
+                           "--checkpoint.interval", "4", "--job.wandb", "false")  # fmt: skip
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(single), "--training.steps", "8",
+                           "--job.wandb", "false")  # fmt: skip
     one = [(r["step"], r["loss"]) for r in metrics(resharded)][4:]
     assert [step for step, _ in one] == [5, 6, 7, 8]
     assert all(abs(loss - r["loss"]) <= 1e-5 for (_, loss), r in zip(one, records[4:], strict=True)), one
@@ -269,14 +273,11 @@ def test_hf_trains_on_text_prepared_with_its_own_tokenizer(tmp_path: Path) -> No
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model_dir), "--gpus", "2", "--fp32")
     data = tmp_path / "data"
     common = [*TRAIN, "--data.path", str(data), "--eval.every", "4", "--training.steps", "8"]
-    # The preparation, then one process's training (no torchrun), in one Python process (run_scripts).
-    prepared, one = run_scripts(
-        project,
-        ["scripts/prepare_data.py", str(tmp_path / "corpus.txt"), "--output", str(data), "--val-fraction", "0.2"],
-        ["train.py", *common, "--job.output_dir", str(tmp_path / "one")],
-    )  # fmt: skip
-    assert prepared[0] == 0, prepared[2]
-    assert one[0] == 0, one[2][-3000:]
+    # The preparation, then one process's training (no torchrun), in this test's own process (transformers is
+    # imported here already: save_tiny_llama).
+    script_in_this_process(project, "scripts/prepare_data.py", str(tmp_path / "corpus.txt"), "--output", str(data),
+                           "--val-fraction", "0.2")  # fmt: skip
+    script_in_this_process(project, "train.py", *common, "--job.output_dir", str(tmp_path / "one"))
     assert json.loads((data / "index.json").read_text())["tokenizer"] == str(model_dir)
     torchrun(project, "train.py", *common, "--job.output_dir", str(tmp_path / "two"))
     validation = [r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r]
@@ -321,19 +322,31 @@ BAD_PREPARE = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_PREPARE)
-def test_prepare_data_refuses_bad_input_in_one_line(case: str, corpus: dict, llama: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bad_prepare_results(corpus: dict, llama: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """{case: (exit code, stdout, stderr, its --output folder)} of `python scripts/prepare_data.py ARGS` for every
+    case of BAD_PREPARE, all run in ONE Python process (run_scripts: one import of the script's libraries, not 8)."""
     root = corpus["root"]
     (root / "empty.txt").write_text("")
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
     (root / "model.bin").write_bytes(b"\x00")
     config = (llama["project"] / "config.toml").read_text()
     (root / "small-vocab.toml").write_text(config.replace("[model]\n", "[model]\nvocab_size = 128\n"))
-    args, expected = BAD_PREPARE[case]
-    args = [arg.format(root=root) for arg in args]
-    if "--output" not in args:
-        args += ["--output", str(tmp_path / "data")]
-    result = prepare(llama["project"], *args)
-    message = expected.format(root=root, tokenizer=corpus["tokenizer"])
-    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, f"prepare_data.py: error: {message}")
-    assert not (tmp_path / "data").exists()  # nothing half-written
+    folder = tmp_path_factory.mktemp("bad-prepare")
+    runs, outputs = [], {}
+    for case, (args, _) in BAD_PREPARE.items():
+        args = [arg.format(root=root) for arg in args]
+        outputs[case] = folder / case / "data"
+        if "--output" not in args:
+            args += ["--output", str(outputs[case])]
+        runs.append(["scripts/prepare_data.py", *args])
+    results = run_scripts(llama["project"], *runs)
+    return {case: (*result, outputs[case]) for case, result in zip(BAD_PREPARE, results, strict=True)}
+
+
+@pytest.mark.parametrize("case", BAD_PREPARE)
+def test_prepare_data_refuses_bad_input_in_one_line(case: str, corpus: dict, bad_prepare_results: dict) -> None:
+    code, _, stderr, output = bad_prepare_results[case]
+    message = BAD_PREPARE[case][1].format(root=corpus["root"], tokenizer=corpus["tokenizer"])
+    assert (code, stderr.splitlines()[-1]) == (2, f"prepare_data.py: error: {message}")
+    assert not output.exists()  # nothing half-written
