@@ -21,6 +21,7 @@ from fsdp2gen.plan_layout import AC_MODES, PlanRequest
 from fsdp2gen.plan_shapes import SIZES
 from fsdp2gen.sizes import LlamaShape
 from tests.conftest import HELPERS, generate, invoke, torchrun_env
+from tests.helpers.plan_simulation import simulate_rows
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 BF16, FP32 = 2, 4
@@ -310,15 +311,12 @@ def test_the_projects_simulation_refuses_cp_in_one_line_and_simulates_its_cp_1(t
     # scripts/plan_memory.py of a cp project: torch's context_parallel does not run on fake tensors, so cp > 1 is one
     # line naming the way out (the config's cp 1, or `fsdp2gen plan`), exit 2, before anything is built; with
     # --parallel.cp 1 the project's own train_step (which takes the mesh in a cp project) is simulated.
+    # Both runs are the script's main() in one process (simulate_rows: torch imported once), as launches print them.
     project = generate(tmp_path / "run", "--gpus", "4", "--cp", "2", "--fp32")
-    script = [sys.executable, "scripts/plan_memory.py", "--gpus", "4"]
-    refused = subprocess.run(script, cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", (
+    config = project / "config.toml"
+    refused, result = simulate_rows(project, [config, config], ["text:4", "4 --parallel.cp 1"])
+    assert (refused["exit"], refused["stdout"], refused["stderr"]) == (2, "", (
         "plan_memory.py: error: parallel.cp = 2 is not simulated (torch's context_parallel does not run on fake "
         "tensors); simulate with --parallel.cp 1 (`fsdp2gen plan` plans cp)\n"
     ))  # fmt: skip
-    simulated = subprocess.run([*script, "--parallel.cp", "1", "--json"], cwd=project, env=torchrun_env(),
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert simulated.returncode == 0, simulated.stderr[-3000:]
-    result = json.loads(simulated.stdout)
     assert 0 < result["allocated"] <= result["reserved"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +23,7 @@ from fsdp2gen.plan_activations import activations_by_mode
 from fsdp2gen.plan_families import ATTENTION, MLP, HfConfigError, LoraSpec, read_hf_config
 from fsdp2gen.plan_layout import PlanRequest
 from fsdp2gen.plan_shapes import parameter_shapes
-from tests.conftest import HELPERS, generate, invoke, save_tiny_llama
+from tests.conftest import generate, invoke, project_modules, save_tiny_llama
 from tests.helpers.plan_simulation import MIXTRAL_8X7B_CONFIG, QWEN3_30B_A3B_CONFIG
 from tests.test_generator_properties import assert_contract
 
@@ -254,11 +252,20 @@ def projects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def probe(project: Path) -> dict:
-    """The project's own model (model.build_model, from config.toml, on meta): parameters and buffers."""
-    result = subprocess.run([sys.executable, str(HELPERS / "plan_family_probe.py"), "config.toml"], cwd=project,
-                            env={"PYTHONPATH": str(project), "PATH": ""}, capture_output=True, text=True)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    """The project's own model (its model.build_model, from its config.toml, on meta, as train.py builds it),
+    imported in this process (project_modules; transformers and peft are imported here already): parameters
+    (name, shape, requires_grad) and buffers."""
+    import torch
+
+    with project_modules(project):
+        from config import load_config
+        from model import build_model
+
+        config = load_config(str(project / "config.toml"))
+        with torch.device("meta"):
+            model = build_model(config)
+    parameters = [[name, list(p.shape), p.requires_grad] for name, p in model.named_parameters()]
+    return {"parameters": parameters, "buffers": {name: list(b.shape) for name, b in model.named_buffers()}}
 
 
 def plan_json(*args: str) -> dict:

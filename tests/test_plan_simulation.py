@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -221,18 +219,36 @@ def simulation_order(row: Row) -> tuple[int, str]:
 SIMULATED.sort(key=simulation_order)
 
 
+# test_script_prints_the_breakdown_and_refuses_bad_input's runs of the script's text output (GPUs "text:N"), in
+# the same process as the matrix (first: the llama project's): a debug model on 2 GPUs, and --gpus 0.
+TINY_TEXT = Row("tiny-text", "debug", gpus=2, seq_len=128, global_batch_size=8)
+SCRIPT_RUNS = {"text": (TINY_TEXT, "text:2"), "bad": (TINY_TEXT, "text:0")}
+
+
+def simulate_all(project_of) -> None:
+    """Every simulation of SIMULATED, and the script's SCRIPT_RUNS, in one process (simulate_rows), once."""
+    if SIMULATIONS:
+        return
+    runs = [*SCRIPT_RUNS.values(), *((row, str(row.gpus)) for row in SIMULATED)]
+    located = [project_of(row) for row, _ in runs]
+    configs = [write_row_config(project, row) for project, row in located]
+    results = simulate_rows([project for project, _ in located], configs, [gpus for _, gpus in runs])
+    for name, result in zip(SCRIPT_RUNS, results, strict=False):
+        SCRIPT_OUTPUT[name] = result
+    for row, sim in zip(SIMULATED, results[len(SCRIPT_RUNS) :], strict=True):
+        SIMULATIONS[row.id] = {**sim, "blocks": row.blocks or row.full_depth}
+
+
+SCRIPT_OUTPUT: dict[str, dict] = {}
+
+
 def measured(project_of, row: Row) -> dict:
     """plan's and the simulation's figures for `row` ("sim": extrapolated to its whole depth where it says so; "at":
     the simulations it is from). The first row asked for simulates every row (SIMULATED) in one process
     (simulate_rows), grouped by project: each row once per test session, one import of torch and transformers, fake
     tensors' dispatch cache shared (a process per project cost 4 more imports of transformers; a process per row, a
     third more time on 1B rows)."""
-    if not SIMULATIONS:
-        located = [project_of(other) for other in SIMULATED]
-        configs = [write_row_config(project, other) for project, other in located]
-        simulated = simulate_rows([project for project, _ in located], configs, [other.gpus for other in SIMULATED])
-        for other, sim in zip(SIMULATED, simulated, strict=True):
-            SIMULATIONS[other.id] = {**sim, "blocks": other.blocks or other.full_depth}
+    simulate_all(project_of)
     if row.id not in MEASURED:
         at = [SIMULATIONS[other.id] for other in row.simulated()]
         sim = extrapolate(row, at) if row.extrapolated_from else at[0]
@@ -282,17 +298,18 @@ def test_the_simulated_step_is_affine_in_the_depth(project_of) -> None:
     assert peak_place(whole) == peak_place(extrapolated)
 
 
-def test_script_prints_the_breakdown_and_refuses_bad_input(project: Path) -> None:
-    config = write_row_config(project, Row("tiny-text", "debug", seq_len=128, global_batch_size=8))
-    run = [sys.executable, "scripts/plan_memory.py", "--config", str(config)]
-    result = subprocess.run([*run, "--gpus", "2"], cwd=project, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_script_prints_the_breakdown_and_refuses_bad_input(project_of) -> None:
+    """scripts/plan_memory.py's text (its main() without --json, in the matrix's process: SCRIPT_RUNS), and its
+    refusal of --gpus 0: one line, exit 2, nothing on stdout."""
+    simulate_all(project_of)
+    result = SCRIPT_OUTPUT["text"]
+    assert result["exit"] == 0, result["stderr"][-2000:]
     for line in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "allocated (peak)",
                  "reserved (estimate)", "simulated: 2 GPU(s), micro-batch 4 x 128 tokens"):  # fmt: skip
-        assert line in result.stdout, (line, result.stdout)
-    bad = subprocess.run([*run, "--gpus", "0"], cwd=project, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == [
+        assert line in result["stdout"], (line, result["stdout"])
+    bad = SCRIPT_OUTPUT["bad"]
+    assert bad["exit"] == 2 and bad["stdout"] == ""
+    assert bad["stderr"].strip().splitlines() == [
         "plan_memory.py: error: --gpus must be at least 1, got 0; give --gpus 1 or more"
     ]
     # --json: every row of the matrix is the script's main() with --json (simulate_rows.py), its line parsed.

@@ -224,10 +224,11 @@ def simulate(project: Path, config: Path, gpus: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def simulate_rows(projects: Path | list[Path], configs: list[Path], gpus: list[int]) -> list[dict]:
+def simulate_rows(projects: Path | list[Path], configs: list[Path], gpus: list[int | str]) -> list[dict]:
     """simulate() of each config in one process (simulate_rows.py): the same JSON, torch and transformers imported
     once, and the fake tensors' dispatch cache shared by rows of the same shapes. `projects`: the project of every
-    config, or one project per config (keep a project's configs together: its modules are imported once a run)."""
+    config, or one project per config (keep a project's configs together: its modules are imported once a run).
+    `gpus`: the number, or "N more-arguments", or "text:N ...": the text run's {"stdout", "stderr", "exit"}."""
     if isinstance(projects, Path):
         projects = [projects] * len(configs)
     triples = [str(value) for row in zip(projects, configs, gpus, strict=True) for value in row]
