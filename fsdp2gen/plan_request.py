@@ -72,6 +72,11 @@ def build_request(
     given |= {"dp_replicate": dp_replicate}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
     request = _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps)
+    if request.pp > 1 and request.loss_chunks > 1:
+        if loss_chunks is not None:  # the project's config.py refuses it too: the last stage computes whole logits
+            raise PlanError(f"--loss-chunks {loss_chunks} with --pp {request.pp} is not built (the last pipeline "
+                            "stage computes the loss of the whole logits); use --loss-chunks 1 or --pp 1")  # fmt: skip
+        request = replace(request, loss_chunks=1)  # a pp project's training.loss_chunks (the only one it takes)
     if loss_chunks is not None and loss_chunks > request.seq_len:  # a config's is checked with its seq_len
         raise PlanError(f"--loss-chunks {loss_chunks} exceeds the sequence length ({request.seq_len}); lower it")
     _check_request(request, config)

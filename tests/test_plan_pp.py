@@ -175,6 +175,8 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
         ("--pp", "0"): "--pp must be at least 1, got 0; give --pp 1 or more",
         ("--pp", "2", "--cp", "2"): "--pp 2 with --cp 2 is not built; use --cp 1 or --pp 1",
         ("--pp", "2", "--cp-sweep"): "--cp-sweep: --pp 2 with cp > 1 is not built; use --pp 1 or drop --cp-sweep",
+        ("--pp", "2", "--loss-chunks", "4"): "--loss-chunks 4 with --pp 2 is not built (the last pipeline stage "
+        "computes the loss of the whole logits); use --loss-chunks 1 or --pp 1",
     }
     for args, message in cases.items():
         result = invoke("plan", "--size", "8b", *args)
@@ -197,6 +199,14 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
         "fsdp2gen: error: parallel.pp_layers [3, 2] must give 2 stages (pp x pp_stages_per_rank) 1 or more blocks "
         "each, 4 in all; fix it in the config, or [] for an even split\n"
     )
+
+
+def test_the_allocator_rounds_the_last_stage_s_whole_logits() -> None:
+    # --size's loss chunks (8 by default) do not apply under pp: a pp project computes the loss of the whole logits
+    # (its config.py takes training.loss_chunks 1 only), the largest single request: 8192 tokens x 128256 x fp32.
+    result = invoke("plan", "--size", "8b", "--gpus", "8", "--pp", "2")
+    whole_logits = 8192 * 128256 * 4 / 2**30
+    assert f"allocator fragmentation (largest request)         {whole_logits:.2f} GiB" in result.stdout, result.stdout
 
 
 def test_a_project_s_parallel_pp_keys_are_read_and_flags_override_them(tmp_path: Path) -> None:
