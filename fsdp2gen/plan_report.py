@@ -110,7 +110,8 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     return [
         f"pipeline: {request.pp_schedule}, {request.pp} ranks x {v} stage(s) per rank, m = {pipeline['micro_batches']} "
         f"micro-batches (grad_accum_steps) of {request.batch} sample(s); bubble {formula} = "
-        f"{pipeline['bubble_fraction']:.1%}",
+        f"{pipeline['bubble_fraction']:.1%}; the last stage's loss of the whole logits (training.loss_chunks 1, "
+        "the only value a pp project takes)",
         "per-GPU rows below: the worst " + pipeline["worst"],
         "  totals by pipeline rank: "
         + ", ".join(f"{r['rank']}: {r['total_bytes'] / GIB:.1f} GiB" for r in pipeline["ranks"]),

@@ -207,6 +207,9 @@ def test_the_allocator_rounds_the_last_stage_s_whole_logits() -> None:
     result = invoke("plan", "--size", "8b", "--gpus", "8", "--pp", "2")
     whole_logits = 8192 * 128256 * 4 / 2**30
     assert f"allocator fragmentation (largest request)         {whole_logits:.2f} GiB" in result.stdout, result.stdout
+    assert "the last stage's loss of the whole logits (training.loss_chunks 1, the only value a pp project takes)" in (
+        result.stdout
+    )
 
 
 def test_a_project_s_parallel_pp_keys_are_read_and_flags_override_them(tmp_path: Path) -> None:
