@@ -6,8 +6,6 @@ No network: every model is a local folder written by the test.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, torchrun, torchrun_env
-from tests.helpers.scripts import run_in_this_process, run_scripts
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process, run_scripts
 
 # hidden 64, 2 layers: each model is a few hundred KB.
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
@@ -118,19 +116,6 @@ def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest
     return {"root": root, **dict(zip(runs, run_scripts(project, *runs.values()), strict=True))}
 
 
-def in_this_process(project: Path, *argv: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python ARGV` in `project`, run in this process (run_in_this_process): for a
-    script that involves nothing distributed, which needs no process (and torch and transformers imports) of its
-    own."""
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            run_in_this_process(project, *argv)
-        except SystemExit as exit:
-            code = 0 if exit.code is None else exit.code
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def loads(project: Path, models: dict[str, Path], bf16_sharded_model: Path) -> str:
     """The stdout of ONE 2-rank launch of tests/helpers/hf_load_probe.py: first the project's check_pretrained.py
@@ -189,8 +174,8 @@ def test_five_steps_then_export_loads_with_from_pretrained(
         # generate.py finds the tokenizer through the run's model.path, or in the exported folder; the checkpoint
         # and its export are the same weights, so they continue the prompt alike.
         prompt = ["--prompt", "the cat", "--max-new-tokens", "8"]
-        # export.py and generate.py involve nothing distributed: run in this process (in_this_process).
-        exported_run, from_checkpoint, from_export, sampled = (in_this_process(project, *argv) for argv in (
+        # export.py and generate.py involve nothing distributed: run in this process (captured_in_this_process).
+        exported_run, from_checkpoint, from_export, sampled = (captured_in_this_process(project, *argv) for argv in (
             export,
             ["scripts/generate.py", str(checkpoint), *prompt],
             ["scripts/generate.py", "--exported", str(exported), *prompt],

@@ -4,12 +4,10 @@ imported once)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from pathlib import Path
 
-from tests.helpers.scripts import run_in_this_process
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 
 
 def assert_read_as_one_process(project: Path, checkpoint: Path, reference: Path, tolerance: float) -> None:
@@ -38,7 +36,8 @@ def assert_read_as_one_process(project: Path, checkpoint: Path, reference: Path,
 
 def continuation(project: Path, *source: str) -> str:
     """generate.py's greedy 8 tokens after the ids 1, 2, 3, as it prints them."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        run_in_this_process(project, "scripts/generate.py", *source, "--prompt-ids", "1,2,3", "--max-new-tokens", "8")
-    return printed.getvalue()
+    code, printed, stderr = captured_in_this_process(
+        project, "scripts/generate.py", *source, "--prompt-ids", "1,2,3", "--max-new-tokens", "8"
+    )
+    assert code == 0, stderr[-3000:]
+    return printed

@@ -5,6 +5,7 @@ process). train.py runs this way as one process without torchrun (a 1-rank proce
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import runpy
 import subprocess
@@ -56,3 +57,14 @@ def run_in_this_process(project: Path, script: str, *args: str) -> None:
     finally:
         sys.argv = argv
         torch.set_num_threads(threads)
+
+
+def captured_in_this_process(project: Path, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python ARGV` in `project`, run in this process (run_in_this_process)."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_in_this_process(project, *argv)
+        except SystemExit as exit:
+            code = 0 if exit.code is None else exit.code
+    return code, out.getvalue(), err.getvalue()
