@@ -563,6 +563,27 @@ def test_torchrun_without_the_launcher_prints_the_error_once(case: str, inputs: 
     assert "parameters" not in result.stdout  # train.py prints the model's size once it is built
 
 
+def test_rank0_reaching_the_mistake_last_still_says_it(inputs: dict, tmp_path: Path) -> None:
+    # Under a bare torchrun, the first rank to exit with code 2 makes torchrun end the others: a rank 0 that reaches
+    # the same mistake a moment later (slower to start, to read the file) must still print its one line. Here rank 0
+    # is held back a second by hand; errors.stop is the function every usage error of train.py ends in.
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(inputs['project'])!r})\n"
+        "from errors import stop\n"
+        "time.sleep(1.0 if os.environ['RANK'] == '0' else 0.0)\n"
+        "stop('the same mistake on every rank')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    lines = re.findall(r"^slow_rank0\.py: error: .*$", result.stderr, flags=re.M)
+    assert lines == ["slow_rank0.py: error: the same mistake on every rank"], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr
+
+
 def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> None:
     # checkpoint.resume = "never" starts a new run; when torchrun restarts it after a fault, the folder holds
     # that same run, which then resumes (instead of being refused, or started over on top of its checkpoints).

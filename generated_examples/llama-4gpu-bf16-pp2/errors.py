@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -41,7 +42,31 @@ def stop(message: str) -> NoReturn:
         except OSError:
             pass  # at worst the launch script retries, and the ranks stop here again
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # preflight.py, a plain `python train.py`: no torchrun
+    if under_torchrun and not marked:
+        wait_for_rank0_to_say_it()
     raise SystemExit(0 if marked and under_torchrun else USAGE_ERROR)
+
+
+def wait_for_rank0_to_say_it(seconds: float = 30.0) -> None:
+    """Under a bare torchrun, the first rank to exit with USAGE_ERROR makes torchrun end the others at once
+    (SIGTERM): rank 0 could be ended before printing the line. So rank 0 marks, in the temporary folder, that
+    it has said it, and the other ranks of its node wait for that mark before exiting. Ranks of other nodes
+    do not wait: their torchrun cannot end rank 0's."""
+    from ownership import launch_id
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    said = Path(tempfile.gettempdir()) / f"train-usage-error-said-{launch_id()}-{attempt}"
+    if rank() == 0:
+        try:
+            said.touch()
+        except OSError:
+            pass  # at worst the other ranks wait out `seconds`
+        return
+    if os.environ.get("GROUP_RANK", "0") != "0":
+        return
+    deadline = time.monotonic() + seconds
+    while not said.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def rank() -> int:
