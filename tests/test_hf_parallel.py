@@ -11,7 +11,9 @@ fsdp2gen reads (templates/hf_plans.json, and the README's table made from them) 
 
 All three dimensions at once: dp 2 x tp 2 x pp 2 on 8 ranks, two torchrun "nodes" of 4 on 127.0.0.1 with the
 pipeline across them (dp x tp inside a node), trains untied Llama, Qwen3, Mistral, Qwen3-MoE and Mixtral as one
-process does, in one launch (tests/helpers/several_runs.py).
+process does, in one launch (tests/helpers/several_runs.py); then Llama's run again, with one rank killed in the
+middle of a step: both torchruns restart their ranks in place, which resume from the checkpoint and end as the
+uninterrupted run, bit for bit.
 
 No network: every model is a local folder written by the test.
 """
@@ -29,7 +31,7 @@ import pytest
 
 from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, save_tiny_models, torchrun, torchrun_env
 from tests.helpers.exports import assert_read_as_one_process
-from tests.helpers.several_runs import launch_several
+from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several
 from tests.helpers.slurm_cluster import free_port
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -192,28 +194,39 @@ def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
     assert pretrained and all(not torch.equal(trained[key], value) for key, value in pretrained.items())
 
 
+# The second Llama run of the 3-D launch: on the first attempt rank 5 (node 1's second rank, in the last stage)
+# SIGKILLs itself in the middle of step 6, after its forward and backward, while the other 7 ranks wait in the
+# gradient norm's all-reduce (several_runs.py's "kill"). Its torchrun restarts node 1's ranks, and node 0's torchrun,
+# seeing node 1 join a new rendezvous round, restarts its own: all 8 resume from the step-3 checkpoint.
+KILL_3D = {"rank": 5, "step": 6}
+# The launch's output: the two torchruns' outputs, one after the other.
+ThreeD = tuple[dict[str, Path], str]
+
+
 @pytest.fixture(scope="module")
-def three_d(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def three_d(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> ThreeD:
     """The dp 2 x tp 2 x pp 2 runs of PP_MODELS on 8 ranks, in one launch: two torchrun "nodes" of 4 ranks on
     127.0.0.1 (c10d rendezvous at node 0, as scripts/launch_multinode.sh starts them), each rank running the runs in
-    turn (tests/helpers/several_runs.py), then Llama's resumed from its step-3 checkpoint. Their run folders."""
+    turn (tests/helpers/several_runs.py), then Llama's again with a rank killed mid-step (KILL_3D) and both nodes
+    restarted in place by their torchrun (--max-restarts 1). Their run folders, and the launch's output."""
     root = tmp_path_factory.mktemp("hf-3d")
     project = generate(root / "project", "--family", "hf", "--hf-model", str(models["llama"]), "--nodes", "2",
                        "--gpus", "4", "--tp", "2", "--pp", "2", "--fp32")  # fmt: skip
-    runs = {name: root / name for name in PP_MODELS}
-    args = {name: [*TRAIN_PP, *LAYOUT_3D, *model_path(models, name), "--job.output_dir", str(out)]
-            for name, out in runs.items()}  # fmt: skip
-    # Then Llama's run again from its step-3 checkpoint, in a copy of its folder as a run stopped after step 5
-    # leaves it (several_runs.py's "interrupted": the step-6 checkpoint gone, the metrics of steps 1-3 kept).
-    runs["llama-resumed"] = root / "llama-resumed"
-    interrupted = {"from": str(runs["llama"]), "remove": ["checkpoints/step-6"], "metrics_lines": 3}
-    resumed = {"args": [*args["llama"][:-1], str(runs["llama-resumed"])], "interrupted": interrupted}
-    (root / "runs.json").write_text(json.dumps([*args.values(), resumed]))
+    runs = {name: root / name for name in (*PP_MODELS, "llama-killed")}
+    args = {name: [*TRAIN_PP, *LAYOUT_3D, *model_path(models, name.removesuffix("-killed")), "--job.output_dir",
+                   str(out)] for name, out in runs.items()}  # fmt: skip
+    killed = {"args": args.pop("llama-killed"), "kill": KILL_3D}
+    (root / "runs.json").write_text(json.dumps([*args.values(), killed]))
     port = free_port()
     torchrun_node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"3d-{port}",
-                     "--max-restarts", "0", "--node-rank"]  # fmt: skip
-    env = {**torchrun_env(), "PYTHONPATH": str(project)}
+                     "--max-restarts", "1", "--node-rank"]  # fmt: skip
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new store for the ranks at each rendezvous round, as the generated
+    # README tells anyone restarting ranks with torchrun across nodes. By default torch 2.13 keeps one store for
+    # all rounds, where the restarted ranks read the addresses the killed attempt's ranks left and fail to connect
+    # (gloo: "Connection refused"; measured); train.py's per-attempt store prefix (TORCHELASTIC_RESTART_COUNT) cannot
+    # help across nodes: only the killed rank's torchrun counts the restart, node 0's still says 0.
+    env = {**torchrun_env(), "PYTHONPATH": str(project), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     nodes = [
         subprocess.Popen(
             [*torchrun_node, str(node), str(HELPERS / "several_runs.py"), str(root / "runs.json")],
@@ -232,19 +245,19 @@ def three_d(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
             if node.poll() is None:  # past the timeout: the ranks die with their torchrun (ownership.py)
                 node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    return runs
+    return runs, "".join(outputs)
 
 
 @pytest.mark.parametrize("name", PP_MODELS)
 def test_dp2_x_tp2_x_pp2_on_two_launched_nodes_of_4_trains_equal_to_one_process_and_to_plain_transformers(
-    three_d: dict[str, Path], one_process: dict[str, tuple[Path, float]], name: str
+    three_d: ThreeD, one_process: dict[str, tuple[Path, float]], name: str
 ) -> None:
     # pp is the outermost dimension: node 0 holds the first stage (the embedding, layer 0), node 1 the last (layer 1,
     # the norm, lm_head); activations and gradients cross the launchers. Inside a node, each stage's layers are split
     # by the model's tp plan over 2 ranks, then sharded by FSDP over 2: the plan reaches only the modules the stage
     # holds (not the other stage's stand-ins), lm_head's logits stay split by vocabulary and the pipeline's loss
     # runs under loss_parallel.
-    (run, (single, plain)) = three_d[name], one_process[f"pp-{name}"]
+    (run, (single, plain)) = three_d[0][name], one_process[f"pp-{name}"]
     info = json.loads((run / "checkpoints" / "step-6" / "checkpoint.json").read_text())
     parallel = info["config"]["parallel"]
     assert (info["world_size"], parallel["pp"], parallel["tp"], parallel["dp_shard"]) == (8, 2, 2, 2), info
@@ -255,27 +268,32 @@ def test_dp2_x_tp2_x_pp2_on_two_launched_nodes_of_4_trains_equal_to_one_process_
     assert optimizer_state_names(run) == optimizer_state_names(single)
 
 
-def test_a_dp2_x_tp2_x_pp2_checkpoint_resumes_bit_for_bit(three_d: dict[str, Path]) -> None:
-    # Each rank loads its stage's tp and FSDP shards of the weights and of Adam's moments, the data position and the
-    # RNG states from the step-3 checkpoint: steps 4-6 and the final weights are the uninterrupted run's exactly (==).
-    # (Restarting the ranks after a kill is the launchers' part, the same for every layout: tp 2 x dp 2 above,
-    # tests/test_pipeline_parallel.py and test_launchers.py's two nodes.)
-    resumed, uninterrupted = three_d["llama-resumed"], three_d["llama"]
-    rows = [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(resumed)]
+def test_a_rank_killed_mid_step_on_two_nodes_of_dp2_x_tp2_x_pp2_restarts_both_and_ends_as_the_uninterrupted_run(
+    three_d: ThreeD,
+) -> None:
+    # Each of the 8 restarted ranks loads its stage's tp and FSDP shards of the weights and of Adam's moments, the
+    # data position and the RNG states from the step-3 checkpoint: steps 4 and 5, computed again, are the first
+    # attempt's exactly (==), and the whole run, its final weights too, is the uninterrupted Llama run's, bit for bit.
+    (runs, output), killed = three_d, KILL_3D
+    run, uninterrupted = runs["llama-killed"], runs["llama"]
+    assert_resumed_bit_for_bit(output, run, killed, 3, ("loss", "grad_norm"))
+    # Rank 0 (on either node) began the killed run twice: the restart ran only it (the runs before it were done).
+    assert len(re.findall(rf"^run \d+: .* {re.escape(str(run))}$", output, flags=re.M)) == 2, output[-3000:]
+    rows = [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(run)]
     assert rows == [(row["step"], row["loss"], row["grad_norm"]) for row in metrics(uninterrupted)]
-    weights, expected = final_weights(resumed), final_weights(uninterrupted)
+    weights, expected = final_weights(run), final_weights(uninterrupted)
     assert weights.keys() == expected.keys() and all(weights[key].equal(value) for key, value in expected.items())
 
 
 def test_export_and_generate_read_tp2_and_dp2_x_tp2_x_pp2_checkpoints_as_one_process_s(
-    project: Path, tp2: Runs, three_d: dict[str, Path], one_process: dict[str, tuple[Path, float]]
+    project: Path, tp2: Runs, three_d: ThreeD, one_process: dict[str, tuple[Path, float]]
 ) -> None:
     # scripts/export.py and generate.py read any layout's checkpoint as one process's: Qwen3's at tp 2 x dp 2 (its
     # tied embedding split by vocabulary), and Mixtral's at dp 2 x tp 2 x pp 2 (each stage's tp and FSDP shards,
     # the experts written back per expert).
     step = Path("checkpoints") / "step-6"
     assert_read_as_one_process(project, tp2[RESUMED][0] / step, one_process[RESUMED][0] / step, WEIGHTS_TOLERANCE)
-    assert_read_as_one_process(project, three_d["mixtral"] / step, one_process["pp-mixtral"][0] / step,
+    assert_read_as_one_process(project, three_d[0]["mixtral"] / step, one_process["pp-mixtral"][0] / step,
                                WEIGHTS_TOLERANCE)  # fmt: skip
 
 

@@ -21,7 +21,10 @@ RUNS.json is a list of runs, or {"runs": [runs], "scripts": [[SCRIPT, ARGS...]],
 - "kill": {"rank": R, "step": S}: on torchrun's first attempt rank R SIGKILLs itself in the middle of step S, after
   its forward and backward, before the optimizer step (the others wait in the gradient norm's all-reduce); launched
   with restarts=1, torchrun then restarts every rank, and the restart begins again at this run (the runs before it
-  are done), which resumes from its newest complete checkpoint.
+  are done), which resumes from its newest complete checkpoint. Before dying, rank R leaves RUNS.killed next to
+  RUNS.json: the restarted ranks know from it that they are a restart. (Not from TORCHELASTIC_RESTART_COUNT: with
+  several torchruns, one per node, only the killed rank's torchrun counts a restart; the others restart their ranks
+  for the new rendezvous round and still say 0.)
 The scripts (rank 0; a path relative to the launch's project, or absolute) run first, each as `python SCRIPT ARGS`
 would (say, another project's scripts/prepare_chat.py), their output passed on; then the preflight cases (rank 0),
 each as `python preflight.py ARGS` would (tests/helpers/preflight_driver.py), printed as one line `preflight {case:
@@ -60,6 +63,7 @@ def launch_several(
     from tests.conftest import torchrun, torchrun_env
 
     runs_file.write_text(json.dumps(runs))
+    killed_mark(runs_file).unlink(missing_ok=True)
     if nproc > 1:
         return torchrun(project, f"--max-restarts={restarts}", __file__, str(runs_file), nproc=nproc, env=env)
     result = subprocess.run([sys.executable, __file__, str(runs_file)], cwd=project, capture_output=True, text=True,
@@ -97,12 +101,13 @@ def assert_resumed_bit_for_bit(stdout: str, run: Path, kill: dict, checkpoint: i
 def main() -> None:
     import torch.distributed as dist
 
+    mark = killed_mark(Path(sys.argv[1]).resolve())
     with open(sys.argv[1]) as file:
         spec = json.load(file)
     runs, cases = (spec, {}) if isinstance(spec, list) else (spec["runs"], spec.get("preflight", {}))
     scripts = [] if isinstance(spec, list) else spec.get("scripts", [])
     runs = [run if isinstance(run, dict) else {"args": run} for run in runs]
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_attempt = not mark.exists()
     if not first_attempt:  # a restart after a kill: the runs before the killed one are done
         runs = runs[next(index for index, run in enumerate(runs) if "kill" in run) :]
     if first_attempt and os.environ.get("RANK", "0") == "0":
@@ -129,7 +134,7 @@ def main() -> None:
                     interrupt(run["interrupted"], Path(config.job.output_dir))
             dist.barrier()  # the folder is ready on every rank
             mesh = ParallelLayout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
-            with killed(train, run.get("kill") if first_attempt else None):
+            with killed(train, run.get("kill") if first_attempt else None, mark):
                 if run.get("reference"):
                     from hf_one_process import train_then_reference
 
@@ -186,22 +191,28 @@ def forget(*folders: Path) -> None:
             del sys.modules[name]
 
 
+def killed_mark(runs_file: Path) -> Path:
+    """The file the killed rank leaves next to RUNS.json before it dies (see the module's docstring)."""
+    return runs_file.with_name(runs_file.stem + ".killed")
+
+
 class killed:
     """While active, train.optimizer_step (which train_step looks up in the module at every step) SIGKILLs rank
-    kill["rank"] at step kill["step"] (None: no kill)."""
+    kill["rank"] at step kill["step"] (None: no kill), after writing `mark`."""
 
-    def __init__(self, train, kill: dict | None) -> None:
-        self.train, self.kill, self.real = train, kill, train.optimizer_step
+    def __init__(self, train, kill: dict | None, mark: Path) -> None:
+        self.train, self.kill, self.real, self.mark = train, kill, train.optimizer_step, mark
 
     def __enter__(self) -> None:
         if self.kill is None:
             return
         import torch.distributed as dist
 
-        rank, step, real = self.kill["rank"], self.kill["step"], self.real
+        rank, step, real, mark = self.kill["rank"], self.kill["step"], self.real, self.mark
 
         def optimizer_step(state, config):
             if dist.get_rank() == rank and state.step == step - 1:  # state.step: the steps done before this one
+                mark.touch()
                 print(f"rank {rank}: SIGKILL in step {step}, before its optimizer step", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(state, config)
