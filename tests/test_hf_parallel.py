@@ -20,6 +20,7 @@ No network: every model is a local folder written by the test.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, save_tiny_models, torchrun, torchrun_env
+from tests.conftest import HELPERS, REPO, fsdp2gen, generate, metrics, save_tiny_models, torchrun_env
 from tests.helpers.exports import assert_read_as_one_process
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several
 from tests.helpers.slurm_cluster import free_port
 
@@ -119,33 +121,47 @@ def model_path(models: dict[str, Path], name: str) -> list[str]:
 def one_process(
     project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, float]]:
-    """Every model trained by one process, one after the other in one Python process (tests/helpers/
-    hf_one_process.py: train.py's training, then plain transformers' loss on step 1's batch): its run folder and
-    that loss, by model; the references of the dp 2 x tp 2 x pp 2 runs (TRAIN_PP) by "pp-" and the model."""
+    """Every model trained by one process, one after the other, in this test's own process (tests/helpers/
+    hf_one_process.py: train.py's training, then plain transformers' loss on step 1's batch; nothing distributed,
+    so no process of its own): its run folder and that loss, by model; the references of the dp 2 x tp 2 x pp 2
+    runs (TRAIN_PP) by "pp-" and the model."""
     root = tmp_path_factory.mktemp("hf-one")
     names = {**{name: TRAIN for name in MODELS}, **{f"pp-{name}": TRAIN_PP for name in PP_MODELS}}
     runs = [[*train, *model_path(models, name.removeprefix("pp-")), "--job.output_dir", str(root / name)]
             for name, train in names.items()]  # fmt: skip
-    one = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "hf_one_process.py"), json.dumps(runs)],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    plain = dict(re.findall(r"^(\S+): plain transformers step 1 loss (\S+)$", one.stdout, flags=re.M))
+    code, printed, stderr = in_this_process(project, str(HELPERS / "hf_one_process.py"), json.dumps(runs))
+    assert code == 0, printed[-3000:] + stderr[-3000:]
+    plain = dict(re.findall(r"^(\S+): plain transformers step 1 loss (\S+)$", printed, flags=re.M))
     return {name: (root / name, float(plain[str(root / name)])) for name in names}
 
 
+def in_this_process(project: Path, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python ARGV` in `project`, run in this process (captured_in_this_process), the
+    collector set back after (train.py freezes what the process holds once its imports are loaded)."""
+    try:
+        return captured_in_this_process(project, *argv)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
 @pytest.fixture(scope="module")
-def tp2(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def tp2(
+    project: Path, models: dict[str, Path], one_process: dict[str, tuple[Path, float]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Runs:  # fmt: skip
     """The tp 2 x dp 2 runs of every model in MODELS, in one launch of 4 ranks (tests/helpers/several_runs.py: torch
     and transformers imported once, each run its own train.train(), config and output folder), RESUMED's first and
-    killed mid-step (KILL), then restarted by torchrun (restarts=1), which resumes it and goes on with the others: by
-    model, its run folder and the launch's output."""
+    killed mid-step (KILL), then restarted by torchrun (restarts=1), which resumes it and goes on with the others;
+    last, "on-tp2": one process's RESUMED run continued from its step-3 checkpoint (a copy of its folder as a run
+    stopped after step 5 leaves it). By model (and "on-tp2"), its run folder and the launch's output."""
     root = tmp_path_factory.mktemp("hf-tp2")
     args = {name: [*TRAIN, *model_path(models, name), "--job.output_dir", str(root / name)] for name in MODELS}
-    runs = [{"args": args[RESUMED], "kill": KILL}, *(args[name] for name in MODELS if name != RESUMED)]
+    interrupted = {"from": str(one_process[RESUMED][0]), "remove": ["checkpoints/step-6"], "metrics_lines": 3}
+    on_tp2 = {"args": [*args[RESUMED][:-1], str(root / "on-tp2")], "interrupted": interrupted}
+    runs = [{"args": args[RESUMED], "kill": KILL}, *(args[name] for name in MODELS if name != RESUMED), on_tp2]
     result = launch_several(project, runs, root / "runs.json", nproc=4, restarts=1)
-    return {name: (root / name, result) for name in MODELS}
+    return {name: (root / name, result) for name in (*MODELS, "on-tp2")}
 
 
 def final_weights(run: Path, step: int = 6, part: str = "model") -> dict:
@@ -336,24 +352,19 @@ def test_checkpoints_resume_across_layouts_tp2_dp2_to_one_process_and_one_proces
     tp2: Runs, one_process: dict[str, tuple[Path, float]], project: Path,
     models: dict[str, Path], tmp_path: Path,
 ) -> None:  # fmt: skip
-    (parallel, _), (single, _) = tp2[RESUMED], one_process[RESUMED]
-    model = model_path(models, RESUMED)
-    for source, dest in ((parallel, "on-one"), (single, "on-tp2")):
-        # The run folder as it was at step 3: its step-3 checkpoint the newest.
-        shutil.copytree(source, tmp_path / dest, ignore=shutil.ignore_patterns("step-6*"))
-    # tp 2 x dp 2's checkpoint (DTensor shards on a 2 x 2 mesh) continued by one process without tp.
-    one = subprocess.run(
-        [sys.executable, "train.py", *TRAIN, *model, "--parallel.tp", "1", "--job.output_dir",
-         str(tmp_path / "on-one")],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    # And back: one process's checkpoint (whole tensors) continued with tp 2 on 2 ranks.
-    back = torchrun(project, "train.py", *TRAIN, *model, "--job.output_dir", str(tmp_path / "on-tp2"), nproc=2)
-    for result, dest in ((one, "on-one"), (back, "on-tp2")):
-        assert f"resumed from {tmp_path / dest / 'checkpoints' / 'step-3'} at step 3" in result.stdout
+    (parallel, _), (single, _), (back, launch) = tp2[RESUMED], one_process[RESUMED], tp2["on-tp2"]
+    # tp 2 x dp 2's checkpoint (DTensor shards on a 2 x 2 mesh) continued by one process without tp, in this
+    # test's process (nothing distributed), from the run folder as it was at step 3: its step-3 checkpoint the
+    # newest.
+    shutil.copytree(parallel, tmp_path / "on-one", ignore=shutil.ignore_patterns("step-6*"))
+    one = [*TRAIN, *model_path(models, RESUMED), "--parallel.tp", "1", "--job.output_dir", str(tmp_path / "on-one")]
+    code, printed, stderr = in_this_process(project, "train.py", *one)
+    assert code == 0, printed[-3000:] + stderr[-3000:]
+    # And back: one process's checkpoint (whole tensors) continued with tp 2 x dp 2 on 4 ranks (the tp2 launch).
+    for output, run in ((printed, tmp_path / "on-one"), (launch.stdout, back)):
+        assert f"resumed from {run / 'checkpoints' / 'step-3'} at step 3" in output, output[-3000:]
         # Steps 4-6 and the final weights: the uninterrupted run's (one process's, and so tp 2 x dp 2's).
-        assert_equal_to(tmp_path / dest, single, [4, 5, 6])
+        assert_equal_to(run, single, [4, 5, 6])
 
 
 # Run in the tp project: preflight.py with --world-size 4 (its output captured), then which plan words
@@ -396,12 +407,11 @@ def test_a_model_without_a_tp_plan_is_refused_at_new_and_at_run_time_and_the_pla
                              .read_text()).group(1)  # fmt: skip
     argv = ["--world-size", "4", *TRAIN, "--model.path", str(models["gpt2"]), "--job.output_dir",
             str(tmp_path / "out")]  # fmt: skip
-    probe = subprocess.run(
-        [sys.executable, "-c", PREFLIGHT_AND_WORDS, json.dumps(argv), readme_words],
-        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    found = json.loads(probe.stdout.splitlines()[-1])
+    # In this test's process (a probe script of its own): preflight imports transformers, already imported here.
+    (tmp_path / "probe.py").write_text(PREFLIGHT_AND_WORDS)
+    code, printed, stderr = in_this_process(project, str(tmp_path / "probe.py"), json.dumps(argv), readme_words)
+    assert code == 0, stderr[-3000:]
+    found = json.loads(printed.splitlines()[-1])
     assert (found["code"], found["stderr"]) == (2, (
         "preflight.py: error: parallel.tp = 2: GPT2LMHeadModel declares no tensor-parallel plan (transformers' "
         "GPT2Config.base_model_tp_plan is empty); use --parallel.tp 1 (FSDP shards it over every rank)\n"
@@ -410,6 +420,5 @@ def test_a_model_without_a_tp_plan_is_refused_at_new_and_at_run_time_and_the_pla
     # The README's table calls translated exactly the words tensor_parallel.py translates.
     assert found["translated"] == sorted(json.loads(readme_words))
     # templates/hf_plans.json is what the installed transformers declares (else: python scripts/hf_plans.py).
-    check = subprocess.run([sys.executable, str(REPO / "scripts" / "hf_plans.py"), "--check"], capture_output=True,
-                           text=True)  # fmt: skip
-    assert check.returncode == 0, check.stderr[-2000:]
+    code, _, stderr = in_this_process(REPO, "scripts/hf_plans.py", "--check")
+    assert code == 0, stderr[-2000:]
