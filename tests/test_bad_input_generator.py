@@ -270,10 +270,10 @@ CASES = [
         "--tp: tensor parallelism is built in for --family llama and hf only; use --tp 1",
     ),
     Case(
-        "tp-hf-lora",
-        (*NEW, "--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--tp", "2", "--lora"),
-        "--lora: --lora with --tp 2 is not built: peft wraps the linear layers the model's tp plan splits (q_proj ... "
-        "become LoRA modules torch's ColwiseParallel cannot split); use --tp 1 with --lora",
+        "tp-hf-qlora",  # --lora with --tp is built (tensor_parallel.lora_styles); QLoRA's NF4 weights are not split
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--gpus", "2", "--tp", "2", "--qlora"),
+        "--qlora: --qlora with tensor parallelism is not built yet (NF4 weights are sharded by fully_shard only); use "
+        "--tp 1 (or leave out --qlora)",
     ),
     Case(
         "moe-family-hf",

@@ -1,5 +1,6 @@
 """LoRA (`--lora`, family hf): peft adapters added to the model built on the meta device, sharded with
-fully_shard, trained on 2 gloo ranks; a tiny Llama made here with transformers, no network.
+fully_shard, trained on 4 gloo ranks (FSDP over 4; and a `--lora --tp 2` project at tp 2 x dp 2, in the same launch);
+a tiny Llama made here with transformers, no network.
 """
 
 from __future__ import annotations
@@ -24,22 +25,36 @@ TRAIN = ["--training.seq_len", "16", "--training.global_batch_size", "4", "--tra
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run saved at steps 2 and 4; and
-    (in the same launch: tests/helpers/several_runs.py) its resume from step 2, in `resumed`, from a copy of the
-    run's folder without the step-4 checkpoint and with the metrics of steps 1-2."""
+    """A tiny pretrained Llama (with a tokenizer), a `--lora` project, and a 4-step run on 4 ranks saved at steps 2
+    and 4; and (in the same launch: tests/helpers/several_runs.py) its resume from step 2, in `resumed`, from a copy
+    of the run's folder without the step-4 checkpoint and with the metrics of steps 1-2. Then a `--lora --tp 2`
+    project's same run at tp 2 x dp 2, in `tp` (each adapted layer's base_layer split as the model's plan says, its
+    lora_B or lora_A to match: tensor_parallel.lora_styles), and its resume from step 2 at tp 1 (dp 4), in
+    `tp_at_1`."""
     root = tmp_path_factory.mktemp("lora")
     save_tiny_llama(root / "model", "the cat sat on the mat " * 50)
     project = generate(root / "run", "--family", "hf", "--hf-model", str(root / "model"), "--lora", "--gpus", "2",
                        "--fp32")  # fmt: skip
-    out, resumed = root / "out", root / "resumed"
+    tp_project = generate(root / "run-tp", "--family", "hf", "--hf-model", str(root / "model"), "--lora", "--gpus",
+                          "4", "--tp", "2", "--fp32")  # fmt: skip
+    out, resumed, tp, tp_at_1 = root / "out", root / "resumed", root / "tp", root / "tp-at-1"
     run = [*TRAIN, "--training.steps", "4", "--checkpoint.interval", "2"]
-    interrupted = {"from": str(out), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
-    result = launch_several(project, [[*run, "--job.output_dir", str(out)],
-                                      {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted}],
-                            root / "runs.json", nproc=2)  # fmt: skip
+
+    def interrupted(folder: Path) -> dict:
+        return {"from": str(folder), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
+
+    result = launch_several(project, [
+        [*run, "--job.output_dir", str(out)],
+        {"args": [*run, "--job.output_dir", str(resumed)], "interrupted": interrupted(out)},
+        {"args": [*run, "--job.output_dir", str(tp)], "project": str(tp_project)},
+        {"args": [*run, "--job.output_dir", str(tp_at_1), "--parallel.tp", "1"], "project": str(tp_project),
+         "interrupted": interrupted(tp)},
+    ], root / "runs.json", nproc=4)  # fmt: skip
     # rank 4: (64 + 64) x 4 per attention projection (k, v: 64 + 32), (64 + 128) x 4 per MLP one, x 2 blocks.
-    assert "model: 123,200 parameters, 8,192 of them trainable (the others frozen)" in result.stdout
-    return {"root": root, "project": project, "model": root / "model", "out": out, "resumed": resumed}
+    assert result.stdout.count("model: 123,200 parameters, 8,192 of them trainable (the others frozen)") == 4
+    assert "resume: this run changes parallel.tp 2 -> 1" in result.stdout
+    return {"root": root, "project": project, "model": root / "model", "out": out, "resumed": resumed, "tp": tp,
+            "tp_at_1": tp_at_1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +91,12 @@ def test_only_the_adapters_train_and_have_optimizer_state(lora: dict, probed: Pa
 @pytest.fixture(scope="module")
 def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The project's one-process runs, in ONE Python process (run_scripts; an hf project's imports cost ~6 CPU-s a
-    process): "one", the 4-step run without torchrun; "merged" and "adapter", scripts/export.py of the 2-rank run's
-    step-4 checkpoint, the merged model and the PEFT adapter; "no-match", train.py with lora.target_modules that match
-    nothing; then "readme": the export and generate lines of the generated README's Run section, as printed (after
-    their `python`), in "project", a copy of the project with the 2-rank run in its outputs/ (what they name).
+    process): "one", the 4-step run without torchrun; "merged" and "adapter", scripts/export.py of the 4-rank run's
+    step-4 checkpoint, the merged model and the PEFT adapter; "one-adapter", "tp-adapter" and "tp-merged", the
+    exports of "one"'s and of the tp 2 x dp 2 run's step-4 checkpoints; "no-match", train.py with
+    lora.target_modules that match nothing; then "readme": the export and generate lines of the generated README's
+    Run section, as printed (after their `python`), in "project", a copy of the project with the 4-rank run in its
+    outputs/ (what they name).
     name -> (exit code, stdout, stderr) ("readme": "lines" -> the lines, "results" -> theirs); "root" -> the folder
     of their outputs (each in root/NAME)."""
     from tests.test_newcomer_path import bash_blocks
@@ -93,6 +110,12 @@ def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "one": ["train.py", *TRAIN, "--training.steps", "4", "--job.output_dir", str(root / "one")],
         "merged": ["scripts/export.py", step_4, "--output", str(root / "merged")],
         "adapter": ["scripts/export.py", step_4, "--output", str(root / "adapter"), "--adapter"],
+        "one-adapter": ["scripts/export.py", str(root / "one" / "checkpoints" / "step-4"), "--output",
+                        str(root / "one-adapter"), "--adapter"],
+        "tp-adapter": ["scripts/export.py", str(lora["tp"] / "checkpoints" / "step-4"), "--output",
+                       str(root / "tp-adapter"), "--adapter"],
+        "tp-merged": ["scripts/export.py", str(lora["tp"] / "checkpoints" / "step-4"), "--output",
+                      str(root / "tp-merged")],
         "no-match": ["train.py", *TRAIN, "--lora.target_modules", "attn_proj", "--job.output_dir",
                      str(root / "no-match")],
     }  # fmt: skip
@@ -103,16 +126,43 @@ def one_process(lora: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "readme": {"lines": lines, "results": results[len(runs):]}}  # fmt: skip
 
 
-def test_two_ranks_equal_one_process_and_resume_is_exact(lora: dict, one_process: dict) -> None:
-    two = [r["loss"] for r in metrics(lora["out"])]
+def test_four_ranks_equal_one_process_and_resume_is_exact(lora: dict, one_process: dict) -> None:
+    four = [r["loss"] for r in metrics(lora["out"])]
     # One process: train.py without torchrun, in one_process's Python process.
     code, _, stderr = one_process["one"]
     assert code == 0, stderr[-3000:]
     one = [r["loss"] for r in metrics(one_process["root"] / "one")]
-    assert len(two) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, two, strict=True)), (one, two)
+    assert len(four) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(one, four, strict=True)), (one, four)
     # Resume from step 2 (adapters and optimizer from the checkpoint, base weights from the pretrained files): the
     # lora fixture's second run.
-    assert [r["loss"] for r in metrics(lora["resumed"])] == two
+    assert [r["loss"] for r in metrics(lora["resumed"])] == four
+
+
+def test_tensor_parallel_lora_equals_one_process_and_exports_the_same_adapter(lora: dict, one_process: dict) -> None:
+    """tp 2 x dp 2 (the adapted layers' base_layer split by the model's plan, lora_B split with q/k/v/gate/up, lora_A
+    with o/down) equals one process step by step, and so does its resume at tp 1; its checkpoint exports the adapter
+    one process's exports, and the merged model of the FSDP run's checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    one = [(r["loss"], r["grad_norm"]) for r in metrics(one_process["root"] / "one")]
+    for run in ("tp", "tp_at_1"):
+        steps = [(r["loss"], r["grad_norm"]) for r in metrics(lora[run])]
+        assert len(steps) == 4, (run, steps)
+        for (loss, norm), (one_loss, one_norm) in zip(steps, one, strict=True):
+            assert abs(loss - one_loss) <= 1e-5 and abs(norm - one_norm) <= 2e-5, (run, steps, one)
+    for name in ("one-adapter", "tp-adapter", "tp-merged", "merged"):
+        assert one_process[name][0] == 0, one_process[name][2][-3000:]
+    # The final adapters, as PEFT's format holds them (every adapter whole, whatever the layout it trained in).
+    root = one_process["root"]
+    tp, reference = (load_file(root / kind / "adapter_model.safetensors") for kind in ("tp-adapter", "one-adapter"))
+    assert len(reference) == 28 and tp.keys() == reference.keys()
+    assert all(torch.any(reference[key] != 0) for key in reference if "lora_B" in key)  # trained
+    for key, value in reference.items():
+        assert (tp[key] - value).abs().max().item() <= 2e-5, key
+    tp, fsdp = (load_file(root / kind / "model.safetensors") for kind in ("tp-merged", "merged"))
+    assert tp.keys() == fsdp.keys()
+    assert all((tp[key] - fsdp[key]).abs().max().item() <= 2e-5 for key in fsdp)
 
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
