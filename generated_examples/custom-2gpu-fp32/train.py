@@ -55,7 +55,7 @@ from layout import ParallelLayout
 from metrics import MetricsLog
 from model import balance_experts, block_classes, build_model, initialize
 from model import loss as model_loss
-from ownership import die_with_launcher, launch_id
+from ownership import attempt_prefix, die_with_launcher, launch_id
 from preflight import PreflightError, preflight, start_run
 from profiling import Profiler
 
@@ -80,16 +80,10 @@ def init_distributed(config: Config) -> tuple[torch.device, DeviceMesh]:
     # rank waits in its next collective.
     timeout = timedelta(minutes=job.timeout_minutes)
     if "RANK" in os.environ:
+        prefix = attempt_prefix()  # before the rendezvous: a restart that cannot work is refused first
         store, rank, world_size = next(dist.rendezvous("env://"))
-        if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
-            # One torchrun runs every rank. It keeps one store for all its restarts (--max-restarts), where
-            # restarted workers would read the addresses the previous attempt's workers left and fail to
-            # connect (gloo). Its restart count, the same on every rank, gives each attempt its own keys. (The
-            # launch scripts start a new torchrun, with a new store, per attempt: there the count stays 0.)
-            # (With several nodes each torchrun counts only its own restarts, so this would split the ranks;
-            # there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a fresh store per attempt, instead.)
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = dist.PrefixStore(f"attempt_{attempt}", store)
+        if prefix:
+            store = dist.PrefixStore(prefix, store)
         dist.init_process_group(
             backend,
             store=store,

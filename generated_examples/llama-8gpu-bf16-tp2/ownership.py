@@ -64,6 +64,33 @@ def launch_id() -> str:
     return _PROCESS_LAUNCH
 
 
+def attempt_prefix() -> str | None:
+    """The key prefix that keeps this torchrun attempt's rendezvous apart from the attempts before it, or None.
+
+    torchrun keeps one store for all its restarts (--max-restarts; torch's own TCPStore, reused since 2.6), where
+    restarted workers would read the addresses the dead attempt's workers left and fail to connect (gloo:
+    "Connection refused"). With one torchrun, its restart count, the same on every rank, gives each attempt its own
+    keys. With several nodes each torchrun counts only its own restarts (the others restart on the membership
+    change, counting 0), so no prefix can agree across nodes: such restarts need a fresh store per attempt, which
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives torchrun; without it they are refused here, in one line, instead of
+    failing at the first restart. The launch scripts start a new torchrun (a new store) per attempt and pass
+    --max-restarts 0."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None  # the launch scripts' Ray workers, or a hand-set RANK: no torchrun, no restarts
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) == 1:
+        return f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        from errors import stop
+
+        stop(
+            f"torchrun --max-restarts {restarts} over {os.environ['GROUP_WORLD_SIZE']} nodes would restart the ranks "
+            "into the dead attempt's rendezvous store (each node counts its own restarts); give every node's torchrun "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), or use the launch scripts"
+        )
+    return None
+
+
 def process_start(pid: int) -> str | None:
     """When process `pid` started (field 22 of /proc/PID/stat, in clock ticks since boot), or None if it is gone
     (or a zombie). With the pid it names one process: a pid can be reused, a (pid, start time) pair cannot."""
