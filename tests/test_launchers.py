@@ -206,8 +206,11 @@ def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> Non
     steps = [*TINY, "--training.steps", "3"]
     # The one-process reference runs in this test's own process (no launch of its own: nothing distributed in it).
     train_in_this_process(project, *steps, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one"))
-    # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own.
+    # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own. Without the
+    # idle workers Ray prestarts for the first driver: ray_train.py's runtime_env (its env_vars) keeps Ray from
+    # handing its actors to them, so they only import Ray, on the cores the cluster starts on, and are stopped.
     env = {key: value for key, value in torchrun_env().items() if key != "RAY_ADDRESS"}
+    env["RAY_prestart_worker_first_driver"] = "0"
     ray = subprocess.run(
         [sys.executable, "ray_train.py", "--workers", "2", "--cpu", *steps, "--job.output_dir", "outputs-ray"],
         cwd=project, env=env, capture_output=True, text=True, timeout=600,
