@@ -9,6 +9,9 @@ What is not run as printed, and why:
 - GPU commands (no `DEVICE=cpu`): this machine has no GPU; the test checks instead that the folder they write
   is still empty, so they would start a run of their own instead of resuming the CPU run with other sizes.
 - `pytest` (the project's own suite, 8 minutes on 2 cores; test_training_runs.py runs it): collected only.
+- A printed command that changes nothing (the pip dry run, pytest's collection) printed twice for the same folder
+  runs once: the second time would print the same. `python scripts/generate.py` and `scripts/export.py` (one
+  process on a checkpoint, nothing distributed) run in the test's own process, not a process of their own.
 - The launches get a tiny model appended (--model.*), the same for every launch so that they resume each other:
   the default model in bf16 is ~10x slower on CPUs without bf16 instructions. The batch size, sequence length
   and steps stay those printed: they are what decides whether a printed command fits the run before it.
