@@ -206,8 +206,11 @@ def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> Non
     steps = [*TINY, "--training.steps", "3"]
     # The one-process reference runs in this test's own process (no launch of its own: nothing distributed in it).
     train_in_this_process(project, *steps, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "one"))
-    # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own.
+    # A local Ray with 2 CPU workers; RAY_ADDRESS unset, so ray_train.py starts (and stops) its own. Without the
+    # idle workers Ray prestarts for the first driver: ray_train.py's runtime_env (its env_vars) keeps Ray from
+    # handing its actors to them, so they only import Ray, on the cores the cluster starts on, and are stopped.
     env = {key: value for key, value in torchrun_env().items() if key != "RAY_ADDRESS"}
+    env["RAY_prestart_worker_first_driver"] = "0"
     ray = subprocess.run(
         [sys.executable, "ray_train.py", "--workers", "2", "--cpu", *steps, "--job.output_dir", "outputs-ray"],
         cwd=project, env=env, capture_output=True, text=True, timeout=600,
@@ -243,28 +246,10 @@ def sbatch(project: Path, env: dict[str, str], *overrides: str) -> tuple[int, st
     return wait_for_job(job_id, env), job_id
 
 
-def test_sbatch_trains_and_a_resubmission_resumes(slurm: dict[str, str], tmp_path: Path) -> None:
-    project = generate(tmp_path / "run", "--launcher", "slurm", "--gpus", "2", "--fp32")
-    code, job_id = sbatch(project, slurm, "--training.steps", "3")
-    logs = {p.name: p.read_text() for p in (project / "logs").iterdir() if p.name != ".gitignore"}
-    assert code == 0, logs
-    assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3]
-    assert "step      3/3 | loss" in logs[f"run-{job_id}.out"]
-    # The rendezvous port comes from the job id (two jobs on one head node do not collide), and the CPUs given to
-    # sbatch reach torchrun's task.
-    port = 20000 + int(job_id) % 20000
-    assert (
-        f"job {job_id}: 1 node(s) x 2 rank(s), rendezvous localhost:{port}, 2 CPUs per node"
-        in logs[f"run-{job_id}.out"]
-    )
-    # A requeued or resubmitted job continues from the newest checkpoint.
-    code, job_id = sbatch(project, slurm, "--training.steps", "5")
-    assert code == 0, (project / "logs" / f"run-{job_id}.err").read_text()[-3000:]
-    assert [m["step"] for m in metrics(project / "outputs")] == [1, 2, 3, 4, 5]
-    assert "resumed from outputs/checkpoints/step-3 at step 3" in (project / "logs" / f"run-{job_id}.out").read_text()
-
-
-def test_a_requeued_new_run_continues_itself(slurm: dict[str, str], tmp_path: Path) -> None:
+def test_sbatch_trains_a_requeued_job_continues_itself_and_a_resubmission_resumes(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    # One job, requeued mid-run, then a resubmission: the job trains, and both ways back into a run land in it.
     # checkpoint.resume = "never": a new run. SLURM requeues the job mid-run (as after a preemption): the requeued
     # job keeps its id, which is the launch id run.json records, so it continues its own run from the newest
     # checkpoint instead of being refused as a new run in a folder that holds one (issue 40). Its rows past that
@@ -272,7 +257,8 @@ def test_a_requeued_new_run_continues_itself(slurm: dict[str, str], tmp_path: Pa
     project = generate(tmp_path / "run", "--launcher", "slurm", "--gpus", "2", "--fp32")
     options = ["--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
                "--export=ALL,DEVICE=cpu,NPROC=2,OMP_NUM_THREADS=1"]  # fmt: skip
-    run = ["--training.steps", "80", "--checkpoint.interval", "10", "--checkpoint.resume", "never"]
+    interval = ["--checkpoint.interval", "10"]
+    run = ["--training.steps", "80", *interval, "--checkpoint.resume", "never"]
     submitted = subprocess.run(["sbatch", *options, "scripts/slurm.sbatch", *TINY, *run], cwd=project, env=slurm,
                                capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     job_id = submitted.stdout.strip().split(";")[0]
@@ -288,15 +274,27 @@ def test_a_requeued_new_run_continues_itself(slurm: dict[str, str], tmp_path: Pa
         assert time.monotonic() < deadline + 60, "the job was not requeued within 60 s"
         time.sleep(0.25)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True, timeout=60)
-    wait_for_job(job_id, slurm, timeout=300)  # TimeoutError: the requeued job did not end within 300 s
+    code = wait_for_job(job_id, slurm, timeout=300)  # TimeoutError: the requeued job did not end within 300 s
     log = (project / "logs" / f"run-{job_id}.out").read_text()
     errors = (project / "logs" / f"run-{job_id}.err").read_text()
+    assert code == 0, (log[-2000:], errors[-2000:])
     assert re.search(r"resumed from outputs/checkpoints/step-\d+ at step", log), (log[-2000:], errors[-2000:])
     records = metrics(project / "outputs")
     assert [r["step"] for r in records] == list(range(1, 81)), errors[-2000:]
     assert {r["run_id"] for r in records} == {json.loads((project / "outputs" / "run.json").read_text())["run_id"]}
     # SLURM's own lines about the requeue only: no refusal, no restart of a usage error.
     assert not re.search(r"^\S+\.(py|sh|sbatch): error:", errors, flags=re.M), errors[-2000:]
+    assert re.search(r"^step +80/80 \| loss", log, flags=re.M), log[-2000:]
+    # The rendezvous port comes from the job id (two jobs on one head node do not collide), and the CPUs given to
+    # sbatch reach torchrun's task.
+    port = 20000 + int(job_id) % 20000
+    assert f"job {job_id}: 1 node(s) x 2 rank(s), rendezvous localhost:{port}, 2 CPUs per node" in log, log[-2000:]
+    # A resubmitted job (a job id of its own, checkpoint.resume auto) continues the run from the newest checkpoint.
+    code, job_id = sbatch(project, slurm, "--training.steps", "82", *interval)
+    assert code == 0, (project / "logs" / f"run-{job_id}.err").read_text()[-3000:]
+    assert [m["step"] for m in metrics(project / "outputs")] == list(range(1, 83))
+    log = (project / "logs" / f"run-{job_id}.out").read_text()
+    assert "resumed from outputs/checkpoints/step-80 at step 80" in log, log[-2000:]
 
 
 @pytest.mark.parametrize("required", [False, True])

@@ -9,6 +9,9 @@ What is not run as printed, and why:
 - GPU commands (no `DEVICE=cpu`): this machine has no GPU; the test checks instead that the folder they write
   is still empty, so they would start a run of their own instead of resuming the CPU run with other sizes.
 - `pytest` (the project's own suite, 8 minutes on 2 cores; test_training_runs.py runs it): collected only.
+- A printed command that changes nothing (the pip dry run, pytest's collection) printed twice for the same folder
+  runs once: the second time would print the same. `python scripts/generate.py` and `scripts/export.py` (one
+  process on a checkpoint, nothing distributed) run in the test's own process, not a process of their own.
 - The launches get a tiny model appended (--model.*), the same for every launch so that they resume each other:
   the default model in bf16 is ~10x slower on CPUs without bf16 instructions. The batch size, sequence length
   and steps stay those printed: they are what decides whether a printed command fits the run before it.
@@ -22,6 +25,7 @@ task of five items, made here as a JSONL file and a YAML task definition.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -33,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, save_tiny_llama, torchrun_env
+from tests.conftest import REPO, TINY, generate, metrics, project_modules, save_tiny_llama, torchrun_env
+from tests.helpers.scripts import captured_in_this_process
 
 TINY_MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
               "--model.vocab_size", "128", "--model.ffn_dim", "172"]  # fmt: skip
@@ -62,6 +67,9 @@ class Shell:
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
         self.ran: list[str] = []
         self.tiny = TINY_MODEL  # appended to the launches (a Hugging Face model is tiny already: none)
+        # What a command that changes nothing printed, by folder and command: printed again, the same command in the
+        # same folder prints the same (pip's --dry-run resolution, pytest's --collect-only).
+        self.unchanging: dict[tuple[Path, str], str] = {}
 
     def run(self, command: str) -> str:
         words = shlex.split(command)
@@ -70,6 +78,8 @@ class Shell:
             self.cwd = self.cwd / words[1]
             assert self.cwd.is_dir(), command
             return ""
+        if (self.cwd, command) in self.unchanging:
+            return self.unchanging[self.cwd, command]
         if words[0] == "pip":
             if "-e" in words and words[words.index("-e") + 1] == ".":  # fsdp2gen itself: this suite's own install
                 return ""
@@ -83,11 +93,19 @@ class Shell:
             words = [*words, *self.tiny]
         env_words = [word for word in words if re.fullmatch(r"[A-Z_]+=\S*", word)]
         words = words[len(env_words) :]
+        if words[:2] in (["python", "scripts/generate.py"], ["python", "scripts/export.py"]) and not env_words:
+            # One process on a checkpoint, nothing distributed: run in this process, not a process of its own that
+            # imports torch (and, on the hub path, transformers, which this test imports anyway) again.
+            code, stdout, stderr = captured_in_this_process(self.cwd, *words[1:])
+            assert code == 0, f"{command} (in {self.cwd}) exited {code}:\n{stdout[-3000:]}{stderr[-3000:]}"
+            return stdout
         env = {**self.env, **dict(word.split("=", 1) for word in env_words)}
         result = subprocess.run(words, cwd=self.cwd, env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, f"{command} (in {self.cwd}) exited {result.returncode}:\n" + (
             result.stdout[-3000:] + result.stderr[-3000:]
         )
+        if "--dry-run" in words or "--collect-only" in words:
+            self.unchanging[self.cwd, command] = result.stdout
         return result.stdout
 
 
@@ -241,7 +259,9 @@ def test_wandb_mode_offline_from_the_environment_alone(wandb_project: Path, tmp_
     assert glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb")), os.listdir(out)
 
 
-def test_wandb_online_without_credentials_is_refused_by_preflight(wandb_project: Path, tmp_path: Path) -> None:
+def test_wandb_online_without_credentials_is_refused_by_preflight(
+    wandb_project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     result = launch_without_credentials(wandb_project, tmp_path / "home", out)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
@@ -256,10 +276,13 @@ def test_wandb_online_without_credentials_is_refused_by_preflight(wandb_project:
     home = tmp_path / "home"
     (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
     (home / ".netrc").chmod(0o600)
-    check = subprocess.run(
-        [sys.executable, "-c", "from preflight import check_environment; from config import parse_args; "
-         "check_environment(parse_args(['--job.device', 'cpu'])); print('ok')"],
-        cwd=wandb_project, env={**torchrun_env(), "HOME": str(home), "WANDB_API_KEY": "", "WANDB_MODE": ""},
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert check.stdout == "ok\n", check.stderr
+    # (In this process, no process of its own: preflight's checks of this machine involve nothing distributed.)
+    with monkeypatch.context() as patch, project_modules(wandb_project), contextlib.chdir(wandb_project):
+        patch.setenv("HOME", str(home))
+        patch.setenv("WANDB_API_KEY", "")
+        patch.setenv("WANDB_MODE", "")
+        patch.delenv("NETRC", raising=False)
+        from config import parse_args
+        from preflight import check_environment
+
+        check_environment(parse_args(["--job.device", "cpu"]))  # raises PreflightError if it refuses

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, generate, run_own_tests, torchrun, torchrun_env
+from tests.conftest import HELPERS, TINY, generate, run_own_tests, torchrun
+from tests.helpers.scripts import captured_in_this_process
 
 # scripts/launch_local.sh training on two CPU ranks (5 steps on a repeated batch: the loss falls steadily, one
 # progress line with its ETA per step, the checkpoints) is test_run_ownership.py's
@@ -102,13 +103,17 @@ def test_init_check_catches_blocks_left_uninitialised(projects: dict[str, Path],
     assert source.count(skip_blocks) == 1
     model.write_text(source.replace(skip_blocks, skip_blocks + '            if name.startswith("layers."):\n'
                                                                 "                continue\n"))  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "-k", "meta_init"],
-        cwd=broken, env={**torchrun_env(), "NPROC": "1"}, capture_output=True, text=True,
-    )  # fmt: skip
-    # (One process: the blocks are left uninitialised on any number of ranks.)
-    assert result.returncode == 1
-    assert "MISMATCH" in result.stdout and "layers.0.attention.wq.weight" in result.stdout
+    # The project's test_meta_init_matches_eager_init launches tests/check_init.py and fails on its MISMATCH line
+    # (its passing run is test_generated_projects_own_tests_pass above): the check script is what must catch it.
+    own_test = (broken / "tests" / "test_training.py").read_text()
+    assert 'launch("tests/check_init.py", tmp_path)' in own_test and '"MISMATCH" not in result.stdout' in own_test
+    # One process, a group of one, run in this process (no launch of its own): the blocks are left uninitialised on
+    # any number of ranks.
+    code, stdout, _ = captured_in_this_process(
+        broken, "tests/check_init.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out")
+    )
+    assert code == 1, stdout
+    assert "MISMATCH" in stdout and "layers.0.attention.wq.weight" in stdout, stdout
 
 
 def test_peak_memory_is_the_largest_ranks(projects: dict[str, Path]) -> None:
