@@ -201,6 +201,39 @@ def test_a_node_local_output_dir_stops_the_run(two_node_project: Path, tmp_path:
     assert not (node0 / "metrics.jsonl").exists() and not (node1 / "metrics.jsonl").exists()
 
 
+def test_bare_torchrun_restarts_across_nodes_into_a_shared_store_are_refused(
+    two_node_project: Path, tmp_path: Path
+) -> None:
+    # `torchrun --nnodes 2 --max-restarts 1` by hand: torch keeps one rendezvous store for every attempt, and each
+    # node counts only its own restarts, so the first restart would reconnect to the dead attempt's addresses and
+    # fail (tests/test_hf_parallel.py's 3-D kill restarts in place with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    # train.py refuses it in one line before the rendezvous; nothing is written.
+    port = str(free_port())
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--node-rank"]  # fmt: skip
+    run = [*TINY, "--job.device", "cpu", "--training.steps", "2", "--job.output_dir", str(tmp_path / "out")]
+    nodes = [
+        subprocess.Popen(
+            [*node, str(rank), "train.py", *run],
+            cwd=two_node_project,
+            env=torchrun_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    results = [(process.wait(timeout=600), process.communicate()[0]) for process in nodes]
+    assert all(code != 0 for code, _ in results), results
+    lines = [line for _, output in results for line in re.findall(r"^train\.py: error: .*$", output, flags=re.M)]
+    assert lines == [
+        "train.py: error: torchrun --max-restarts 1 over 2 nodes would restart the ranks into the dead attempt's "
+        "rendezvous store (each node counts its own restarts); give every node's torchrun "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt), or use the launch scripts"
+    ], [output[-3000:] for _, output in results]
+    assert not (tmp_path / "out").exists()
+
+
 def test_ray_workers_run_the_same_training_as_one_process(tmp_path: Path) -> None:
     project = generate(tmp_path / "run", "--launcher", "ray", "--gpus", "2", "--fp32")
     steps = [*TINY, "--training.steps", "3"]
