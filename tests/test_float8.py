@@ -1,7 +1,7 @@
 """--float8: torchao's Float8Linear in the blocks, weights all-gathered in float8, on 2 gloo ranks (llama; the hf and
 custom families' blocks on one); with tensor and pipeline parallelism, alone and together, the first step's gradients
-equal to float8 on one process: llama at tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (one 4-rank launch), an hf model's
-declared plans at the same three layouts (one 4-rank launch).
+equal to float8 on one process: llama at tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2, then an hf model's declared plans
+at the same three layouts, all in one launch of 4 ranks (the probes fixture).
 
 Torch's CPU float8 matmul (a reference kernel) runs the real float8 numerics here, ~20x slower than bf16, so
 the runs are tiny. On GPUs below compute capability 8.9 the generated test checks the error instead.
@@ -107,8 +107,32 @@ def assert_near_float8(label: str, got: dict, float8: dict, bf16: dict, bounds: 
         assert ratio <= bound, (label, names, ratio)
 
 
-def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_path: Path) -> None:
-    """One launch of 4 gloo ranks (tests/helpers/float8_tp_probe.py), three layouts in turn, each one first step from
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One launch of 4 gloo ranks (tests/helpers/float8_tp_probe.py): the llama project's three layouts (the test
+    below), then the hf project's (test_float8_hf_...), each layout's first-step gradients in its file. Returns the
+    projects, the hf model's folder, the files and the launch's stdout."""
+    root = tmp_path_factory.mktemp("float8-probes")
+    llama = generate(root / "llama", "--gpus", "4", "--bf16", "--float8", "--tp", "2", "--pp", "2")
+    folder = tiny_hf_model(root / "model")
+    hf = generate(root / "hf", "--family", "hf", "--hf-model", str(folder), "--gpus", "4", "--bf16", "--float8",
+                  "--tp", "2", "--pp", "2")  # fmt: skip
+    files = {name: root / f"{name}.pt" for name in ("tp", "pp", "tp-pp", "hf-tp", "hf-pp", "hf-tp-pp")}
+    layouts = [
+        f"{files['tp']}=--parallel.tp 2 {' '.join(ONE_BLOCK)}",
+        f"{files['pp']}=--parallel.tp 1 {' '.join(TWO_STAGES)}",
+        f"{files['tp-pp']}=--parallel.tp 2 {' '.join(TP_AND_STAGES)}",
+        f"@{hf}",  # the hf project's modules from here on
+        f"{files['hf-tp']}=--parallel.tp 2 --parallel.pp 1 --training.grad_accum_steps 2 {' '.join(HF_STEP)}",
+        f"{files['hf-pp']}=--parallel.tp 1 --parallel.pp 2 --training.grad_accum_steps 2 {' '.join(HF_STEP)}",
+        f"{files['hf-tp-pp']}=--parallel.tp 2 --parallel.pp 2 --training.grad_accum_steps 4 {' '.join(HF_STEP)}",
+    ]
+    stdout = torchrun(llama, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", nproc=4).stdout
+    return {"llama": llama, "hf": hf, "model": folder, "files": files, "stdout": stdout}
+
+
+def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(probes: dict, tmp_path: Path) -> None:
+    """The probes fixture's llama layouts, three in turn on 4 gloo ranks, each one first step from
     train.py's train_step, its gradients against float8 on one process (plain PyTorch):
 
     - tp 2 x dp 2: float8 conversion before tp, the Float8Linear layers split (torch's styles, on GPUs too: gloo
@@ -131,19 +155,13 @@ def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_pat
       after the attention 0.42, all parameters 0.64 (tp's bf16 rounding, over two blocks); with each tp slice scaled
       on its own (precompute left out) 1.04 and 0.97. The bounds sit between.
     """
-    project = generate(tmp_path / "run", "--gpus", "4", "--bf16", "--float8", "--tp", "2", "--pp", "2")
-    tp, pp, tp_pp = tmp_path / "tp.pt", tmp_path / "pp.pt", tmp_path / "tp-pp.pt"
-    layouts = [
-        f"{tp}=--parallel.tp 2 {' '.join(ONE_BLOCK)}",
-        f"{pp}=--parallel.tp 1 {' '.join(TWO_STAGES)}",
-        f"{tp_pp}=--parallel.tp 2 {' '.join(TP_AND_STAGES)}",
-    ]
-    probe = torchrun(project, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", nproc=4)
+    project, files = probes["llama"], probes["files"]
+    tp, pp, tp_pp = files["tp"], files["pp"], files["tp-pp"]
     # tp: wq, wk, wv, wo convert (multiples of 16 x tp); w1, w2, w3 (172 wide) stay bf16. pp (and tp x pp): the same
-    # layers of rank 0's stage (block 0) convert; the other stage converts block 1's.
-    converted = re.findall(r"^float8: .*", probe.stdout, flags=re.M)
+    # layers of rank 0's stage (block 0) convert; the other stage converts block 1's. (The hf layouts' lines follow.)
+    converted = re.findall(r"^float8: .*", probes["stdout"], flags=re.M)[:3]
     assert converted == ["float8: 4 of the blocks' 7 linear layers compute in float8 (CPU: torch's slow reference "
-                         "kernel)"] * 3, probe.stdout[-2000:]  # fmt: skip
+                         "kernel)"] * 3, probes["stdout"][-2000:]  # fmt: skip
     import torch
 
     float8 = first_step_gradients(project, tmp_path / "float8", ONE_BLOCK)
@@ -208,10 +226,10 @@ def hf_first_step_gradients(project: Path, folder: Path, float8: bool) -> dict:
     return grads
 
 
-def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_path: Path) -> None:
-    """An hf model (tiny Llama, pretrained weights) under float8, one launch of 4 gloo ranks, three layouts in turn
-    (tests/helpers/float8_tp_probe.py), each one first step's gradients against float8 on one process (plain
-    transformers, hf_first_step_gradients):
+def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(probes: dict) -> None:
+    """An hf model (tiny Llama, pretrained weights) under float8, the probes fixture's hf layouts, three in turn on 4
+    gloo ranks (after llama's, in the same launch), each one first step's gradients against float8 on one process
+    (plain transformers, hf_first_step_gradients):
 
     - tp 2 x dp 2: the model's declared tp plan (tensor_parallel.py, torch's ColwiseParallel/RowwiseParallel) splits
       the Float8Linear layers train.py converted first; each weight's scale precomputed over both tp slices. Measured
@@ -226,17 +244,11 @@ def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_
       precomputed per stage over both tp slices. Measured 0.64 and 0.80, as tp 2 x dp 2 (the stages add no
       rounding); precompute left out 1.09 and 1.10. tp's bounds.
     """
-    folder = tiny_hf_model(tmp_path / "model")
-    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(folder), "--gpus", "4", "--bf16",
-                       "--float8", "--tp", "2", "--pp", "2")  # fmt: skip
-    tp, pp, tp_pp = tmp_path / "tp.pt", tmp_path / "pp.pt", tmp_path / "tp-pp.pt"
-    layouts = [f"{tp}=--parallel.tp 2 --parallel.pp 1 --training.grad_accum_steps 2",
-               f"{pp}=--parallel.tp 1 --parallel.pp 2 --training.grad_accum_steps 2",
-               f"{tp_pp}=--parallel.tp 2 --parallel.pp 2 --training.grad_accum_steps 4"]  # fmt: skip
-    probe = torchrun(project, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", *HF_STEP, nproc=4)
+    project, folder, files = probes["hf"], probes["model"], probes["files"]
+    tp, pp, tp_pp = files["hf-tp"], files["hf-pp"], files["hf-tp-pp"]
     # q, k, v, o, gate, up, down of both decoder layers (tp), of rank 0's stage's one layer (pp, tp x pp).
-    converted = re.findall(r"^float8: (\d+) of the blocks' (\d+) linear layers", probe.stdout, flags=re.M)
-    assert converted == [("14", "14"), ("7", "7"), ("7", "7")], probe.stdout[-2000:]
+    converted = re.findall(r"^float8: (\d+) of the blocks' (\d+) linear layers", probes["stdout"], flags=re.M)[3:]
+    assert converted == [("14", "14"), ("7", "7"), ("7", "7")], probes["stdout"][-2000:]
     import torch
 
     float8 = hf_first_step_gradients(project, folder, float8=True)
