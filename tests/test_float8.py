@@ -236,7 +236,8 @@ def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(prob
       on this machine (as llama's above): after the first attention 0.64, all parameters 0.80 of float8's distance to
       bf16 (o_proj and down_proj sum their halves in bf16: both blocks' MLPs are float8 too, so more casts are
       downstream of that rounding than in llama's one-block run); each tp slice scaled on its own (precompute left
-      out) ~1.1 (at tp 2 on 2 ranks: 1.05 and 1.04); tp in bf16 1.00 and 1.00. The bounds sit between.
+      out) 1.05 and 1.04 (measured at tp 2 on 2 ranks; 1.09 and 1.10 at tp 2 x pp 2 below); tp in bf16 1.00 and
+      1.00. The bounds sit between.
     - pp 2 x dp 2: each stage (pipeline_stages.py's cut of the declared pp plan) converts its own decoder layer; the
       schedule's 2 micro-batches. Measured bit for bit equal to one process (0.0); the second stage left in bf16
       (pp 2 on 2 ranks) 0.96.
