@@ -1,7 +1,7 @@
 """--float8: torchao's Float8Linear in the blocks, weights all-gathered in float8, on 2 gloo ranks (llama; the hf and
-custom families' blocks on one); with tensor and pipeline parallelism, the first step's gradients equal to float8 on
-one process: llama at tp 2 x dp 2 and pp 2 x dp 2 (one 4-rank launch), an hf model's declared plans at tp 2 and pp 2
-(one 2-rank launch).
+custom families' blocks on one); with tensor and pipeline parallelism, alone and together, the first step's gradients
+equal to float8 on one process: llama at tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2, then an hf model's declared plans
+at the same three layouts, all in one launch of 4 ranks (the probes fixture).
 
 Torch's CPU float8 matmul (a reference kernel) runs the real float8 numerics here, ~20x slower than bf16, so
 the runs are tiny. On GPUs below compute capability 8.9 the generated test checks the error instead.
@@ -62,6 +62,10 @@ def test_float8_project_tracks_bf16_and_resumes_exactly(tmp_path: Path, family: 
 ONE_BLOCK = [*TINY, "--model.n_layers", "1", "--job.device", "cpu", "--parallel.pp", "1", "--training.grad_accum_steps",
              "1", "--training.loss_chunks", "8"]  # fmt: skip
 TWO_STAGES = [*TINY, "--job.device", "cpu", "--training.grad_accum_steps", "2", "--training.loss_chunks", "1"]
+# tp 2 x pp 2 on 4 ranks leaves one data-parallel rank: 4 micro-batches of 2 samples, the same micro-batches as pp 2 x
+# dp 2's 2 ranks x 2 (data.py's micro_batches; float8 scales each micro-batch's activations by its own maximum), so
+# both compare with one reference. Two blocks, one per stage, each split over the tp ranks.
+TP_AND_STAGES = [*TINY, "--job.device", "cpu", "--training.grad_accum_steps", "4", "--training.loss_chunks", "1"]
 # The parameters forward computes after the float8 attention (ffn_dim 172: the MLP stays bf16): their gradients say
 # whether the attention computed float8's numbers, little blurred by the tp run's own rounding.
 AFTER_ATTENTION = re.compile(r"\.(ffn_norm|feed_forward)\.|^(norm|output)\.weight$")
@@ -103,8 +107,32 @@ def assert_near_float8(label: str, got: dict, float8: dict, bf16: dict, bounds: 
         assert ratio <= bound, (label, names, ratio)
 
 
-def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_path: Path) -> None:
-    """One launch of 4 gloo ranks (tests/helpers/float8_tp_probe.py), two layouts in turn, each one first step from
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One launch of 4 gloo ranks (tests/helpers/float8_tp_probe.py): the llama project's three layouts (the test
+    below), then the hf project's (test_float8_hf_...), each layout's first-step gradients in its file. Returns the
+    projects, the hf model's folder, the files and the launch's stdout."""
+    root = tmp_path_factory.mktemp("float8-probes")
+    llama = generate(root / "llama", "--gpus", "4", "--bf16", "--float8", "--tp", "2", "--pp", "2")
+    folder = tiny_hf_model(root / "model")
+    hf = generate(root / "hf", "--family", "hf", "--hf-model", str(folder), "--gpus", "4", "--bf16", "--float8",
+                  "--tp", "2", "--pp", "2")  # fmt: skip
+    files = {name: root / f"{name}.pt" for name in ("tp", "pp", "tp-pp", "hf-tp", "hf-pp", "hf-tp-pp")}
+    layouts = [
+        f"{files['tp']}=--parallel.tp 2 {' '.join(ONE_BLOCK)}",
+        f"{files['pp']}=--parallel.tp 1 {' '.join(TWO_STAGES)}",
+        f"{files['tp-pp']}=--parallel.tp 2 {' '.join(TP_AND_STAGES)}",
+        f"@{hf}",  # the hf project's modules from here on
+        f"{files['hf-tp']}=--parallel.tp 2 --parallel.pp 1 --training.grad_accum_steps 2 {' '.join(HF_STEP)}",
+        f"{files['hf-pp']}=--parallel.tp 1 --parallel.pp 2 --training.grad_accum_steps 2 {' '.join(HF_STEP)}",
+        f"{files['hf-tp-pp']}=--parallel.tp 2 --parallel.pp 2 --training.grad_accum_steps 4 {' '.join(HF_STEP)}",
+    ]
+    stdout = torchrun(llama, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", nproc=4).stdout
+    return {"llama": llama, "hf": hf, "model": folder, "files": files, "stdout": stdout}
+
+
+def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(probes: dict, tmp_path: Path) -> None:
+    """The probes fixture's llama layouts, three in turn on 4 gloo ranks, each one first step from
     train.py's train_step, its gradients against float8 on one process (plain PyTorch):
 
     - tp 2 x dp 2: float8 conversion before tp, the Float8Linear layers split (torch's styles, on GPUs too: gloo
@@ -122,19 +150,18 @@ def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_pat
       No tp, so nothing rounds differently from one process: measured 4.7e-10 of float8's distance to bf16 (sums
       in another order); with the second stage left in bf16, 0.89. (Precomputing the scales or not gives the same
       numbers here, each stage's weight whole on its dp ranks: the precompute saves one all-reduce per weight.)
+    - tp 2 x pp 2 (dp 1; 1F1B, 4 micro-batches): each stage converts its block, then tp splits it; the scales of each
+      stage's weights precomputed over both tp slices. Against pp's reference (the same micro-batches), measured:
+      after the attention 0.42, all parameters 0.64 (tp's bf16 rounding, over two blocks); with each tp slice scaled
+      on its own (precompute left out) 1.04 and 0.97. The bounds sit between.
     """
-    project = generate(tmp_path / "run", "--gpus", "4", "--bf16", "--float8", "--tp", "2", "--pp", "2")
-    tp, pp = tmp_path / "tp.pt", tmp_path / "pp.pt"
-    layouts = [
-        f"{tp}=--parallel.tp 2 {' '.join(ONE_BLOCK)}",
-        f"{pp}=--parallel.tp 1 {' '.join(TWO_STAGES)}",
-    ]
-    probe = torchrun(project, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", nproc=4)
-    # tp: wq, wk, wv, wo convert (multiples of 16 x tp); w1, w2, w3 (172 wide) stay bf16. pp: the same layers of
-    # rank 0's stage (block 0) convert; rank 2's stage converts block 1's.
-    converted = re.findall(r"^float8: .*", probe.stdout, flags=re.M)
+    project, files = probes["llama"], probes["files"]
+    tp, pp, tp_pp = files["tp"], files["pp"], files["tp-pp"]
+    # tp: wq, wk, wv, wo convert (multiples of 16 x tp); w1, w2, w3 (172 wide) stay bf16. pp (and tp x pp): the same
+    # layers of rank 0's stage (block 0) convert; the other stage converts block 1's. (The hf layouts' lines follow.)
+    converted = re.findall(r"^float8: .*", probes["stdout"], flags=re.M)[:3]
     assert converted == ["float8: 4 of the blocks' 7 linear layers compute in float8 (CPU: torch's slow reference "
-                         "kernel)"] * 2, probe.stdout[-2000:]  # fmt: skip
+                         "kernel)"] * 3, probes["stdout"][-2000:]  # fmt: skip
     import torch
 
     float8 = first_step_gradients(project, tmp_path / "float8", ONE_BLOCK)
@@ -145,11 +172,17 @@ def test_float8_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_pat
     float8 = first_step_gradients(project, tmp_path / "float8-pp", TWO_STAGES)
     bf16 = first_step_gradients(project, tmp_path / "bf16-pp", TWO_STAGES, "--parallel.float8", "false")
     assert_near_float8("float8 pp 2 x dp 2", torch.load(pp), float8, bf16, [(list(float8), 1e-6)])
+    after = [name for name in float8 if AFTER_ATTENTION.search(name)]
+    assert len(after) == 10, after
+    assert_near_float8("float8 tp 2 x pp 2", torch.load(tp_pp), float8, bf16, [(after, 0.7), (list(float8), 0.8)])
 
 
-# The hf project's shape: global batch 8 of 32 tokens, 2 micro-batches (one per pipeline stage), the loss at once.
+# The hf project's shape: global batch 8 of 32 tokens, the loss at once, in micro-batches of 2 samples: 2 per rank on 2
+# data-parallel ranks (tp 2 x dp 2, pp 2 x dp 2), 4 on one (tp 2 x pp 2, and the reference on one process). Float8
+# scales each micro-batch's activations by its own maximum: every layout's micro-batches are the reference's.
 HF_STEP = ["--job.device", "cpu", "--training.steps", "1", "--training.seq_len", "32", "--training.global_batch_size",
-           "8", "--training.grad_accum_steps", "2", "--training.loss_chunks", "1"]  # fmt: skip
+           "8", "--training.loss_chunks", "1"]  # fmt: skip
+HF_ONE_PROCESS = [*HF_STEP, "--training.grad_accum_steps", "4"]
 # The tiny Llama's parameters forward computes after its first attention.
 HF_AFTER_ATTENTION = re.compile(r"post_attention_layernorm|\.mlp\.|^model\.norm\.weight$|^lm_head\.weight$")
 
@@ -169,7 +202,7 @@ def hf_first_step_gradients(project: Path, folder: Path, float8: bool) -> dict:
         from config import parse_args
         from data import ShuffledEpochs, SyntheticTokens, micro_batches
 
-        training = (config := parse_args(HF_STEP)).training
+        training = (config := parse_args(HF_ONE_PROCESS)).training
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         for block in model.model.layers if float8 else []:
             convert_to_float8_training(block, config=Float8LinearConfig())  # every dimension a multiple of 16
@@ -193,35 +226,36 @@ def hf_first_step_gradients(project: Path, folder: Path, float8: bool) -> dict:
     return grads
 
 
-def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(tmp_path: Path) -> None:
-    """An hf model (tiny Llama, pretrained weights) under float8, one launch of 2 gloo ranks, two layouts in turn
-    (tests/helpers/float8_tp_probe.py), each one first step's gradients against float8 on one process (plain
-    transformers, hf_first_step_gradients):
+def test_float8_hf_tensor_and_pipeline_parallel_equal_float8_on_one_process(probes: dict) -> None:
+    """An hf model (tiny Llama, pretrained weights) under float8, the probes fixture's hf layouts, three in turn on 4
+    gloo ranks (after llama's, in the same launch), each one first step's gradients against float8 on one process
+    (plain transformers, hf_first_step_gradients):
 
-    - tp 2: the model's declared tp plan (tensor_parallel.py, torch's ColwiseParallel/RowwiseParallel) splits the
-      Float8Linear layers train.py converted first; each weight's scale precomputed over both tp slices. Measured on
-      this machine (as llama's above): after the first attention 0.59, all parameters 0.74 of float8's distance to
+    - tp 2 x dp 2: the model's declared tp plan (tensor_parallel.py, torch's ColwiseParallel/RowwiseParallel) splits
+      the Float8Linear layers train.py converted first; each weight's scale precomputed over both tp slices. Measured
+      on this machine (as llama's above): after the first attention 0.64, all parameters 0.80 of float8's distance to
       bf16 (o_proj and down_proj sum their halves in bf16: both blocks' MLPs are float8 too, so more casts are
       downstream of that rounding than in llama's one-block run); each tp slice scaled on its own (precompute left
-      out) 1.05 and 1.04; tp in bf16 1.00 and 1.00. The bounds sit between.
-    - pp 2: each stage (pipeline_stages.py's cut of the declared pp plan) converts its own decoder layer; the
-      schedule's 2 micro-batches. Measured bit for bit equal to one process (0.0); the second stage left in bf16,
-      0.96.
+      out) 1.05 and 1.04 (measured at tp 2 on 2 ranks; 1.09 and 1.10 at tp 2 x pp 2 below); tp in bf16 1.00 and
+      1.00. The bounds sit between.
+    - pp 2 x dp 2: each stage (pipeline_stages.py's cut of the declared pp plan) converts its own decoder layer; the
+      schedule's 2 micro-batches. Measured bit for bit equal to one process (0.0); the second stage left in bf16
+      (pp 2 on 2 ranks) 0.96.
+    - tp 2 x pp 2 (dp 1, 4 micro-batches): each stage converts its decoder layer, the tp plan splits it, the scales
+      precomputed per stage over both tp slices. Measured 0.64 and 0.80, as tp 2 x dp 2 (the stages add no
+      rounding); precompute left out 1.09 and 1.10. tp's bounds.
     """
-    folder = tiny_hf_model(tmp_path / "model")
-    project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(folder), "--gpus", "4", "--bf16",
-                       "--float8", "--tp", "2", "--pp", "2")  # fmt: skip
-    tp, pp = tmp_path / "tp.pt", tmp_path / "pp.pt"
-    layouts = [f"{tp}=--parallel.tp 2 --parallel.pp 1", f"{pp}=--parallel.tp 1 --parallel.pp 2"]
-    probe = torchrun(project, str(HELPERS / "float8_tp_probe.py"), *layouts, "--", *HF_STEP, nproc=2)
-    # q, k, v, o, gate, up, down of both decoder layers (tp), of rank 0's stage's one layer (pp).
-    converted = re.findall(r"^float8: (\d+) of the blocks' (\d+) linear layers", probe.stdout, flags=re.M)
-    assert converted == [("14", "14"), ("7", "7")], probe.stdout[-2000:]
+    project, folder, files = probes["hf"], probes["model"], probes["files"]
+    tp, pp, tp_pp = files["hf-tp"], files["hf-pp"], files["hf-tp-pp"]
+    # q, k, v, o, gate, up, down of both decoder layers (tp), of rank 0's stage's one layer (pp, tp x pp).
+    converted = re.findall(r"^float8: (\d+) of the blocks' (\d+) linear layers", probes["stdout"], flags=re.M)[3:]
+    assert converted == [("14", "14"), ("7", "7"), ("7", "7")], probes["stdout"][-2000:]
     import torch
 
     float8 = hf_first_step_gradients(project, folder, float8=True)
     bf16 = hf_first_step_gradients(project, folder, float8=False)
     after = [name for name in float8 if HF_AFTER_ATTENTION.search(name)]
     assert len(after) == 10, after
-    assert_near_float8("hf float8 tp 2", torch.load(tp), float8, bf16, [(after, 0.8), (list(float8), 0.9)])
-    assert_near_float8("hf float8 pp 2", torch.load(pp), float8, bf16, [(list(float8), 1e-6)])
+    assert_near_float8("hf float8 tp 2 x dp 2", torch.load(tp), float8, bf16, [(after, 0.8), (list(float8), 0.9)])
+    assert_near_float8("hf float8 pp 2 x dp 2", torch.load(pp), float8, bf16, [(list(float8), 1e-6)])
+    assert_near_float8("hf float8 tp 2 x pp 2", torch.load(tp_pp), float8, bf16, [(after, 0.8), (list(float8), 0.9)])

@@ -1,8 +1,9 @@
 """Family hf with context parallelism (`--cp`): ring attention through transformers' own SDPA attention, every
 sequence split over the cp ranks (context_parallel.py). Tiny Llama, Qwen3 (tied embeddings, per-head q_norm /
-k_norm) and Qwen3-MoE (transformers' fused experts; its load figures compared too) checkpoints made here with
+k_norm), Qwen3-MoE and Mixtral (transformers' fused experts; their load figures compared too) and Mistral (a sliding
+window as long as training.seq_len: the whole causal mask, which ring attention splits) checkpoints made here with
 save_pretrained, trained by one generated project (--cp 2): Qwen3 at cp 2 x dp_shard 2 on 4 gloo ranks (FSDP over
-dp_shard x cp), Llama and Qwen3-MoE at cp 2 on 2 (FSDP over the cp ranks); and a tiny Llama
+dp_shard x cp), Llama, Qwen3-MoE, Mixtral and Mistral at cp 2 on 2 (FSDP over the cp ranks); and a tiny Llama
 with a chat tokenizer fine-tuned with LoRA on chat data by a `--lora --task sft` project at cp 2 on 2 (the loss mask
 split over the cp ranks with the tokens). All must equal one process in losses, gradient norms and final weights
 (LoRA's: the adapters), and step 1's loss must be plain transformers' on the same batch. Llama's cp 2 run has rank 1
@@ -15,9 +16,10 @@ GPU one. A model whose attention ring attention cannot split is refused in one l
 once on the meta device), and where its config.json says so by `fsdp2gen new` (test_bad_input_generator.py).
 
 Three launches (tests/helpers/several_runs.py), and torchrun's restart of the second: Qwen3 on 4 ranks; the chat
-data's preparation, the LoRA run, Qwen3-MoE's and Llama's on 2; then one process (without the shim: it has no cp
-ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py and makes the four
-references and plain transformers' losses. No network: every model is a local folder written by the test.
+data's preparation, the LoRA run, Qwen3-MoE's, Mixtral's, Mistral's and Llama's on 2; then one process (without the
+shim: it has no cp ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py
+and makes the six references and plain transformers' losses. No network: every model is a local folder written by
+the test.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ RUNS = {
     "llama": ("llama", lambda root: []),
     # A mixture of experts (transformers' fused experts; each token routed on its own cp rank), at cp 2 on 2.
     "qwen3-moe": ("qwen3-moe", lambda root: []),
+    "mixtral": ("mixtral", lambda root: []),
+    # Mistral 7B v0.3's sliding_window is null; a window of training.seq_len tokens is the shortest ring attention
+    # splits (a token attends to the 15 before it, all there are): plain transformers applies it, cp must match.
+    "mistral": ("mistral-window16", lambda root: []),
     "lora-sft": ("chat", lambda root: ["--data.path", str(root / "chats")]),
 }
 # Llama's run at cp 2 is killed in the middle of step 4 on torchrun's first attempt (several_runs.py's kill).
@@ -67,15 +73,17 @@ REFUSALS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("hf-cp-models")
     folders = save_tiny_models(root, {
         "llama": LlamaConfig(**SIZES),
         "qwen3": Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=True),
         "mistral": MistralConfig(**SIZES, sliding_window=4),
+        "mistral-window16": MistralConfig(**SIZES, sliding_window=16),
         "qwen3-moe": Qwen3MoeConfig(**SIZES, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2, tie_word_embeddings=False),
+        "mixtral": MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2),
     })  # fmt: skip
     return folders | {"chat": chat_model(root / "chat")}
 
@@ -100,11 +108,13 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
     launch_several(project, [options(models, root, "qwen3-cp2")], root / "cp2x2.json", nproc=4, env=env)
     # Llama's run has rank 1 SIGKILLed in step 4 (after its backward, before the optimizer step; the newest
     # checkpoint is step 2's): torchrun restarts both ranks, which resume from step 2 and compute steps 3 and 4 again
-    # (the LoRA and Qwen3-MoE runs, before it, are not run again).
+    # (the LoRA, Qwen3-MoE, Mixtral and Mistral runs, before it, are not run again).
     cp2 = launch_several(project, {
         "scripts": [prepare_chats(lora, root)],
         "runs": [{"args": options(models, root, "lora-sft-cp2"), "project": str(lora)},
                  options(models, root, "qwen3-moe-cp2"),
+                 options(models, root, "mixtral-cp2"),
+                 options(models, root, "mistral-cp2"),
                  {"args": options(models, root, "llama-cp2"), "kill": KILL}],
     }, root / "cp2.json", nproc=2, env=env, restarts=1)  # fmt: skip
     cases = {case: ["--world-size", "4", *TRAIN, "--model.path", str(models[name]), *args, "--job.output_dir",
@@ -146,10 +156,10 @@ def test_cp2_trains_equal_to_one_process_and_to_plain_transformers(
         b = [value for key, value in weights["one"].items() if "lora_B" in key]
         assert b and all(value.abs().max() > 0 for value in b)
         return
-    pretrained = load_file(models[name] / "model.safetensors")
+    pretrained = load_file(models[RUNS[name][0]] / "model.safetensors")
     # A mixture-of-experts file holds each expert apart (transformers fuses them on loading): the keys in common.
     shared = {key: value for key, value in pretrained.items() if key in weights["one"]}
-    assert shared and (name == "qwen3-moe" or shared.keys() == pretrained.keys())
+    assert shared and (name in ("qwen3-moe", "mixtral") or shared.keys() == pretrained.keys())
     assert all(not torch.equal(weights["one"][key], value) for key, value in shared.items())
 
 

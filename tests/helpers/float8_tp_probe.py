@@ -4,7 +4,11 @@ train.py's own train_step, as whole fp32 tensors, written by rank 0 (torch.save:
 each of several layouts in turn, all in one launch (a launch's process startup costs more than a tiny step):
 
     torchrun --nproc-per-node 4 float8_tp_probe.py tp.pt="--parallel.tp 2 --parallel.pp 1" \
-        pp.pt="--parallel.tp 1 --parallel.pp 2" -- --model.dim 64 ...   (train.py's overrides, for every layout)
+        pp.pt="--parallel.tp 1 --parallel.pp 2" @OTHER_PROJECT hf-tp.pt="..." -- --model.dim 64 ...
+
+(after `--`: train.py's overrides, for every layout). `@FOLDER` makes another generated project's modules (say, an
+hf project's) build the layouts after it: the modules of the one before are forgotten and FOLDER's imported
+instead (tests/helpers/several_runs.py's use_project; torch and the process group stay).
 
 Each layout gets its own mesh of the same ranks (layout.py), its own model, its own step. The gradients are taken
 where train_step hands them to its optimizer step (optimizer_step is swapped for a function that gathers them and
@@ -14,22 +18,29 @@ environment variable): the two compare tensor by tensor, which a loss or a norm,
 away, would not.
 """
 
+import importlib
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import train
-from checkpoint_common import TrainState
-from config import parse_args
-from data import ShuffledEpochs, SyntheticTokens, micro_batches
-from layout import ParallelLayout
+from several_runs import use_project
 
 split = sys.argv.index("--")
 runs = [argument.split("=", 1) for argument in sys.argv[1:split]]
 common = sys.argv[split + 1 :]
 device = None
-for out, overrides in runs:
-    config = parse_args([*common, *overrides.split()])
+for out, *overrides in runs:
+    if out.startswith("@"):
+        use_project(Path(out[1:]).resolve())
+        continue
+    train = importlib.import_module("train")
+    TrainState = importlib.import_module("checkpoint_common").TrainState
+    parse_args = importlib.import_module("config").parse_args
+    data = importlib.import_module("data")
+    ShuffledEpochs, SyntheticTokens, micro_batches = data.ShuffledEpochs, data.SyntheticTokens, data.micro_batches
+    ParallelLayout = importlib.import_module("layout").ParallelLayout
+    config = parse_args([*common, *overrides[0].split()])
     training = config.training
     if device is None:
         device, mesh = train.init_distributed(config)  # joins the process group (once), and the first mesh

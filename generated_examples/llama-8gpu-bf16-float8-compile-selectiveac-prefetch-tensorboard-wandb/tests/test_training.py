@@ -147,18 +147,19 @@ def test_float8_training_tracks_bf16_and_resumes_exactly(tmp_path: Path) -> None
         assert result.returncode != 0
         assert "parallel.float8 needs float8 tensor cores" in result.stdout + result.stderr, result.stderr[-2000:]
         return
-    result = launch("train.py", tmp_path / "float8", *steps)
-    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers.*", result.stdout)
-    assert converted and int(converted[1]) > 0, result.stdout
-    print(converted[0])  # which layers (pytest -s shows it)
-    float8 = metrics(tmp_path / "float8")
-    bf16 = train(tmp_path / "bf16", *steps, "--parallel.float8", "false")
-    for a, b in zip(float8, bf16, strict=True):
+    # The float8 run and the same in bf16, in one launch.
+    runs = train_several(tmp_path, {"float8": [], "bf16": ["--parallel.float8", "false"]}, *steps)
+    float8 = runs["float8"]
+    for a, b in zip(float8, runs["bf16"], strict=True):
         # Float8 rounds each matmul's inputs to 3 mantissa bits (e4m3) with one scale per tensor.
         assert abs(a["loss"] - b["loss"]) <= 1e-2 * abs(b["loss"]), (a, b)
     # Resume the float8 run from its step-2 checkpoint: steps 3 and 4 are the same again.
     shutil.copytree(tmp_path / "float8" / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
-    resumed = train(tmp_path / "resumed", *steps)
+    result = launch("train.py", tmp_path / "resumed", *steps)
+    converted = re.search(r"float8: (\d+) of the blocks' (\d+) linear layers.*", result.stdout)
+    assert converted and int(converted[1]) > 0, result.stdout
+    print(converted[0])  # which layers (pytest -s shows it)
+    resumed = metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed] == [3, 4]
     for a, b in zip(float8[2:], resumed, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
