@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, generate, metrics, project_modules, torchrun_env
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import flipped, launch_several
 
 STYLES = ("dcp", "dcp-async", "full")
@@ -245,18 +246,18 @@ def test_free_space_is_checked_before_the_run_and_before_every_save(
         ), errors[0]
         assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]
         assert checkpoint_names(run) == ["step-2"]
-        # Preflight, before torchrun starts, for a run whose first checkpoint no longer fits there.
+        # Preflight, before torchrun starts, for a run whose first checkpoint no longer fits there (`python
+        # preflight.py`, run in this process: captured_in_this_process).
         other = disk / "other"
-        result = subprocess.run(
-            [sys.executable, "preflight.py", "--world-size", "2", *TINY, *SAVES, "--job.output_dir", str(other)],
-            cwd=project, env=torchrun_env(), capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 2, result.stderr
+        code, _, stderr = captured_in_this_process(
+            project, "preflight.py", "--world-size", "2", *TINY, *SAVES, "--job.output_dir", str(other)
+        )
+        assert code == 2, stderr
         assert re.fullmatch(
             rf"preflight\.py: error: disk full: a checkpoint of this model needs about {needed / 2**20:.1f} MiB on "
             rf"the disk of {re.escape(str(other / 'checkpoints'))}, which has \d+\.\d MiB free; free space there, or "
             r"give a --job.output_dir on a disk with room\n",
-            result.stderr,
-        ), result.stderr
+            stderr,
+        ), stderr
     finally:
         subprocess.run(["umount", str(disk)], check=True)
