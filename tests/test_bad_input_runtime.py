@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env
-from tests.helpers.several_runs import launch_several
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.helpers import several_runs
+from tests.helpers.in_process import preflight_cases_in_this_process, run_captured_in_this_process
 
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
@@ -453,16 +454,21 @@ def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     (tmp / "missing-shard" / "val-00000.bin").unlink()
     project = projects["fp32"]
     finished, model_only = tmp / "finished", tmp / "model-only"
-    # Both in one process (tests/helpers/several_runs.py: train.train() per run), as `python train.py` makes each.
+    # Both in this process (tests/helpers/several_runs.py: train.train() per run, as `python train.py` makes each,
+    # a group of one; run_captured_in_this_process: the test's process imported torch already).
     head = [*TINY, "--job.device", "cpu", "--training.steps", "2", "--checkpoint.interval", "1", "--job.output_dir"]
     runs = [[*head, str(finished)], [*head, str(model_only), "--checkpoint.model_only_final", "true"]]
-    launch_several(project, runs, tmp_path_factory.mktemp("bad-input-runs") / "runs.json", nproc=1)
+    runs_file = tmp_path_factory.mktemp("bad-input-runs") / "runs.json"
+    runs_file.write_text(json.dumps(runs))
+    code, _, stderr = run_captured_in_this_process(project, several_runs.__file__, str(runs_file))
+    assert code == 0, stderr[-3000:]
     return {"project": project, "tmp": tmp, "finished": finished, "model_only": model_only}
 
 
 @pytest.fixture(scope="module")
 def results(inputs: dict) -> dict[str, list]:
-    """Every case of CASES, run by the project's own preflight.py (all in one process: see preflight_driver.py)."""
+    """Every case of CASES, run by the project's own preflight.py (all in this process: preflight_driver.py's
+    run_case, by preflight_cases_in_this_process)."""
     tmp, argvs = inputs["tmp"], {}
     for case, (args, _) in CASES.items():
         out = tmp / "out" / case
@@ -474,7 +480,7 @@ def results(inputs: dict) -> dict[str, list]:
         extra = ["--training.steps", "4"] if case == "resume-model-only-final" else []
         argv = [*world, *TINY, "--job.device", "cpu", "--job.output_dir", str(out), *extra, *args]
         argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
-    return preflight_cases(inputs["project"], argvs, tmp)
+    return preflight_cases_in_this_process(inputs["project"], argvs)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -712,7 +718,8 @@ def folder_listing(out: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def schema_results(projects: dict[str, Path], schema_inputs: Path) -> dict[str, list]:
     """Every case of SCHEMA_CASES, run by the project's own preflight.py as launch_local.sh runs it (NPROC=2,
-    DEVICE=cpu), all in one process (preflight_driver.py); and each case's output folder before and after."""
+    DEVICE=cpu), all in this process (preflight_cases_in_this_process); and each case's output folder before and
+    after."""
     tmp, argvs, before = schema_inputs, {}, {}
     for case, (args, _) in SCHEMA_CASES.items():
         out = tmp / "out" / case
@@ -721,7 +728,7 @@ def schema_results(projects: dict[str, Path], schema_inputs: Path) -> dict[str, 
         argv = ["--world-size", "2", "--config", "config.toml", "--job.device", "cpu", *TINY, "--job.output_dir",
                 str(out), *args]  # fmt: skip
         argvs[case] = [arg.format(out=out, tmp=tmp) for arg in argv]
-    results = preflight_cases(projects["fp32"], argvs, tmp)
+    results = preflight_cases_in_this_process(projects["fp32"], argvs)
     return {case: [*results[case], before[case] == folder_listing(tmp / "out" / case)] for case in SCHEMA_CASES}
 
 

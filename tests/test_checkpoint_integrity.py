@@ -12,23 +12,24 @@ import contextlib
 import json
 import os
 import re
-import resource
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY, generate, metrics, project_modules, torchrun_env
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import flipped, launch_several
 
 STYLES = ("dcp", "dcp-async", "full")
 # The file of the newest checkpoint that the tests damage: rank 1's shard, or the full style's weights.
 DAMAGED = {"dcp": "__1_0.distcp", "dcp-async": "__1_0.distcp", "full": "model.safetensors"}
 SAVES = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "3", "--job.device", "cpu"]
+# The file size limit of the run whose save cannot be written: every data file of a checkpoint is larger; what else
+# the run writes (metrics.jsonl, checkpoint.json, DCP's .metadata) far smaller.
+UNWRITABLE = 200_000
 
 
 @pytest.fixture(scope="module", params=STYLES)
@@ -43,21 +44,27 @@ def project(style: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def launched(style: str, project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One launch of 2 ranks, two runs (tests/helpers/several_runs.py: train.train() per run, each with its own
+    """One launch of 2 ranks, three runs (tests/helpers/several_runs.py: train.train() per run, each with its own
     config, seed and output folder): "straight", 6 uninterrupted steps, checkpoints at steps 2, 4 and 6 (the run
     the others are made from and compared to); then "corrupt", its resume from a copy of its folder without step-6
-    and with step-4's DAMAGED file corrupted (test_a_corrupt_newest_...). And the launch's stderr."""
+    and with step-4's DAMAGED file corrupted (test_a_corrupt_newest_...); last "unwritable", its resume from a copy
+    without step-6 and step-4's checksums (as older projects wrote it) to step 8 under a file size limit of
+    UNWRITABLE bytes, which stops the launch (test_a_save_that_cannot_be_written_...). And the launch's output."""
     root = tmp_path_factory.mktemp("launched")
-    straight, corrupt = root / "straight", root / "corrupt"
+    straight, corrupt, unwritable = root / "straight", root / "corrupt", root / "unwritable"
     damaged = {
         "from": str(straight),
         "remove": ["checkpoints/step-6"],
         "flip": [f"checkpoints/step-4/{DAMAGED[style]}"],
     }
+    older = {"from": str(straight), "remove": ["checkpoints/step-6"], "unrecorded": ["checkpoints/step-4"]}
     common = [*TINY, *SAVES, "--training.steps", "6", "--job.output_dir"]
-    runs = [[*common, str(straight)], {"args": [*common, str(corrupt)], "interrupted": damaged}]
-    result = launch_several(project, runs, root / "runs.json", nproc=2)
-    return {"straight": straight, "corrupt": corrupt, "stdout": result.stdout, "stderr": result.stderr}
+    runs = [[*common, str(straight)], {"args": [*common, str(corrupt)], "interrupted": damaged},
+            {"args": [*common[:-3], "--training.steps", "8", "--job.output_dir", str(unwritable)],
+             "interrupted": older, "file_size_limit": UNWRITABLE}]  # fmt: skip
+    result = launch_several(project, runs, root / "runs.json", nproc=2, check=False)
+    return {"straight": straight, "corrupt": corrupt, "unwritable": unwritable, "returncode": result.returncode,
+            "stdout": result.stdout, "stderr": result.stderr}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +73,14 @@ def straight(launched: dict) -> Path:
     return launched["straight"]
 
 
-def launch(
-    project: Path, output_dir: Path, *args: str, nproc: int = 2, preexec_fn: Callable[[], None] | None = None
-) -> subprocess.CompletedProcess:
+def launch(project: Path, output_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """train.py on `nproc` gloo ranks under torchrun (never restarted), or as one plain process."""
     command = [sys.executable, "train.py"]
     if nproc > 1:
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     command += [*TINY, *SAVES, "--job.output_dir", str(output_dir), *args]
     env = {**torchrun_env(), "PYTHONPATH": str(project)}
-    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600,
-                          preexec_fn=preexec_fn)  # fmt: skip
+    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
 def checkpoint_names(output_dir: Path) -> list[str]:
@@ -115,8 +119,9 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly_fr
     damaged = flipped((straight / "checkpoints" / "step-4" / DAMAGED[style]).read_bytes())
     # One line names the checkpoint, the file and the checkpoint used instead; each rank verified its share of the
     # files (2 ranks), and the damaged file is found whichever rank read it. (The launch's stderr: the straight run
-    # before it says nothing of the kind.)
-    assert re.findall(r"^.*(?:warning|error): .*$", launched["stderr"], flags=re.M) == [
+    # before it says nothing of the kind; the unwritable run after it, its own line, about its own folder.)
+    lines = re.findall(r"^.*(?:warning|error): .*$", launched["stderr"], flags=re.M)
+    assert [line for line in lines if str(launched["unwritable"]) not in line] == [
         f"train.py: warning: checkpoint {newest} is corrupt ({DAMAGED[style]}: checksum mismatch); kept as "
         "step-4.corrupt, resuming from step-2"
     ], launched["stderr"][-3000:]
@@ -165,47 +170,37 @@ def test_a_run_whose_only_checkpoint_is_corrupt_stops_the_launch_with_one_line(
     assert run_files(run) == before
 
 
-def file_size_limit(limit: int) -> Callable[[], None]:
-    """For subprocess's preexec_fn: no file of the process and its children may grow past `limit` bytes; a write
-    beyond it fails with EFBIG ("File too large") instead of killing the process (SIGXFSZ ignored)."""
-
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
 def test_a_save_that_cannot_be_written_stops_every_rank_with_one_line(
-    style: str, project: Path, straight: Path, tmp_path: Path
+    style: str, launched: dict, straight: Path
 ) -> None:
-    run = copy_run(straight, tmp_path / "run", keep=["step-2", "step-4"])
-    # Every data file of a checkpoint is larger than the limit; what else the run writes (metrics.jsonl,
-    # checkpoint.json, DCP's .metadata) far smaller.
-    limit, newest = 200_000, run / "checkpoints" / "step-4"
+    # The launched fixture's last run: the straight run's folder with step-2 and step-4, resumed to step 8 under a
+    # file size limit (RLIMIT_FSIZE on every rank, as `ulimit -f`): every data file of a checkpoint is larger than
+    # the limit; what else the run writes (metrics.jsonl, checkpoint.json, DCP's .metadata) far smaller.
+    run, newest = launched["unwritable"], launched["unwritable"] / "checkpoints" / "step-4"
+    small = ("checkpoint.json", ".metadata")
+    assert all(path.stat().st_size > UNWRITABLE for path in newest.iterdir() if path.name not in small)
+    assert all(path.stat().st_size < UNWRITABLE // 2 for path in newest.iterdir() if path.name in small)
     # The checkpoint resumed from is as older projects wrote it, without checksums ("files"): it loads as before.
-    info = json.loads((newest / "checkpoint.json").read_text())
+    info = json.loads((straight / "checkpoints" / "step-4" / "checkpoint.json").read_text())
     del info["files"]
-    (newest / "checkpoint.json").write_text(json.dumps(info))
-    small = [newest / name for name in ("checkpoint.json", ".metadata") if (newest / name).exists()]
-    assert all(path.stat().st_size > limit for path in newest.iterdir() if path not in small)
-    assert all(path.stat().st_size < limit // 2 for path in small)
-    checkpoints = run / "checkpoints"
-    saved = run_files(checkpoints)
-    result = launch(project, run, "--training.steps", "8", preexec_fn=file_size_limit(limit))
-    assert f"resumed from {newest} at step 4" in result.stdout, result.stdout[-3000:]
-    assert re.findall(r"^.*error: .*$", result.stderr, flags=re.M) == [
+    saved = {path.relative_to(straight): data for path, data in run_files(straight / "checkpoints").items()
+             if path.parent.name in ("step-2", "step-4")}  # fmt: skip
+    saved[Path("checkpoints/step-4/checkpoint.json")] = json.dumps(info).encode()
+    checkpoints, stdout, stderr = run / "checkpoints", launched["stdout"], launched["stderr"]
+    assert f"resumed from {newest} at step 4" in stdout, stdout[-3000:]
+    assert re.findall(r"^.*error: .*$", stderr, flags=re.M) == [
         f"train.py: error: checkpoint step-6 could not be written to disk in {checkpoints} (File too large: over the "
         "file size limit (ulimit -f) or the filesystem's largest file); step-4 stays the newest checkpoint: fix that "
         "and launch again to resume from it"
-    ], result.stderr[-3000:]
+    ], stderr[-3000:]
     # Every rank stopped with that line's exit code (2: a usage error, which the launch scripts do not retry), none
     # with a traceback of its own. (torchrun may end a rank that has not exited yet once another has: -15.)
-    assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]
-    assert "[rank" not in result.stderr and "OSError" not in result.stderr, result.stderr[-3000:]
+    assert launched["returncode"] != 0
+    assert "exitcode  : 2" in stderr and "exitcode  : 1 " not in stderr, stderr[-3000:]
+    assert "[rank" not in stderr and "OSError" not in stderr, stderr[-3000:]
     # The half-written step-6.tmp is gone; step-2 and step-4 stay as they were, step-4 the newest checkpoint, whole.
     assert checkpoint_names(run) == ["step-2", "step-4"]
-    assert run_files(checkpoints) == saved
+    assert {path.relative_to(run): data for path, data in run_files(checkpoints).items()} == saved
 
 
 def space_needed(project: Path) -> int:
@@ -251,18 +246,18 @@ def test_free_space_is_checked_before_the_run_and_before_every_save(
         ), errors[0]
         assert "exitcode  : 2" in result.stderr and "exitcode  : 1 " not in result.stderr, result.stderr[-3000:]
         assert checkpoint_names(run) == ["step-2"]
-        # Preflight, before torchrun starts, for a run whose first checkpoint no longer fits there.
+        # Preflight, before torchrun starts, for a run whose first checkpoint no longer fits there (`python
+        # preflight.py`, run in this process: captured_in_this_process).
         other = disk / "other"
-        result = subprocess.run(
-            [sys.executable, "preflight.py", "--world-size", "2", *TINY, *SAVES, "--job.output_dir", str(other)],
-            cwd=project, env=torchrun_env(), capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 2, result.stderr
+        code, _, stderr = captured_in_this_process(
+            project, "preflight.py", "--world-size", "2", *TINY, *SAVES, "--job.output_dir", str(other)
+        )
+        assert code == 2, stderr
         assert re.fullmatch(
             rf"preflight\.py: error: disk full: a checkpoint of this model needs about {needed / 2**20:.1f} MiB on "
             rf"the disk of {re.escape(str(other / 'checkpoints'))}, which has \d+\.\d MiB free; free space there, or "
             r"give a --job.output_dir on a disk with room\n",
-            result.stderr,
-        ), result.stderr
+            stderr,
+        ), stderr
     finally:
         subprocess.run(["umount", str(disk)], check=True)

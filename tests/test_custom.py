@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import generate, metrics, torchrun, torchrun_env
+from tests.helpers.in_process import run_captured_in_this_process
+from tests.helpers.scripts import captured_in_this_process
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
         "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.global_batch_size", "8",
@@ -62,13 +64,12 @@ def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) 
     )
     assert f"model: {128 * 64 + 64 * 64 + blocks + 2 * 64:,} parameters" in result.stdout
 
-    # A class name that matches no module stops before training, naming the classes there are.
-    wrong = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok", "--job.output_dir",
-         str(tmp_path / "wrong")], cwd=edited, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert wrong.returncode == 2
-    assert wrong.stderr == (
+    # A class name that matches no module stops before training, naming the classes there are. (`python train.py`,
+    # one process: run in this process, run_captured_in_this_process.)
+    wrong = run_captured_in_this_process(edited, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok",
+                                         "--job.output_dir", str(tmp_path / "wrong"))  # fmt: skip
+    assert wrong[0] == 2
+    assert wrong[2] == (
         "train.py: error: parallel.shard_modules: no module of class GatedBlok in the model; list the class(es) of "
         "its repeated blocks (classes in the model: Embedding, GatedBlock, LayerNorm, Linear, Model)\n"
     )
@@ -109,12 +110,12 @@ UNCLASSIFIED = (
 def test_op_level_ac_on_a_block_without_linear_layers_stops_with_one_line(tmp_path: Path) -> None:
     project = generate(tmp_path / "sac", "--family", "custom", "--gpus", "2", "--fp32", "--activation-checkpointing",
                        "selective")  # fmt: skip
-    # The generated block passes the check (its linear layers are aten.addmm): preflight accepts it.
+    # The generated block passes the check (its linear layers are aten.addmm): preflight accepts it. (`python
+    # preflight.py` involves nothing distributed: run in this process, captured_in_this_process.)
     env = {**torchrun_env(), "NPROC": "2", "DEVICE": "cpu"}
-    preflight = [sys.executable, "preflight.py", "--world-size", "2", *TINY]
-    accepted = subprocess.run([*preflight, "--job.output_dir", str(tmp_path / "ok")], cwd=project, env=env,
-                              capture_output=True, text=True)  # fmt: skip
-    assert (accepted.returncode, accepted.stderr) == (0, ""), accepted.stderr
+    preflight = ["preflight.py", "--world-size", "2", *TINY]
+    accepted = captured_in_this_process(project, *preflight, "--job.output_dir", str(tmp_path / "ok"))
+    assert (accepted[0], accepted[2]) == (0, ""), accepted[2]
     model = (project / "model.py").read_text()
     for old, new in EINSUM_LINEARS:
         assert old in model, old
@@ -127,15 +128,11 @@ def test_op_level_ac_on_a_block_without_linear_layers_stops_with_one_line(tmp_pa
                             capture_output=True, text=True)  # fmt: skip
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"preflight.py: error: {UNCLASSIFIED}\n")
     assert not out.exists()
-    # Started without the launcher, train.py's own preflight on rank 0 says it once, before building the model.
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TINY,
-         "--job.output_dir", str(out)], cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [f"train.py: error: {UNCLASSIFIED}"]
-    assert "exitcode  : 2" in result.stderr and "parameters" not in result.stdout
+    # (Started without the launcher, train.py runs the same preflight.preflight() on rank 0, which says it once
+    # before building the model: test_bad_input_runtime.py's test_torchrun_without_the_launcher_prints_the_error_once
+    # [data-missing] shows it for check_data, the check preflight() runs after this one.)
     # The fixes the line names: block-level modes need no op to classify.
     for mode in ("layer", "full"):
         args = ["--parallel.activation_checkpointing", mode, "--job.output_dir", str(tmp_path / mode)]
-        fixed = subprocess.run([*preflight, *args], cwd=project, env=env, capture_output=True, text=True)
-        assert (fixed.returncode, fixed.stderr) == (0, ""), (mode, fixed.stderr)
+        fixed = captured_in_this_process(project, *preflight, *args)
+        assert (fixed[0], fixed[2]) == (0, ""), (mode, fixed[2])

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import generate, metrics, torchrun, torchrun_env
-from tests.helpers.scripts import captured_in_this_process, run_in_this_process, run_scripts
+from tests.conftest import generate, metrics, torchrun_env
+from tests.helpers.in_process import run_captured_in_this_process
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 
 # hidden 64, 2 layers: each model is a few hundred KB.
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
@@ -80,9 +81,9 @@ def halve_the_norm(weights: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The project's one-process runs, in ONE Python process (run_scripts: an hf train.py's imports cost ~6 CPU-s a
-    process), one after the other; name -> (exit code, stdout, stderr), "root" -> their folder (root / name: a run's
-    output folder):
+    """The project's one-process runs, in this process (run_captured_in_this_process: an hf train.py's imports cost
+    ~6 CPU-s a process; the models fixture made them here), one after the other; name -> (exit code, stdout,
+    stderr), "root" -> their folder (root / name: a run's output folder):
     - "prepare": scripts/prepare_data.py of TEXT into root / "tokens" (the qwen2-tied run's data);
     - "llama-untied", "gpt2-tied": 5 steps of each model, and "NAME-export": scripts/export.py of its step 5;
     - "seed-0", "seed-0-again", "seed-1": 2 steps of a Llama with dropout, seeded 0, 0, 1 ("llama-dropout": its
@@ -113,19 +114,44 @@ def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest
     runs["shape"] = ["train.py", *TRAIN, "--model.path", str(shape), "--job.output_dir", str(root / "shape")]
     runs["shard-class"] = ["train.py", *TRAIN, "--parallel.shard_modules", "Qwen2Layer", "--job.output_dir",
                            str(root / "shard-class")]  # fmt: skip
-    return {"root": root, **dict(zip(runs, run_scripts(project, *runs.values()), strict=True))}
+    return {"root": root, **{name: run_captured_in_this_process(project, *argv) for name, argv in runs.items()}}
 
 
 @pytest.fixture(scope="module")
-def loads(project: Path, models: dict[str, Path], bf16_sharded_model: Path) -> str:
-    """The stdout of ONE 2-rank launch of tests/helpers/hf_load_probe.py: first the project's check_pretrained.py
-    checks of every model (--pretrained), then the two loads of the bf16 sharded model (--both)."""
+def two_ranks(
+    project: Path, models: dict[str, Path], bf16_sharded_model: Path, one_process: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict:  # fmt: skip
+    """ONE 2-rank launch of tests/helpers/hf_load_probe.py (an hf project's imports cost ~6 CPU-s a process): first
+    the project's check_pretrained.py checks of every model (--pretrained), then the two loads of the bf16 sharded
+    model (--both); then (--then-train, train.train() per run) "qwen2-tied", 5 steps of the Qwen2 on one_process's
+    prepared tokens, also saved as a Hugging Face folder at step 5 (checkpoint.save_format "hf"), and last a run of a
+    copy of the Qwen2 without model.norm.weight ("missing-model"), which stops the launch (test_weights_missing_...).
+    name -> output folder, "result" -> the launch."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    assert one_process["prepare"][0] == 0, one_process["prepare"][2][-3000:]
+    missing = edited_model(models["qwen2-tied"], root / "missing-model", lambda w: w.pop("model.norm.weight"))
+    runs = [[*TRAIN, "--model.path", str(models["qwen2-tied"]), "--training.steps", "5", "--data.path",
+             str(one_process["root"] / "tokens"), "--eval.every", "0", "--checkpoint.save_format", "hf",
+             "--job.output_dir", str(root / "qwen2-tied")],
+            [*TRAIN, "--model.path", str(missing), "--job.output_dir", str(root / "missing")]]  # fmt: skip
+    (root / "runs.json").write_text(json.dumps(runs))
     probe = Path(__file__).parent / "helpers" / "hf_load_probe.py"
     pretrained = ",".join(map(str, models.values()))
-    result = torchrun(project, str(probe), str(bf16_sharded_model), "--both", "--pretrained", pretrained,
-                      "--job.device", "cpu")  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(probe),
+         str(bf16_sharded_model), "--both", "--pretrained", pretrained, "--job.device", "cpu", "--then-train",
+         str(root / "runs.json")],
+        cwd=project, env={**torchrun_env(), "PYTHONPATH": str(project)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     print(result.stdout)
-    return result.stdout
+    return {"qwen2-tied": root / "qwen2-tied", "missing-model": missing, "result": result}
+
+
+@pytest.fixture(scope="module")
+def loads(two_ranks: dict) -> str:
+    """The stdout of the two_ranks launch, whose probe checks come first."""
+    return two_ranks["result"].stdout
 
 
 def test_sharded_pretrained_models_equal_from_pretrained(loads: str, models: dict[str, Path]) -> None:
@@ -144,7 +170,7 @@ def test_sharded_pretrained_models_equal_from_pretrained(loads: str, models: dic
 
 @pytest.mark.parametrize("name", ["llama-untied", "qwen2-tied", "gpt2-tied"])
 def test_five_steps_then_export_loads_with_from_pretrained(
-    project: Path, models: dict[str, Path], name: str, tmp_path: Path, one_process: dict
+    project: Path, models: dict[str, Path], name: str, one_process: dict, two_ranks: dict
 ) -> None:
     # qwen2-tied trains on 2 ranks, then its checkpoint and its export continue a prompt alike (generate.py). The
     # untied and GPT-2 exports do not depend on the ranks: one process trains and exports (the one_process
@@ -153,9 +179,7 @@ def test_five_steps_then_export_loads_with_from_pretrained(
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name != "qwen2-tied":
-        tmp_path = one_process["root"] / name
-    overrides = ["--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(tmp_path)]
+    tmp_path = one_process["root"] / name if name != "qwen2-tied" else two_ranks["qwen2-tied"]
     checkpoint, exported = tmp_path / "checkpoints" / "step-5", tmp_path / "exported"
     export = ["scripts/export.py", str(checkpoint), "--output", str(exported)]
     if name == "qwen2-tied":
@@ -168,9 +192,8 @@ def test_five_steps_then_export_loads_with_from_pretrained(
         expected = [*tokenizer(TEXT, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
         assert np.fromfile(tokens / "train-00000.bin", dtype=np.uint16).tolist() == expected
         assert tokenizer.decode(expected[:-1]) == TEXT
-        overrides += ["--data.path", str(tokens), "--eval.every", "0"]
-        # Also saved as a Hugging Face folder at step 5 (checkpoint.save_format "hf"), checked against the export.
-        torchrun(project, "train.py", *TRAIN, *overrides, "--checkpoint.save_format", "hf")
+        # Trained on 2 ranks by the two_ranks fixture's launch, which also saved it as a Hugging Face folder at step 5
+        # (checkpoint.save_format "hf"), checked against the export below.
         # generate.py finds the tokenizer through the run's model.path, or in the exported folder; the checkpoint
         # and its export are the same weights, so they continue the prompt alike.
         prompt = ["--prompt", "the cat", "--max-new-tokens", "8"]
@@ -267,27 +290,12 @@ def test_wrong_shard_class_stops_with_a_clear_message(one_process: dict) -> None
     assert "Qwen2DecoderLayer" in message
 
 
-def train_with_edited_weights(
-    project: Path, model: Path, tmp_path: Path, edit: Callable[[dict], object]
-) -> tuple[Path, subprocess.CompletedProcess]:
-    """A copy of `model` whose model.safetensors `edit` changed, and a 2-rank training run of it."""
-    folder = edited_model(model, tmp_path / "model", edit)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *TRAIN,
-         "--model.path", str(folder), "--job.output_dir", str(tmp_path / "out")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    return folder, result
-
-
-def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
-    project: Path, models: dict[str, Path], tmp_path: Path
-) -> None:
+def test_weights_missing_from_the_files_stop_every_rank_with_one_line(two_ranks: dict) -> None:
     # Found while loading (after the model is built on meta), not by preflight: the ranks stop together, rank 0
-    # prints the one line, and every rank exits 2 after leaving the process group (no SIGABRT at exit).
-    folder, result = train_with_edited_weights(
-        project, models["qwen2-tied"], tmp_path, lambda w: w.pop("model.norm.weight")
-    )
+    # prints the one line, and every rank exits 2 after leaving the process group (no SIGABRT at exit). (The two_ranks
+    # launch's last run, which stops it; the qwen2-tied run before it says no error.)
+    folder, result = two_ranks["missing-model"], two_ranks["result"]
+    assert result.returncode != 0
     assert re.findall(r"^train\.py: error: .*$", result.stderr, flags=re.M) == [
         f"train.py: error: {folder} lacks 1 weight(s) of Qwen2ForCausalLM, e.g. ['model.norm.weight']; its keys must "
         "be the model's state_dict() keys, or those transformers converts into them (e.g. per-expert MoE weights); "
@@ -301,8 +309,8 @@ def test_weights_missing_from_the_files_stop_every_rank_with_one_line(
 def test_training_seed_seeds_every_run_of_a_pretrained_model(one_process: dict) -> None:
     # Dropout on, and every sample the same (so that the seed's data order changes nothing): the losses depend
     # only on the dropout masks, which training.seed must decide, also when the weights are loaded, not drawn.
-    # The three runs one after the other in one Python process (one_process, after other runs): the seed, not a
-    # fresh process, must make a run's dropout masks.
+    # The three runs one after the other in one Python process (one_process's, after other runs; each starts from the
+    # test process's RNG state, whatever it is): the seed, not a fresh process, must make a run's dropout masks.
     runs = ("seed-0", "seed-0-again", "seed-1")
     assert [one_process[run][0] for run in runs] == [0, 0, 0], one_process["seed-1"][2][-3000:]
     first, again, other = ([record["loss"] for record in metrics(one_process["root"] / run)] for run in runs)
@@ -354,14 +362,14 @@ def test_op_level_activation_checkpointing_keeps_the_numbers_of_a_model_with_qkv
     # Qwen2's q/k/v projections have a bias (aten.addmm, not aten.mm): selective keeps every other one's output
     # like llama's; whatever it keeps, the losses and gradient norms are those of no checkpointing.
     # Which outputs the policy keeps does not depend on the number of ranks (tests/test_op_level_ac.py runs every
-    # mode on 2 ranks): both runs in one process, one after the other (run_scripts).
+    # mode on 2 ranks): both runs one process's, in this process (run_captured_in_this_process: the models fixture
+    # imported torch and transformers here).
     project = generate(tmp_path / "sac", "--family", "hf", "--hf-model", str(models["qwen2-tied"]), "--gpus", "2",
                        "--fp32", "--activation-checkpointing", "selective")  # fmt: skip
     modes = ("none", "selective")
-    results = run_scripts(project, *(
-        ["train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
-         "--job.output_dir", str(tmp_path / mode)] for mode in modes
-    ))  # fmt: skip
+    results = [run_captured_in_this_process(
+        project, "train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
+        "--job.output_dir", str(tmp_path / mode)) for mode in modes]  # fmt: skip
     assert [code for code, _, _ in results] == [0, 0], results[-1][2][-3000:]
     runs = {mode: [(row["loss"], row["grad_norm"]) for row in metrics(tmp_path / mode)] for mode in modes}
     assert len(runs["none"]) == 3 and runs["selective"] == runs["none"], runs

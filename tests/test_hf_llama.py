@@ -1,21 +1,24 @@
 """The built-in llama and Hugging Face checkpoints (hf_checkpoint.py): a tiny LlamaForCausalLM made here with
 save_pretrained, with Llama 3.1/3.2's rotary scaling ("llama3", as the checkpoints users start from have it),
 loaded by `fsdp2gen new --family llama --hf-model` projects under every layout (1, 2 and 4 ranks, tensor and
-pipeline parallel) equal to transformers' weights and logits; trained, then exported with
+pipeline parallel, both) equal to transformers' weights and logits; trained, then exported with
 `scripts/export.py --format hf` and saved with `checkpoint.save_format = "hf"`, loaded by from_pretrained with
 the trained model's logits; HF -> ours -> HF bit for bit, config.json's rotary scaling included. In-process:
-checkpoints without rotary scaling and with transformers 4's `rope_scaling`. Four launches in all."""
+checkpoints without rotary scaling and with transformers 4's `rope_scaling`, and the 1-rank resume. Two launches
+in all."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, project_modules, save_tiny_llama, torchrun
+from tests.helpers.in_process import run_captured_in_this_process
 from tests.helpers.scripts import run_in_this_process
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
@@ -152,9 +155,11 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
     # The resume source is untouched: the DCP checkpoint holds only its own files.
     assert not any("safetensors" in p.name for p in (out / "checkpoints" / "step-4").iterdir())
 
-    second = torchrun(project, PROBE, "--train", *common, "--training.steps", "6", nproc=1)
-    assert_equal_to_transformers(second.stdout, 21, sharded=True)
-    assert "resumed from" in second.stdout and "at step 4" in second.stdout, second.stdout[-2000:]
+    # One process: `python hf_llama_probe.py`, run in this process (torch and transformers are imported here).
+    code, stdout, stderr = run_captured_in_this_process(project, PROBE, "--train", *common, "--training.steps", "6")
+    assert code == 0, stderr[-3000:]
+    assert_equal_to_transformers(stdout, 21, sharded=True)
+    assert "resumed from" in stdout and "at step 4" in stdout, stdout[-2000:]
     assert len(metrics(out)) == 6
     assert sorted(p.name for p in (out / "hf").iterdir()) == ["step-4", "step-6"]  # keep_last 2
 
@@ -197,18 +202,34 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
     assert difference <= 1e-5
 
 
-@pytest.mark.parametrize(
-    ("options", "nproc"),
-    [pytest.param(("--gpus", "4", "--tp", "2"), 4, id="4-ranks-tp2"), pytest.param(("--gpus", "2", "--pp", "2"), 2,
-                                                                                   id="pp2")],
-)  # fmt: skip
-def test_every_layout_loads_transformers_weights(
-    llama: Path, tmp_path: Path, options: tuple[str, ...], nproc: int
-) -> None:
-    project = generate(tmp_path / "run", "--family", "llama", "--hf-model", str(llama), "--fp32", *options)
-    result = torchrun(project, PROBE, "--job.device", "cpu", nproc=nproc)
+# Each layout as a config of ONE project generated with --tp 2 --pp 2 on 4 ranks (its rendered code has both), all
+# checked in one 4-rank launch (hf_llama_probe.py --layouts: a launch's ranks import torch and transformers once):
+# tp 2 x FSDP 2, pp 2 x FSDP 2, and tp 2 x pp 2.
+LAYOUTS = {
+    "4-ranks-tp2": ["--parallel.pp", "1"],
+    "4-ranks-pp2": ["--parallel.tp", "1"],
+    "4-ranks-tp2-pp2": [],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> the probe's output for that layout of LAYOUTS."""
+    root = tmp_path_factory.mktemp("layouts")
+    project = generate(root / "run", "--family", "llama", "--hf-model", str(llama), "--fp32", "--gpus", "4", "--tp",
+                       "2", "--pp", "2")  # fmt: skip
+    (root / "layouts.json").write_text(json.dumps(LAYOUTS))
+    result = torchrun(project, PROBE, "--layouts", str(root / "layouts.json"), "--job.device", "cpu", nproc=4)
+    parts = re.split(r"^layout (\S+)$", result.stdout, flags=re.M)  # [before, name, its lines, name, ...]
+    found = dict(zip(parts[1::2], parts[2::2], strict=True))
+    assert sorted(found) == sorted(LAYOUTS), result.stdout[-3000:]
+    return found
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_loads_transformers_weights(layouts: dict[str, str], name: str) -> None:
     # Pipeline stages run only inside the schedule: their gathered weights run in a plain Model.
-    assert_equal_to_transformers(result.stdout, 21, sharded="--pp" not in options)
+    assert_equal_to_transformers(layouts[name], 21, sharded="pp2" not in name)
 
 
 def test_a_checkpoint_the_built_in_llama_cannot_take_stops_in_one_line(

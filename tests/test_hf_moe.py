@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
-from tests.helpers.scripts import run_scripts
+from tests.helpers.in_process import run_captured_in_this_process
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
@@ -75,8 +75,8 @@ def project(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def probe(project: Path, folders: list[Path], *overrides: str) -> tuple[dict[Path, list[dict]], str]:
-    """tests/helpers/hf_moe_probe.py on 2 ranks, one launch for every folder: (folder -> each rank's report, the
-    launch's stdout)."""
+    """tests/helpers/hf_moe_probe.py on 2 ranks, one launch for every folder (overrides: the probe's options and the
+    config's): (folder -> each rank's report, the launch's stdout)."""
     result = torchrun(project, str(HELPERS / "hf_moe_probe.py"), *map(str, folders), "--job.device", "cpu",
                       *overrides)  # fmt: skip
     lines = [line.removeprefix("probe ") for line in result.stdout.splitlines() if line.startswith("probe ")]
@@ -87,10 +87,25 @@ def probe(project: Path, folders: list[Path], *overrides: str) -> tuple[dict[Pat
 
 
 @pytest.fixture(scope="module")
-def probed(project: Path, models: dict[str, Path]) -> tuple[dict[Path, list[dict]], str]:
-    """The probe of the three models, then the load of the bf16 one by rank 0 alone (--blind-load), in one 2-rank
+def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the training runs (one_process's): root/NAME, a run's output folder."""
+    return tmp_path_factory.mktemp("hf-moe-runs")
+
+
+def train_args(models: dict[str, Path], root: Path, name: str) -> list[str]:
+    """train.py's arguments for 5 steps of model `name` into root/NAME."""
+    return [*TRAIN, "--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir", str(root / name)]
+
+
+@pytest.fixture(scope="module")
+def probed(project: Path, models: dict[str, Path], runs_root: Path) -> tuple[dict[Path, list[dict]], str]:
+    """The probe of the three models, then the load of the bf16 one by rank 0 alone (--blind-load), then (last,
+    --then-train) Qwen3-MoE's 5 steps of the one_process fixture, also saved as Hugging Face folders, in one 2-rank
     launch (a launch costs ~12 CPU-s; a model's probe ~1)."""
-    return probe(project, [models[name] for name in EXPERTS], "--blind-load", str(models["qwen3-moe-bf16"]))
+    run = runs_root / "qwen3-moe.json"
+    run.write_text(json.dumps([[*train_args(models, runs_root, "qwen3-moe"), "--checkpoint.save_format", "hf"]]))
+    return probe(project, [models[name] for name in EXPERTS], "--blind-load", str(models["qwen3-moe-bf16"]),
+                 "--then-train", str(run))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen3-moe-bf16"])
@@ -131,27 +146,29 @@ def test_a_folder_only_rank_0_sees_is_converted_by_rank_0_equal_to_from_pretrain
 
 
 @pytest.fixture(scope="module")
-def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def one_process(
+    project: Path, models: dict[str, Path], runs_root: Path, probed: tuple[dict[Path, list[dict]], str]
+) -> dict[str, object]:
     """Qwen3-MoE trained 5 steps on 2 ranks (each holds half the experts, gathered whole by the export), also saved
     as Hugging Face folders (checkpoint.save_format "hf": per-expert files too, each rank writing the parts of the
-    gathered experts it was given). Then in ONE Python process (run_scripts; an hf train.py's imports cost ~6 CPU-s
-    a process): its export; Mixtral's 5 steps and export (its names and its 12 experts' order do not depend on the
+    gathered experts it was given): the probed fixture's launch, last. Then in this process
+    (run_captured_in_this_process; an hf train.py's imports cost ~6 CPU-s a process, done here by the models
+    fixture): its export; Mixtral's 5 steps and export (its names and its 12 experts' order do not depend on the
     ranks: one process); the two runs train.py must refuse (REFUSED, each as a user's first try: one process, no
     torchrun). "qwen3-moe", "mixtral" -> output folder (exported/ in it); "refused" -> name -> (exit code, stdout,
     stderr)."""
-    root = tmp_path_factory.mktemp("hf-moe-runs")
+    root = runs_root
 
     def train(name: str) -> list[str]:
-        return ["train.py", *TRAIN, "--model.path", str(models[name]), "--training.steps", "5", "--job.output_dir",
-                str(root / name)]  # fmt: skip
+        return ["train.py", *train_args(models, root, name)]
 
     def export(name: str) -> list[str]:
         return ["scripts/export.py", str(root / name / "checkpoints" / "step-5"), "--output", str(root / name /
                 "exported")]  # fmt: skip
 
-    torchrun(project, *train("qwen3-moe"), "--checkpoint.save_format", "hf")
     refusals = refused_runs(models, root / "refused")
-    results = run_scripts(project, export("qwen3-moe"), train("mixtral"), export("mixtral"), *refusals.values())
+    runs = [export("qwen3-moe"), train("mixtral"), export("mixtral"), *refusals.values()]
+    results = [run_captured_in_this_process(project, *argv) for argv in runs]
     assert [code for code, _, _ in results[:3]] == [0, 0, 0], results[2][2][-3000:]
     return {"qwen3-moe": root / "qwen3-moe", "mixtral": root / "mixtral",
             "refused": dict(zip(refusals, results[3:], strict=True))}  # fmt: skip
@@ -223,14 +240,14 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
 
     # Trained 3 steps and exported merged: the experts' per-expert weights changed, the routers' did not (one
     # process: what the sharded adapters compute is the probe's above). Then the experts module itself, which is no
-    # layer peft adapts: one line, exit 2, naming the fix. The three runs in one Python process (run_scripts).
+    # layer peft adapts: one line, exit 2, naming the fix. The three runs in this process (run_captured_in_this_process:
+    # the models fixture imported torch and transformers here).
     checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-3", tmp_path / "exported"
-    trained, export, refused = run_scripts(
-        project,
+    trained, export, refused = (run_captured_in_this_process(project, *argv) for argv in (
         ["train.py", *TRAIN, *targets, "--training.steps", "3", "--job.output_dir", str(tmp_path / "out")],
         ["scripts/export.py", str(checkpoint), "--output", str(exported)],
         ["train.py", *TRAIN, "--lora.target_modules", "q_proj,experts", "--job.output_dir", str(tmp_path / "refused")],
-    )  # fmt: skip
+    ))  # fmt: skip
     assert trained[0] == 0, trained[2][-3000:]
     # Adapters: (32 + 32) x 4 on q; (32 + 16) x 4 on v; on each layer's experts, peft's shapes for the fused tensors.
     assert re.search(r"model: [\d,]+ parameters, [\d,]+ of them trainable", trained[1]), trained[1]

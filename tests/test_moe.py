@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
-from tests.helpers.scripts import run_scripts
+from tests.helpers import several_runs
+from tests.helpers.in_process import run_captured_in_this_process, script_in_this_process
 from tests.helpers.several_runs import launch_several
 
 # A tiny MoE llama: 3 blocks (the first dense, then 2 MoE blocks of 8 experts, top 2, one shared expert).
@@ -45,21 +46,64 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def real_text(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """test_on_real_text_...'s project, data and runs: test_real_data.py's sentences, a BPE tokenizer of 300 tokens
+    (the project's --tokenizer), prepared by the project's scripts/prepare_data.py; "runs": expert_bias_rate ->
+    (steps, train.py's arguments). Trained in two_ranks' launch."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests.test_real_data import sentences
+
+    root = tmp_path_factory.mktemp("real-text")
+    (root / "text").mkdir()
+    (root / "text" / "a.txt").write_text("\n".join(sentences(3000, 0)) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(root / "text" / "a.txt")], trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    project = generate(root / "run", "--gpus", "2", "--fp32", "--moe", "--tokenizer", str(root / "tokenizer.json"))
+    # scripts/prepare_data.py involves nothing distributed: run in this process (script_in_this_process).
+    script_in_this_process(project, "scripts/prepare_data.py", str(root / "text"), "--output", str(root / "data"),
+                           "--val-fraction", "0.1")  # fmt: skip
+    # TINY_MOE's model but for its vocabulary size: the tokenizer's 300.
+    pairs = zip(TINY_MOE[:16:2], TINY_MOE[1:16:2], strict=True)
+    model = [arg for pair in pairs if pair[0] != "--model.vocab_size" for arg in pair]
+    common = [*model, "--data.path", str(root / "data"), "--training.seq_len", "64",
+              "--training.global_batch_size", "8", "--training.warmup_steps", "10", "--training.lr", "3e-3",
+              "--training.loss_chunks", "1", "--job.log_every", "50", "--eval.every", "25", "--eval.batches", "4",
+              "--job.device", "cpu"]  # fmt: skip
+    # The control without biases runs 100 steps, by which the routing has collapsed (measured: max/mean 3.76 over
+    # its steps 51-100, the balanced run's last 50 steps 1.67).
+    steps = {"1e-2": 200, "0": 100}
+    runs = {rate: (total, [*common, "--training.steps", str(total), "--model.expert_bias_rate", rate,
+                           "--job.output_dir", str(root / f"rate-{rate}")])
+            for rate, total in steps.items()}  # fmt: skip
+    return {"root": root, "project": project, "runs": runs}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(project: Path, real_text: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The bias balancing's 4-step run on 2 ranks (dp_shard 2), 2 micro-batches per step, checkpoints at 2 and 4,
     and (in the same launch: tests/helpers/several_runs.py) its resume from step 2 in `resumed`, from a copy of the
-    run's folder without the step-4 checkpoint and with the metrics of steps 1-2; each run's console output beside
-    its folder (bias.stdout, resumed.stdout)."""
+    run's folder without the step-4 checkpoint and with the metrics of steps 1-2; then real_text's two runs, by
+    its project's train.py (several_runs.py's "project"). Each run's console output beside its folder
+    (bias.stdout, resumed.stdout; the real-text runs': real-text.stdout in real_text's root)."""
     root = tmp_path_factory.mktemp("two-ranks")
     run = [*TINY_MOE, *STEPS, *BIAS]
     interrupted = {"from": str(root / "bias"), "remove": ["checkpoints/step-4"], "metrics_lines": 2}
+    other = [{"args": args, "project": str(real_text["project"])} for _, args in real_text["runs"].values()]
     result = launch_several(project, [[*run, "--job.output_dir", str(root / "bias")],
                                       {"args": [*run, "--job.output_dir", str(root / "resumed")],
-                                       "interrupted": interrupted}], root / "runs.json", nproc=2)  # fmt: skip
-    # Rank 0 prints "run 1: ARGS" before the second run.
-    bias, resumed = result.stdout.split("\nrun 1: ", 1)
+                                       "interrupted": interrupted}, *other], root / "runs.json", nproc=2)  # fmt: skip
+    # Rank 0 prints "run N: ARGS" before the run N > 0.
+    bias, resumed, text = re.split(r"^run [12]: ", result.stdout, maxsplit=2, flags=re.M)
     (root / "bias.stdout").write_text(bias)
     (root / "resumed.stdout").write_text(resumed)
+    (real_text["root"] / "real-text.stdout").write_text(text)
     return {"bias": root / "bias", "resumed": root / "resumed"}
 
 
@@ -81,11 +125,11 @@ BAD_SETTINGS = [
 
 @pytest.fixture(scope="module")
 def one_process(project: Path, two_ranks: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The project's one-process scripts, one after the other in ONE Python process (run_scripts: torch imported
-    once), each as `python SCRIPT ARGS` runs it: tests/helpers/moe_probe.py ("probe"), the bias run's one-process
-    reference ("bias"), a Mixtral-routed run of 2 steps ("mixtral"), its export --format hf ("exported"), the export
-    of the 2-rank bias run, refused ("refused"), and train.py with each of BAD_SETTINGS (by case). Name -> (exit
-    code, stdout, stderr), and "root": the folder of their outputs."""
+    """The project's one-process scripts, one after the other in this process (run_captured_in_this_process: torch
+    is imported here already), each as `python SCRIPT ARGS` runs it: tests/helpers/moe_probe.py ("probe"), the bias
+    run's one-process reference ("bias"), a Mixtral-routed run of 2 steps ("mixtral"), its export --format hf
+    ("exported"), the export of the 2-rank bias run, refused ("refused"), and train.py with each of BAD_SETTINGS (by
+    case). Name -> (exit code, stdout, stderr), and "root": the folder of their outputs."""
     root = tmp_path_factory.mktemp("one-process")
     export = ["scripts/export.py", "--format", "hf", "--output"]
     runs = {
@@ -98,7 +142,7 @@ def one_process(project: Path, two_ranks: dict, tmp_path_factory: pytest.TempPat
         **{case: ["train.py", *TINY_MOE, *args, "--job.output_dir", str(root / case)]
            for case, args, _ in BAD_SETTINGS},
     }  # fmt: skip
-    return {"root": root, **dict(zip(runs, run_scripts(project, *runs.values()), strict=True))}
+    return {"root": root, **{name: run_captured_in_this_process(project, *argv) for name, argv in runs.items()}}
 
 
 def weights(checkpoint: Path) -> dict:
@@ -254,10 +298,16 @@ def test_sharded_init_is_the_same_on_any_number_of_ranks(project: Path, tmp_path
     source = (copy / "sharded_init.py").read_text()
     assert "INIT_BLOCK_ELEMENTS = 1 << 20\n" in source
     (copy / "sharded_init.py").write_text(source.replace("= 1 << 20\n", "= 1000\n"))
-    result = torchrun(copy, "tests/check_init.py", *TINY_MOE[:16], "--job.device", "cpu", nproc=nproc)
+    args = ["tests/check_init.py", *TINY_MOE[:16], "--job.device", "cpu"]
+    if nproc == 1:
+        # One process, `python tests/check_init.py` (a group of one): run in this process, which imported torch.
+        code, stdout, stderr = run_captured_in_this_process(copy, *args)
+        assert code == 0, stderr[-3000:]
+    else:
+        stdout = torchrun(copy, *args, nproc=nproc).stdout
     # Embeddings, norm, output; the dense block's 9 tensors; each MoE block's 14 (attention 4, norms 2, router,
     # experts 3, shared experts 3, expert_bias).
-    assert f"rank 0: {3 + 9 + 2 * 14} tensors equal" in result.stdout and "MISMATCH" not in result.stdout
+    assert f"rank 0: {3 + 9 + 2 * 14} tensors equal" in stdout and "MISMATCH" not in stdout
 
 
 @pytest.mark.parametrize("case,args,message", BAD_SETTINGS)
@@ -285,52 +335,21 @@ def test_the_generator_refuses_moe_with_what_it_does_not_compose_with(
     assert not (tmp_path / "run").exists()
 
 
-def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_experts(tmp_path: Path) -> None:
+def test_on_real_text_the_validation_loss_falls_and_the_biases_balance_the_experts(
+    real_text: dict, two_ranks: dict
+) -> None:
     """200 steps on prepared text (test_real_data.py's sentences, a BPE tokenizer of 300 tokens), the debug-moe
     expert layout (8 experts, top 2, 1 shared, a dense first block, sigmoid scores) at tiny widths, 2 ranks, about
-    30 s each. Measured (torch 2.13, CPU): without biases the routing collapses within 100 steps onto 2 experts
-    (max/mean 4.0, all of a layer's tokens on the same top 2 of 8); with expert_bias_rate 1e-2 the busiest
-    expert holds 1.6-1.7x the mean over the last 50 steps (512 tokens a step: a few tens of tokens per expert of
-    noise). 1e-2, not config.toml's 1e-3 (DeepSeek-V3's, for long runs): at 1e-3 the biases move 0.2 in 200 steps,
-    too little here to undo the collapse (max/mean 3.0 at step 200)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from tests.test_real_data import sentences
-
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "a.txt").write_text("\n".join(sentences(3000, 0)) + "\n")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train([str(tmp_path / "text" / "a.txt")], trainer)
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    tokenizer_file = str(tmp_path / "tokenizer.json")
-    project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--tokenizer", tokenizer_file)
-    prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", str(tmp_path / "text"), "--output",
-                               str(tmp_path / "data"), "--val-fraction", "0.1"], cwd=project, capture_output=True,
-                              text=True)  # fmt: skip
-    assert prepared.returncode == 0, prepared.stderr
-    # TINY_MOE's model but for its vocabulary size: the tokenizer's 300.
-    pairs = zip(TINY_MOE[:16:2], TINY_MOE[1:16:2], strict=True)
-    model = [arg for pair in pairs if pair[0] != "--model.vocab_size" for arg in pair]
-    common = [*model, "--data.path", str(tmp_path / "data"), "--training.seq_len", "64",
-              "--training.global_batch_size", "8", "--training.warmup_steps", "10", "--training.lr", "3e-3",
-              "--training.loss_chunks", "1", "--job.log_every", "50", "--eval.every", "25", "--eval.batches", "4",
-              "--job.device", "cpu"]  # fmt: skip
-    # The control without biases runs 100 steps, by which the routing has collapsed (measured: max/mean 3.76 over
-    # its steps 51-100, the balanced run's last 50 steps 1.67). Both runs in one launch of 2 ranks
-    # (tests/helpers/several_runs.py: train.train() per run, each with its own config, seed and output folder); the
-    # console tells them apart by their step counts.
-    steps = {"1e-2": 200, "0": 100}
-    result = launch_several(project, [[*common, "--training.steps", str(steps[rate]), "--model.expert_bias_rate", rate,
-                                       "--job.output_dir", str(tmp_path / f"rate-{rate}")] for rate in steps],
-                            tmp_path / "runs.json", nproc=2)  # fmt: skip
-    runs = {rate: metrics(tmp_path / f"rate-{rate}") for rate in steps}
+    30 s each (the real_text fixture's runs, in two_ranks' launch). Measured (torch 2.13, CPU): without biases the
+    routing collapses within 100 steps onto 2 experts (max/mean 4.0, all of a layer's tokens on the same top 2 of 8);
+    with expert_bias_rate 1e-2 the busiest expert holds 1.6-1.7x the mean over the last 50 steps (512 tokens a step:
+    a few tens of tokens per expert of noise). 1e-2, not config.toml's 1e-3 (DeepSeek-V3's, for long runs): at 1e-3
+    the biases move 0.2 in 200 steps, too little here to undo the collapse (max/mean 3.0 at step 200)."""
+    steps = {rate: total for rate, (total, _) in real_text["runs"].items()}
+    stdout = (real_text["root"] / "real-text.stdout").read_text()
+    runs = {rate: metrics(real_text["root"] / f"rate-{rate}") for rate in steps}
     for rate, total in steps.items():
-        printed = re.findall(rf"^step +\d+/{total} \| .* \| experts max/mean (\d\.\d\d) \|", result.stdout, re.M)
+        printed = re.findall(rf"^step +\d+/{total} \| .* \| experts max/mean (\d\.\d\d) \|", stdout, re.M)
         assert printed == [f"{r['moe_load_max_mean']:.2f}" for r in runs[rate] if r["step"] % 50 == 0]
     balanced, unbalanced = runs["1e-2"], runs["0"]
     validation = [r["val_loss"] for r in balanced if "val_loss" in r]
@@ -351,12 +370,15 @@ def test_activation_checkpointing_modes_give_the_same_moe_numbers(tmp_path: Path
     2nd block recomputed, the other not) and "full" give no AC's losses, grad norms and load figures. A recomputed
     block runs its router again in backward: its tokens must not count twice."""
     project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--activation-checkpointing", "selective")
-    # The 4 runs in one plain process (tests/helpers/several_runs.py: train.train() per run, each with its own
-    # config, seed and output folder).
+    # The 4 runs one plain process's, in this process (tests/helpers/several_runs.py: train.train() per run, each
+    # with its own config, seed and output folder; run_captured_in_this_process: torch is imported here already).
     modes = ("none", "selective", "layer", "full")
-    launch_several(project, [[*TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01",
-                              "--training.steps", "3", "--parallel.activation_checkpointing", mode, "--job.output_dir",
-                              str(tmp_path / mode)] for mode in modes], tmp_path / "runs.json", nproc=1)  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps([
+        [*TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01", "--training.steps", "3",
+         "--parallel.activation_checkpointing", mode, "--job.output_dir", str(tmp_path / mode)] for mode in modes
+    ]))  # fmt: skip
+    code, _, stderr = run_captured_in_this_process(project, several_runs.__file__, str(tmp_path / "runs.json"))
+    assert code == 0, stderr[-3000:]
     runs = {mode: metrics(tmp_path / mode) for mode in modes}
     figures = ["loss", "grad_norm", "moe_aux_loss", *MOE_FIGURES]
     for mode in ("selective", "layer", "full"):

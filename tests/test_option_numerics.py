@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests, torchrun_env
-from tests.helpers.scripts import run_in_this_process
+from tests.conftest import HELPERS, TINY, generate, metrics, run_own_tests
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 STEPS = 10
@@ -149,17 +147,17 @@ def test_tensor_parallel_run_equals_plain_pytorch(
 
 
 def test_tensor_parallel_needs_seq_len_divisible_by_tp(tp_project: Path, tmp_path: Path) -> None:
-    """Sequence parallelism splits every sample's tokens over the tp ranks: preflight refuses an odd seq_len."""
-    result = subprocess.run(
-        [sys.executable, "preflight.py", "--world-size", "4", *TINY, "--training.seq_len", "31",
-         "--training.loss_chunks", "1", "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out")],
-        cwd=tp_project, env=torchrun_env(), capture_output=True, text=True,
+    """Sequence parallelism splits every sample's tokens over the tp ranks: preflight refuses an odd seq_len.
+    (`python preflight.py` involves nothing distributed: run in this process, captured_in_this_process.)"""
+    result = captured_in_this_process(
+        tp_project, "preflight.py", "--world-size", "4", *TINY, "--training.seq_len", "31", "--training.loss_chunks",
+        "1", "--job.device", "cpu", "--job.output_dir", str(tmp_path / "out"),
     )  # fmt: skip
     expected = (
         "preflight.py: error: training.seq_len (31) must be divisible by parallel.tp (2), which splits each "
         "sample's tokens; e.g. --training.seq_len 30\n"
     )
-    assert (result.returncode, result.stdout, result.stderr) == (2, "", expected)
+    assert result == (2, "", expected)
 
 
 def assert_equals_reference(tmp_path: Path, reference: tuple[list[dict], dict]) -> dict[str, float]:

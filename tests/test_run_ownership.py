@@ -32,8 +32,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import REPO, TINY, generate, metrics, preflight_cases, torchrun_env, tree
+from tests.conftest import REPO, TINY, generate, metrics, torchrun_env, tree
 from tests.helpers import noflock_fs
+from tests.helpers.in_process import preflight_cases_in_this_process, run_captured_in_this_process
 
 # The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
 # here directly, as well as through real launches below.
@@ -363,22 +364,21 @@ def test_a_new_run_restarted_never_continues_another_launchs_run(
     assert tree(finished_run) == before
 
 
-def launch_local_preflight(project: Path, cases: dict[str, list[str]], tmp_path: Path) -> dict[str, list]:
+def launch_local_preflight(project: Path, cases: dict[str, list[str]]) -> dict[str, list]:
     """{case: [exit code, stdout, stderr]} of `python preflight.py ARGS` as launch_local.sh (NPROC=2, DEVICE=cpu)
-    runs it with the arguments `cases` gives, all in one process."""
+    runs it with the arguments `cases` gives, all in this process (preflight_cases_in_this_process)."""
     head = ["--world-size", "2", "--config", "config.toml", "--job.device", "cpu", *TINY]
-    return preflight_cases(project, {case: [*head, *args] for case, args in cases.items()}, tmp_path)
+    return preflight_cases_in_this_process(project, {case: [*head, *args] for case, args in cases.items()})
 
 
-def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, finished_run: Path, tmp_path: Path) -> None:
-    # preflight.py's refusals, in one process: launch_local.sh stops with them before torchrun starts
+def test_an_output_dir_inside_another_runs_folder_is_refused(project: Path, finished_run: Path) -> None:
+    # preflight.py's refusals, in this process: launch_local.sh stops with them before torchrun starts
     # (tests/test_bad_input_runtime.py's test_launch_script_stops_before_torchrun_starts).
     before = tree(finished_run)
     inside = ("checkpoints/step-4/run-b", "checkpoints", "notes/run-b")
     results = launch_local_preflight(
-        project, {case: ["--job.output_dir", str(finished_run / case), "--training.steps", "2"] for case in inside},
-        tmp_path,
-    )  # fmt: skip
+        project, {case: ["--job.output_dir", str(finished_run / case), "--training.steps", "2"] for case in inside}
+    )
     for case in inside:
         expected = (
             f"preflight.py: error: job.output_dir {finished_run / case} is inside {finished_run}, the folder of "
@@ -395,20 +395,23 @@ def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Pat
     shutil.rmtree(out / "checkpoints")
     before = tree(out)
     run_id = json.loads((out / "run.json").read_text())["run_id"]
-    other = run(project, out, "--training.steps", "2", "--model.dim", "128", "--training.seq_len", "16")
+    # preflight.py as launch_local.sh runs it, in this process (what the script does with its refusal: stop, exit
+    # code 2, nothing else, is tests/test_bad_input_runtime.py's test_launch_script_stops_before_torchrun_starts).
+    other = launch_local_preflight(
+        project, {"other": ["--job.output_dir", str(out), "--training.steps", "2", "--model.dim", "128",
+                            "--training.seq_len", "16"]}
+    )["other"]  # fmt: skip
     expected = (
         f"preflight.py: error: {out} holds run {run_id} (run.json), which has no checkpoint yet and holds a different "
         f"model (model.dim 64 -> 128); resume with the model settings in {out / 'run.json'}, or {FRESH}\n"
     )
-    assert (other.returncode, other.stdout, other.stderr) == (2, "", expected)
+    assert other == [2, "", expected]
     assert tree(out) == before
-    # The same model and data continue it (one process: which run a folder holds does not depend on the ranks).
-    same = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(out), "--training.steps",
-         "2", "--data.synthetic_samples", "8"],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert same.returncode == 0, same.stderr[-3000:]
+    # The same model and data continue it (one process: which run a folder holds does not depend on the ranks;
+    # `python train.py` run in this process, run_captured_in_this_process).
+    same = run_captured_in_this_process(project, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir",
+                                        str(out), "--training.steps", "2", "--data.synthetic_samples", "8")  # fmt: skip
+    assert same[0] == 0, same[2][-3000:]
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert {r["run_id"] for r in metrics(out)} == {run_id}
 
@@ -444,14 +447,12 @@ def noflock_mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pa
 
 
 @pytest.mark.parametrize("noflock_mount", ["ENOSYS"], indirect=True)
-def test_an_output_dir_where_flock_does_not_work_is_refused_before_torchrun(
-    project: Path, noflock_mount: Path, tmp_path: Path
-) -> None:
+def test_an_output_dir_where_flock_does_not_work_is_refused_before_torchrun(project: Path, noflock_mount: Path) -> None:
     # A run trusts the folder's lock (rank 0's flock on run.lock) to keep a second launch out, on every node. Where
     # flock fails, preflight says so in one line naming the filesystem and the fix, before torchrun starts and
     # before the run writes anything; never a traceback from rank 0, never a run without a lock.
     out = noflock_mount / "run"
-    results = launch_local_preflight(project, {"no-flock": ["--job.output_dir", str(out)]}, tmp_path)
+    results = launch_local_preflight(project, {"no-flock": ["--job.output_dir", str(out)]})
     expected = (
         f"preflight.py: error: job.output_dir {out} is on the fuse.noflock filesystem noflock (mounted at "
         f"{noflock_mount}), where flock does not work (Function not implemented); the run lock that keeps two runs "

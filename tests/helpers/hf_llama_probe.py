@@ -2,19 +2,24 @@
 train.py builds (any layout: FSDP, tensor and pipeline parallel) must hold transformers' weights of
 model.hf_checkpoint bit for bit, and give transformers' logits.
 
-    torchrun ... hf_llama_probe.py [--train] [--section.key VALUE ...]
+    torchrun ... hf_llama_probe.py [--train] [--layouts LAYOUTS.json] [--section.key VALUE ...]
 
 Rank 0 prints "weights: N equal" (or "weights differ: NAMES"), "sharded logits max |diff| D" (layouts without
 pipeline stages: the sharded model's own forward) and "plain logits max |diff| D" (the gathered weights in a plain
 Model, whose forward is the one every layout runs). --train: then train.py's own train() runs with the same config.
+--layouts: the check once per layout of LAYOUTS.json ({name: [--section.key VALUE ...] added to the arguments}), each
+with its own config and mesh, in one launch; rank 0 prints "layout NAME" before each one's lines.
 """
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from config import parse_args
 from hf_checkpoint import from_hf, to_hf_key
+from layout import ParallelLayout
 from model import Model, output_logits
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -26,6 +31,20 @@ def main() -> None:
     args = sys.argv[1:]
     then_train = "--train" in args
     args = [arg for arg in args if arg != "--train"]
+    layouts = None
+    if "--layouts" in args:
+        at = args.index("--layouts")
+        layouts, args = json.loads(Path(args[at + 1]).read_text()), args[:at] + args[at + 2 :]
+
+    def check_layouts(_config, device, _mesh) -> int:
+        for name, overrides in layouts.items():
+            config = parse_args([*args, *overrides])
+            mesh = ParallelLayout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
+            dist.barrier()  # every rank has finished the layout before
+            if dist.get_rank() == 0:
+                print(f"layout {name}", flush=True)
+            check(config, device, mesh)
+        return 0
 
     def check(config, device, mesh) -> int:
         model = build_model_meta(config, mesh, device)
@@ -69,7 +88,7 @@ def main() -> None:
             train(config, device, mesh)
         return 0
 
-    run_on_every_rank(check, args)
+    run_on_every_rank(check if layouts is None else check_layouts, args)
 
 
 if __name__ == "__main__":

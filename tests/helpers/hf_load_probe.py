@@ -1,7 +1,8 @@
 """Run under torchrun in a generated hf project (test_hf.py): the sharded model filled by model.load_pretrained
 from FOLDER must equal transformers' from_pretrained(FOLDER, dtype=float32) bit for bit, every tensor.
 
-    torchrun ... hf_load_probe.py FOLDER [--blind | --both] [--pretrained MODEL,...] [--section.key VALUE ...]
+    torchrun ... hf_load_probe.py FOLDER [--blind | --both] [--pretrained MODEL,...] [--then-train RUNS.json]
+        [--section.key VALUE ...]
 
 --blind: every rank but 0 is given a folder that does not exist, as a rank on a node that does not see rank 0's
 folder would, so that load_pretrained must take its rank-0 broadcast path. --both: first every rank sees FOLDER,
@@ -12,6 +13,8 @@ then the same with --blind, in one launch. Rank 0 prints, for each load, "every-
 prints (each model's logits and memory line per rank, its "MISMATCH" lines, then the last model built from scratch),
 so that test_hf.py checks several models and FOLDER's loads with one launch (an hf project's imports cost ~6 CPU-s a
 process).
+
+--then-train RUNS.json: last, in the same launch, the training runs of RUNS.json (then_train.py).
 """
 
 import importlib.util
@@ -22,6 +25,7 @@ import model as model_module
 import torch
 import torch.distributed as dist
 from model import ModelArgs
+from then_train import take_option, train_runs  # beside this file (sys.path[0])
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from train import build_model_meta, run_on_every_rank
 from transformers import AutoModelForCausalLM
@@ -60,6 +64,7 @@ def check_pretrained(config, device, mesh, models: list[str]) -> None:
 
 def main() -> None:
     folder, args = Path(sys.argv[1]), sys.argv[2:]
+    runs, args = take_option(args, "--then-train")
     modes = [False, True] if "--both" in args else ["--blind" in args]
     models = args.pop(args.index("--pretrained") + 1).split(",") if "--pretrained" in args else []
     args = [arg for arg in args if arg not in ("--blind", "--both", "--pretrained")]
@@ -69,7 +74,7 @@ def main() -> None:
             check_pretrained(config, device, mesh, models)
         for blind in modes:
             check(config, device, mesh, folder, blind)
-        return 0
+        return train_runs(runs, device)
 
     run_on_every_rank(check_every_mode, args)
 

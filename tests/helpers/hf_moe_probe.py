@@ -17,6 +17,7 @@ rank prints one JSON line per folder ("probe {...}", its "folder" named):
   figures after those forwards and the reference's (from its router logits).
 --blind-load FOLDER: then hf_load_probe.py's --blind check of FOLDER in the same launch (rank 1 does not see it:
 rank 0 reads, converts and broadcasts), its lines ("warning: ...", "blind: equal") as that probe prints them.
+--then-train RUNS.json: last, in the same launch, the training runs of RUNS.json (then_train.py).
 """
 
 import json
@@ -28,6 +29,7 @@ import model as model_module
 import torch
 import torch.distributed as dist
 from model import ModelArgs
+from then_train import take_option, train_runs  # beside this file (sys.path[0])
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from train import build_model_meta, run_on_every_rank
 from transformers import AutoModelForCausalLM
@@ -40,6 +42,7 @@ def main() -> None:
     if "--blind-load" in args:
         at = args.index("--blind-load")
         blind, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
+    runs, args = take_option(args, "--then-train")
 
     def probe_all(config, device, mesh) -> int:
         for folder in folders:
@@ -48,7 +51,7 @@ def main() -> None:
             import hf_load_probe  # beside this file (sys.path[0])
 
             hf_load_probe.check(config, device, mesh, blind, blind=True)
-        return 0
+        return train_runs(runs, device)
 
     def probe(config, device, mesh, folder: Path) -> None:
         config.model = ModelArgs(path=str(folder), pretrained=True)

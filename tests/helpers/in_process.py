@@ -4,10 +4,13 @@ transformers: ~6 CPU-s) of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 from pathlib import Path
 
-from tests.helpers.scripts import run_in_this_process
+from tests.conftest import project_modules
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 
 
 def script_in_this_process(project: Path, script: str, *args: str) -> None:
@@ -19,5 +22,33 @@ def script_in_this_process(project: Path, script: str, *args: str) -> None:
     finally:
         # train.py switches the collector off while it imports and freezes what the process holds once they are
         # loaded (for a training process, its imports): both set back for the tests that follow.
+        gc.unfreeze()
+        gc.enable()
+
+
+def run_captured_in_this_process(project: Path, script: str, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python SCRIPT ARGS` in `project`, run in this process (captured_in_this_process;
+    train.py's collector settings set back after, as script_in_this_process does)."""
+    try:
+        return captured_in_this_process(project, script, *args)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def preflight_cases_in_this_process(project: Path, cases: dict[str, list[str]]) -> dict[str, list]:
+    """{case: [exit code, stdout, stderr]} of `python preflight.py ARGS` in `project` for each case's ARGS, as
+    conftest's preflight_cases gives them, but run in this process (tests/helpers/preflight_driver.py's run_case:
+    preflight.main() with sys.argv set, its output captured): preflight involves nothing distributed, and torch is
+    imported here already. What it changes is set back after: the project's modules, the folder, sys.argv, the
+    collector (preflight.main freezes what the process holds)."""
+    from tests.helpers.preflight_driver import run_case
+
+    argv = sys.argv
+    try:
+        with project_modules(project), contextlib.chdir(project):
+            return {case: run_case(args) for case, args in cases.items()}
+    finally:
+        sys.argv = argv
         gc.unfreeze()
         gc.enable()

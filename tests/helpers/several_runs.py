@@ -15,7 +15,10 @@ RUNS.json is a list of runs, or {"runs": [runs], "scripts": [[SCRIPT, ARGS...]],
   folder rank 0 first makes as an interrupted run leaves it: a copy of FOLDER (an earlier run's, of this launch or
   not) without PATHS (the newer checkpoints), with the first N lines of its metrics.jsonl (all if N is null or not
   given), and FILES (if given) damaged as silent disk corruption damages them: 64 bytes inverted in the middle
-  (flipped());
+  (flipped()), and "unrecorded": [FOLDERS] (if given) checkpoints whose checkpoint.json loses its checksums
+  ("files"), as older projects wrote it;
+- "file_size_limit": BYTES (the launch's last run): every rank runs it under RLIMIT_FSIZE (SIGXFSZ ignored), as
+  `ulimit -f` would: a write past BYTES fails with EFBIG ("File too large"); launch with check=False;
 - "reference": true (family hf, one process): after the run, the loss plain transformers computes on its step-1
   batch (tests/helpers/hf_one_process.py), printed as `OUTPUT_DIR: plain transformers step 1 loss X` (plain_losses());
 - "kill": {"rank": R, "step": S}: on torchrun's first attempt rank R SIGKILLs itself in the middle of step S, after
@@ -44,6 +47,7 @@ import importlib
 import json
 import os
 import re
+import resource
 import runpy
 import shutil
 import signal
@@ -54,21 +58,23 @@ from pathlib import Path
 
 def launch_several(
     project: Path, runs: list | dict, runs_file: Path, nproc: int, env: dict[str, str] | None = None,
-    restarts: int = 0,
+    restarts: int = 0, check: bool = True,
 ) -> subprocess.CompletedProcess:  # fmt: skip
     """The runs (see the module's docstring) in one launch of `nproc` gloo ranks in `project` (1: a plain process,
     a group of one, as `python train.py` runs; `restarts`: torchrun's --max-restarts), the list written to
     `runs_file`, with `env` added to the environment (PYTHONPATH: the project's by default); fails the test with
-    the output's tail unless every run succeeds."""
-    from tests.conftest import torchrun, torchrun_env
+    the output's tail unless every run succeeds (check=False: a launch whose last run is to stop it)."""
+    from tests.conftest import torchrun_env
 
     runs_file.write_text(json.dumps(runs))
     killed_mark(runs_file).unlink(missing_ok=True)
+    command = [sys.executable, __file__, str(runs_file)]
     if nproc > 1:
-        return torchrun(project, f"--max-restarts={restarts}", __file__, str(runs_file), nproc=nproc, env=env)
-    result = subprocess.run([sys.executable, __file__, str(runs_file)], cwd=project, capture_output=True, text=True,
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                        f"--max-restarts={restarts}"]  # fmt: skip
+    result = subprocess.run(command, cwd=project, capture_output=True, text=True,
                             env={**torchrun_env(), "PYTHONPATH": str(project), **(env or {})}, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 or not check, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -134,6 +140,9 @@ def main() -> None:
                     interrupt(run["interrupted"], Path(config.job.output_dir))
             dist.barrier()  # the folder is ready on every rank
             mesh = ParallelLayout.of(config.parallel, dist.get_world_size()).build_mesh(device.type)
+            if "file_size_limit" in run:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (run["file_size_limit"],) * 2)
             with killed(train, run.get("kill") if first_attempt else None, mark):
                 if run.get("reference"):
                     from hf_one_process import train_then_reference
@@ -233,6 +242,10 @@ def interrupt(interrupted: dict, output_dir: Path) -> None:
         metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[: interrupted["metrics_lines"]]))
     for path in interrupted.get("flip", []):
         (output_dir / path).write_bytes(flipped((output_dir / path).read_bytes()))
+    for folder in interrupted.get("unrecorded", []):
+        info = json.loads((output_dir / folder / "checkpoint.json").read_text())
+        del info["files"]
+        (output_dir / folder / "checkpoint.json").write_text(json.dumps(info))
 
 
 def flipped(data: bytes) -> bytes:
