@@ -184,7 +184,9 @@ def pipeline_plan(request: PlanRequest) -> Plan:
     compute = COMPUTE_BYTES[request.precision]
     largest = _largest_request(request, compute)
     rows = reserved_rows(request, per_gpu["total"], comm_buffers, 0 if in_backward else comm_buffers, largest)
-    trainable = parameter_count(model)
+    # With LoRA the adapters alone have gradients and AdamW state (and a full checkpoint's optimizer state).
+    trained = [shape for name, shape in parameter_shapes(model) if is_trainable(model, name)]
+    trainable = sum(math.prod(shape) for shape in trained)
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
     m, v = request.grad_accum_steps, request.pp_stages_per_rank
     bubble = plan_pp.bubble_fraction(request.pp, m, request.pp_schedule, v)
@@ -198,7 +200,7 @@ def pipeline_plan(request: PlanRequest) -> Plan:
         reserved=per_gpu["total"] + sum(rows.values()),
         reserved_rows=rows,
         host_per_gpu=worst.host,
-        full_checkpoint_host=3 * FP32 * trainable + FP32 * len(parameter_shapes(model)),
+        full_checkpoint_host=FP32 * parameter_count(model) + 2 * FP32 * trainable + FP32 * len(trained),
         usable_bytes=usable,
         fits=per_gpu["total"] <= usable,
         levers=[],

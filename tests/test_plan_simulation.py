@@ -41,8 +41,10 @@ OPTIONS = ("--bf16", "--gpus", "8", "--tp", "2", "--activation-checkpointing", "
 # The hf projects: generated on a tiny pretrained model (the generator checks its folder), then each row points
 # model.path at a folder holding Llama 3.1 8B's config.json only (scripts/plan_memory.py reads no weights).
 HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpointing", "selective")
+# (hf-pp is generated with --tp 2 as well, so that its rows can set parallel.tp: 1, or 8 for the 70B row.)
 HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft"),
-            "hf-tp": ("--tp", "2"), "hf-pp": ("--pp", "2")}  # fmt: skip
+            "hf-tp": ("--tp", "2"), "hf-pp": ("--pp", "2", "--tp", "2"),
+            "hf-pp-lora": ("--pp", "2", "--lora")}  # fmt: skip
 HF_8B = {"path": "Llama-3.1-8B"}  # HF_CONFIGS' name: the test points model.path at its folder
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds on 2 cores (fake tensors: the sizes cost
 # no memory or compute, the number of ops does: a row's time grows with its blocks, 70B's 80 blocks cost 40 s).
@@ -133,6 +135,46 @@ ROWS = [
         blocks=8,
         extra={"parallel.pp": 2},
     ),  # fmt: skip
+    # The user's machine for a 70B model: 2 nodes of 8 GPUs, tensor parallelism inside a node (tp 8, the model's
+    # declared plan), pipeline parallelism across the nodes (pp 2, 1F1B over 4 micro-batches: the first stage holds
+    # 2 in flight). Simulated at 4 and 6 blocks (2 and 3 per stage), each pipeline rank extrapolated to the 80 blocks:
+    # the first stage is the worst there, the last one at the small depths (its logits).
+    Row(
+        "hf-70b-tp8-pp2-selective",
+        {"path": "Llama-3.1-70B"},
+        project="hf-pp",
+        gpus=16,
+        tp=8,
+        ac="selective",
+        seq_len=8192,
+        global_batch_size=4,
+        grad_accum_steps=4,
+        loss_chunks=1,
+        extra={"parallel.pp": 2},
+        extrapolated_from=(4, 6),
+    ),  # fmt: skip
+    # Under pp: a mixture-of-experts model's stages (its routed blocks' activations and the experts' backward copies),
+    # and LoRA's (the adapters alone have gradients and AdamW state; every block of a stage stays gathered).
+    Row(
+        "hf-qwen3-30b-a3b-pp2-selective",
+        {"path": "Qwen3-30B-A3B"},
+        project="hf-pp",
+        ac="selective",
+        grad_accum_steps=2,
+        loss_chunks=1,
+        blocks=4,
+        extra={"parallel.pp": 2},
+    ),  # fmt: skip
+    Row(
+        "hf-8b-lora-pp2-selective",
+        HF_8B,
+        project="hf-pp-lora",
+        ac="selective",
+        grad_accum_steps=2,
+        loss_chunks=1,
+        blocks=4,
+        extra={"parallel.pp": 2},
+    ),  # fmt: skip
     # Mixture-of-experts models (transformers' fused experts, FSDP-sharded: hf projects have no --ep).
     # Mixtral 8x7B's whole step (32 blocks), by hand: plan -1.8%; Qwen3's (48): -1.0%.
     Row("hf-qwen3-30b-a3b-selective", {"path": "Qwen3-30B-A3B"}, project="hf", ac="selective", blocks=8),
@@ -207,7 +249,7 @@ SIMULATED = [
 MEASURED: dict[str, dict] = {}
 SIMULATIONS: dict[str, dict] = {}  # simulate_rows' figures by the id of a row in SIMULATED, and its "blocks"
 # The projects in the one simulating process, in turn (QLoRA's, whose nf4.py extends torch, last).
-SIMULATION_ORDER = ("llama", "hf", "hf-sft", "hf-lora", "hf-tp", "hf-qlora")
+SIMULATION_ORDER = ("llama", "hf", "hf-sft", "hf-lora", "hf-tp", "hf-pp", "hf-pp-lora", "hf-qlora")
 
 
 def simulation_order(row: Row) -> tuple[int, str]:
