@@ -128,6 +128,11 @@ def bubble_fraction(pp: int, micro_batches: int, schedule: str, stages_per_rank:
     return idle / (3 * v * m + idle)
 
 
+def pipeline_bubble(request: Any) -> float:
+    """bubble_fraction of the request's pipeline."""
+    return bubble_fraction(request.pp, request.grad_accum_steps, request.pp_schedule, request.pp_stages_per_rank)
+
+
 def bubble_formula(schedule: str, stages_per_rank: int) -> str:
     """bubble_fraction's formula as plan prints it."""
     if schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
@@ -374,7 +379,6 @@ def one_rank(
     compute: int,
 ) -> RankStages:
     """Pipeline rank `rank`'s figures, for its `stages`."""
-
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
     last_stage = pp * v - 1
     own = rank_parameters(shapes, stages, layers, last_stage)
@@ -383,9 +387,6 @@ def one_rank(
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
     sharded_trained = sum(request_shard_numel(request, name, shape) for name, shape in trained)
     gathered = sum(math.prod(shape) for _, shape in own)
-    blocks = {block_index(n) for n, _ in trained if in_block(n)}
-    units = [sum(math.prod(s) for n, s in trained if in_block(n) and block_index(n) == i) for i in blocks]
-    units.append(sum(math.prod(s) for n, s in trained if not in_block(n)))
     last = last_stage in stages
     held = in_flight(request.pp_schedule, pp, rank, m, v)
     # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
@@ -403,7 +404,7 @@ def one_rank(
         # rotary's tables: llama's cos and sin; an hf model's inverse frequencies and transformers' copy of them.
         "model_buffers": 2 * FP32 * (1 if isinstance(model, HfShape) else model.max_seq_len) * (model.head_dim // 2),
         "all_gather_buffers": compute * gathered,
-        "reduce_scatter_buffers": request.reduce_bytes * max(units),
+        "reduce_scatter_buffers": request.reduce_bytes * largest_unit(trained),
         "deferred_gradients": request.reduce_bytes * sum(deferred_numel(request, n, shape) for n, shape in trained),
         "ring_attention": 0,
         "all_to_all_buffers": 0,
@@ -414,18 +415,33 @@ def one_rank(
         "loss_backward": loss_backward if last else 0,
         "activations": activations[request.ac],
     }
-    head = 0
-    if isinstance(model, HfShape):
-        # torch.distributed.pipelining allocates every micro-batch's receive buffers at the first step and keeps
-        # them (stage.py's _RecvInfo): a stage after the first its inputs', one before the last its outputs'
-        # gradients', each the hidden states in the stages' fp32 output dtype.
-        receives = sum((stage > 0) + (stage < last_stage) for stage in stages)
-        per_gpu["pipeline_buffers"] = receives * m * FP32 * request.batch * request.local_seq_len * model.dim
-        per_gpu["block_backward"] = hf_block_backward_bytes(request, compute)
-        head = hf_stage_head_bytes(request, compute, last)
+    extra, head = hf_stage_buffers(request, stages, compute) if isinstance(model, HfShape) else ({}, 0)
+    per_gpu |= extra
     per_gpu["total"] = stage_peak(per_gpu, head)
     host = sum(state.values()) if request.offload else 0
     return RankStages(rank, stages, tuple(layers[s] for s in stages), held, per_gpu, activations, host)
+
+
+def largest_unit(trained: list[tuple[str, tuple[int, ...]]]) -> int:
+    """The values of the largest FSDP unit's trained parameters (a block's, or the root's) of a rank's stages."""
+    units: dict[int, int] = {}
+    for name, shape in trained:
+        unit = block_index(name) if in_block(name) else -1
+        units[unit] = units.get(unit, 0) + math.prod(shape)
+    return max(units.values(), default=0)
+
+
+def hf_stage_buffers(request: Any, stages: tuple[int, ...], compute: int) -> tuple[dict[str, int], int]:
+    """An hf model's rank's pipeline receive buffers and a block's backward temporaries (per_gpu rows), and the last
+    stage's loss-side saved tensors (stage_peak's `head`). torch.distributed.pipelining allocates every micro-batch's
+    receive buffers at the first step and keeps them (stage.py's _RecvInfo): a stage after the first its inputs', one
+    before the last its outputs' gradients', each the hidden states in the stages' fp32 output dtype."""
+    last_stage = request.pp * request.pp_stages_per_rank - 1
+    receives = sum((stage > 0) + (stage < last_stage) for stage in stages)
+    hidden = FP32 * request.batch * request.local_seq_len * request.model.dim
+    rows = {"pipeline_buffers": receives * request.grad_accum_steps * hidden,
+            "block_backward": hf_block_backward_bytes(request, compute)}  # fmt: skip
+    return rows, hf_stage_head_bytes(request, compute, last_stage in stages)
 
 
 def deferred_numel(request: Any, name: str, shape: tuple[int, ...]) -> int:
