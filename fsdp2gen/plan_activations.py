@@ -297,30 +297,40 @@ def hf_tp_saving(
     """What tensor parallelism takes off an hf model's activations (family_activation_bytes' count at tp 1), per
     rank. The project's tensor_parallel.py applies the model's declared plan without sequence parallelism: between
     the layers the activations are whole on every tp rank (each block's input, the norms, the inputs of q/k/v and
-    of gate/up, the final norm and the output layer's input), so only what the split layers compute is split: the
-    rotated q, k, v, the attention output and logsumexp (this rank's heads; Qwen3's q_norm and k_norm too), the
-    MLP's hidden units (gate, silu, up, their product), and the logits (by vocabulary, for loss_parallel).
+    of gate/up, the final norm and the output layer's input), so only what the split layers compute is split
+    (hf_tp_split_bytes), and the logits (by vocabulary, for loss_parallel).
     Unlike the llama family's tp (block_activation_bytes: sequence parallelism splits all but two inputs)."""
     if tp == 1:
         return 0
-    tokens = batch * seq_len
-    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    attention = compute * (2 * q + 2 * kv) + FP32 * model.n_heads
-    if model.qk_norm:
-        attention += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
-    block = tokens * (attention + 4 * compute * model.ffn_dim)
-    # Selective AC's kept outputs (op_level_kept_bytes): q's, v's and gate's matmuls, attention's output and
-    # logsumexp are this rank's share; down_proj's output is a whole partial sum.
-    kept = compute * tokens * (q + kv + model.ffn_dim + q) + FP32 * tokens * model.n_heads
+    block, kept = hf_tp_split_bytes(model, batch * seq_len, compute)
     split = {
         "none": model.n_layers * block,
         "layer": (model.n_layers - len(range(0, model.n_layers, every))) * block + block,
         "full": block,
         "selective": model.n_layers * kept + block,
     }[ac]
-    saving = split - math.ceil(split / tp)  # the split parts: 1/tp of them on each rank
     logits = FP32 * batch * math.ceil(seq_len / loss_chunks)  # one chunk's log-softmax (head_activation_bytes)
-    return saving + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
+    return tp_share_saved(split, tp) + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
+
+
+def hf_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int, int]:
+    """Of one dense hf block's saved activations for `tokens` tokens, the parts tensor parallelism splits (each tp
+    rank holds 1/tp of them): of the whole block (hf_block_activation_bytes) the rotated q, k, v, the attention
+    output and logsumexp (this rank's heads; Qwen3's q_norm and k_norm too) and the MLP's hidden units (gate, silu,
+    up, their product); and of what selective AC keeps (op_level_kept_bytes) q's, v's and gate's matmul outputs,
+    attention's output and logsumexp (down_proj's output is a whole partial sum)."""
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    attention = compute * (2 * q + 2 * kv) + FP32 * model.n_heads
+    if model.qk_norm:
+        attention += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
+    block = tokens * (attention + 4 * compute * model.ffn_dim)
+    kept = compute * tokens * (q + kv + model.ffn_dim + q) + FP32 * tokens * model.n_heads
+    return block, kept
+
+
+def tp_share_saved(split: int, tp: int) -> int:
+    """What a tp rank does not hold of `split` bytes that tensor parallelism splits: all but its 1/tp share."""
+    return split - math.ceil(split / tp)
 
 
 def activations_by_mode(request: PlanRequest, compute: int) -> dict[str, int]:

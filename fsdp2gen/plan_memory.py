@@ -184,21 +184,20 @@ def pipeline_plan(request: PlanRequest) -> Plan:
     compute = COMPUTE_BYTES[request.precision]
     largest = _largest_request(request, compute)
     rows = reserved_rows(request, per_gpu["total"], comm_buffers, 0 if in_backward else comm_buffers, largest)
-    trainable = parameter_count(model)
+    # With LoRA the adapters alone have gradients and AdamW state (and a full checkpoint's optimizer state).
+    trained = [math.prod(shape) for name, shape in parameter_shapes(model) if is_trainable(model, name)]
     usable = int(GPUS[request.gpu].memory_bytes * USABLE_FRACTION)
-    m, v = request.grad_accum_steps, request.pp_stages_per_rank
-    bubble = plan_pp.bubble_fraction(request.pp, m, request.pp_schedule, v)
     plan = Plan(
         request=request,
         parameters=parameter_count(model),
         active_parameters=active_parameter_count(model),
-        trainable=trainable,
+        trainable=sum(trained),
         per_gpu=per_gpu,
         activations=worst.activations,
         reserved=per_gpu["total"] + sum(rows.values()),
         reserved_rows=rows,
         host_per_gpu=worst.host,
-        full_checkpoint_host=3 * FP32 * trainable + FP32 * len(parameter_shapes(model)),
+        full_checkpoint_host=FP32 * parameter_count(model) + 2 * FP32 * sum(trained) + FP32 * len(trained),
         usable_bytes=usable,
         fits=per_gpu["total"] <= usable,
         levers=[],
@@ -206,7 +205,7 @@ def pipeline_plan(request: PlanRequest) -> Plan:
             "schedule": request.pp_schedule,
             "stages_per_rank": request.pp_stages_per_rank,
             "micro_batches": request.grad_accum_steps,
-            "bubble_fraction": bubble,
+            "bubble_fraction": plan_pp.pipeline_bubble(request),
             "worst_rank": worst.rank,
             "worst": plan_pp.describe(request, worst),
             "ranks": [

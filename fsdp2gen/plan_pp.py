@@ -53,11 +53,22 @@ from typing import Any
 
 from fsdp2gen.plan_activations import (
     block_activation_bytes,
+    grouped_backward_bytes,
     head_activation_bytes,
+    hf_tp_split_bytes,
     loss_backward_bytes,
     op_level_kept_bytes,
+    routed_kept_bytes,
+    tp_share_saved,
 )
-from fsdp2gen.plan_families import HfShape, hf_block_activation_bytes
+from fsdp2gen.plan_families import (
+    HfShape,
+    hf_block_activation_bytes,
+    is_trainable,
+    lora_activation_delta,
+    lora_op_level_delta,
+    tp_split_dim,
+)
 from fsdp2gen.plan_layout import AC_MODES, layout_module, request_shard_numel
 from fsdp2gen.plan_shapes import COMPUTE_BYTES, EMBEDDINGS, FP32, INT64, in_block, parameter_shapes
 
@@ -115,6 +126,11 @@ def bubble_fraction(pp: int, micro_batches: int, schedule: str, stages_per_rank:
     if schedule == "ZBVZeroBubble":  # fewer than 2 pp - 1 micro-batches leave the V's warm-up partly empty
         idle = max(pp - 1, 2 * (2 * pp - 1 - m))
     return idle / (3 * v * m + idle)
+
+
+def pipeline_bubble(request: Any) -> float:
+    """bubble_fraction of the request's pipeline."""
+    return bubble_fraction(request.pp, request.grad_accum_steps, request.pp_schedule, request.pp_stages_per_rank)
 
 
 def bubble_formula(schedule: str, stages_per_rank: int) -> str:
@@ -266,14 +282,23 @@ def stage_output_bytes(request: Any) -> int:
 def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, held: int, last: bool) -> int:
     """stage_activation_bytes of an hf model's stage (pipeline_stages.py: the model's own forward, its other stages'
     parts stand-ins): per micro-batch in flight its blocks' saved tensors as transformers' blocks save them
-    (hf_block_activation_bytes; selective AC: each block's input and op_level_kept_bytes' matmul outputs) and the
-    rotary cos and sin every stage computes once per forward (compute dtype); one recomputed block under AC. The
-    last stage: lm_head's whole logits (training.loss_chunks is 1 under PP), which the stage outputs in the root's
+    (hf_block_activation_bytes, with LoRA's change: lora_activation_delta; selective AC: each block's input and the
+    matmul outputs op_level_kept_bytes counts, routed_kept_bytes' in a routed block, with LoRA's: lora_op_level_delta)
+    and the rotary cos and sin every stage computes once per forward (compute dtype); one recomputed block under AC.
+    The last stage: lm_head's whole logits (training.loss_chunks is 1 under PP), which the stage outputs in the root's
     output dtype (fp32) and the loss keeps with its fp32 log-softmax, with the final norm's one fp32 copy of its input
-    (transformers' RMSNorm), its output (lm_head's input) and the targets; m of them under GPipe, else 1."""
-    model, batch, seq = request.model, request.batch, request.local_seq_len
+    (transformers' RMSNorm), its output (lm_head's input) and the targets; m of them under GPipe, else 1.
+    With tp > 1 (tensor_parallel.py inside each stage, no sequence parallelism) each block holds 1/tp of what its
+    split layers compute (hf_tp_split_bytes) and the last stage 1/tp of the vocabulary's logits (loss_parallel);
+    the blocks' inputs, the norms, lm_head's input and the hidden states the stages exchange stay whole."""
+    model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
     tokens = batch * seq
-    one = [hf_block_activation_bytes(model, batch, seq, compute, i) for i in blocks]
+    split, split_kept = (tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute))
+    one = [
+        hf_block_activation_bytes(model, batch, seq, compute, i) + lora_activation_delta(model, batch, seq, compute, i)
+        for i in blocks
+    ]
+    one = [size - split for size in one]
     block_input = compute * tokens * model.dim
     if ac == "none":
         kept = sum(one)
@@ -282,14 +307,39 @@ def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range
     elif ac == "layer":
         kept = sum(block_input if i % request.ac_every == 0 else size for i, size in zip(blocks, one, strict=True))
     else:
-        kept = len(one) * (block_input + op_level_kept_bytes(model, batch, seq, compute))
+        matmuls = [routed_kept_bytes(model, batch, seq, compute) if i in model.moe_layers
+                   else op_level_kept_bytes(model, batch, seq, compute) - split_kept for i in blocks]  # fmt: skip
+        kept = sum(matmuls) + len(one) * (block_input + lora_op_level_delta(model, batch, seq, compute))
     recompute = 0 if ac == "none" else max(one)
     rotary = 2 * compute * tokens * model.head_dim
-    losses = (request.grad_accum_steps if request.pp_schedule == "GPipe" else 1) if last else 0
+    # A stage before the last: the schedule keeps each micro-batch's output (the hidden states, in the stage root's
+    # output dtype, fp32) from its forward to its backward.
+    output = 0 if last else FP32 * tokens * model.dim
+    return held * (kept + rotary + output) + recompute + hf_stage_head_bytes(request, compute, last)
+
+
+def hf_stage_head_bytes(request: Any, compute: int, last: bool) -> int:
+    """The last stage's loss-side saved tensors (hf_stage_activation_bytes), freed by the loss's backward, before the
+    blocks' (m of them under GPipe, else 1); 0 on the other stages."""
+    if not last:
+        return 0
+    model, tokens, tp = request.model, request.batch * request.local_seq_len, request.tp
+    losses = request.grad_accum_steps if request.pp_schedule == "GPipe" else 1
     head = (FP32 + compute) * tokens * model.dim + FP32 * tokens  # the final norm
     head += compute * tokens * model.dim + INT64 * tokens  # lm_head's input, the targets
-    head += FP32 * tokens * model.vocab_size + stage_output_bytes(request)  # the log-softmax, and the logits
-    return held * (kept + rotary) + recompute + losses * head
+    # The log-softmax (this rank's vocabulary under tp), and the logits.
+    head += FP32 * tokens * math.ceil(model.vocab_size / tp) + stage_output_bytes(request)
+    return losses * head
+
+
+def hf_block_backward_bytes(request: Any, compute: int) -> int:
+    """The temporaries of a dense hf block's backward at its peak (inside the post-attention RMSNorm's backward, as
+    the simulated step of a stage finds it): the gradients of the hidden states, seven in fp32 (transformers' RMSNorm
+    computes in fp32; the received gradient of the stage's fp32 output) and four in the compute dtype, and three of
+    the MLP's hidden units (this tp rank's). Beside the loss's backward on the last stage (stage_peak), it decides a
+    stage before the last: without it plan was 18% under the first stage's simulated step (Llama 3.1 70B, tp 8)."""
+    model, tokens = request.model, request.batch * request.local_seq_len
+    return tokens * ((7 * FP32 + 4 * compute) * model.dim + 3 * compute * math.ceil(model.ffn_dim / request.tp))
 
 
 def rank_stages(request: Any) -> list[RankStages]:
@@ -329,15 +379,14 @@ def one_rank(
     compute: int,
 ) -> RankStages:
     """Pipeline rank `rank`'s figures, for its `stages`."""
-
     model, pp, v, m = request.model, request.pp, request.pp_stages_per_rank, request.grad_accum_steps
     last_stage = pp * v - 1
     own = rank_parameters(shapes, stages, layers, last_stage)
+    # With LoRA only the adapters have gradients and AdamW state; FSDP gathers the frozen weights all the same.
+    trained = [(name, shape) for name, shape in own if is_trainable(model, name)]
     sharded = sum(request_shard_numel(request, name, shape) for name, shape in own)
+    sharded_trained = sum(request_shard_numel(request, name, shape) for name, shape in trained)
     gathered = sum(math.prod(shape) for _, shape in own)
-    blocks = {block_index(n) for n, _ in own if in_block(n)}
-    units = [sum(math.prod(s) for n, s in own if in_block(n) and block_index(n) == i) for i in blocks]
-    units.append(sum(math.prod(s) for n, s in own if not in_block(n)))
     last = last_stage in stages
     held = in_flight(request.pp_schedule, pp, rank, m, v)
     # Interleaved: the rank's in-flight (stage, micro-batch) pairs, each counted as its largest stage's.
@@ -345,8 +394,8 @@ def one_rank(
     activations = {mode: stage_activation_bytes(request, compute, mode, largest, held, last) for mode in AC_MODES}
     state = {
         "parameters": FP32 * sharded,
-        "gradients": FP32 * sharded,
-        "optimizer_state": 2 * FP32 * sharded + FP32 * len(own),
+        "gradients": FP32 * sharded_trained,
+        "optimizer_state": 2 * FP32 * sharded_trained + FP32 * len(trained),
     }
     # The last stage computes the loss of the whole logits (training.loss_chunks is 1 under PP).
     loss_backward = loss_backward_bytes(model, request.batch, request.local_seq_len, compute, request.tp, 1)
@@ -355,33 +404,77 @@ def one_rank(
         # rotary's tables: llama's cos and sin; an hf model's inverse frequencies and transformers' copy of them.
         "model_buffers": 2 * FP32 * (1 if isinstance(model, HfShape) else model.max_seq_len) * (model.head_dim // 2),
         "all_gather_buffers": compute * gathered,
-        "reduce_scatter_buffers": request.reduce_bytes * max(units),
-        "deferred_gradients": request.reduce_bytes * gathered,
+        "reduce_scatter_buffers": request.reduce_bytes * largest_unit(trained),
+        "deferred_gradients": request.reduce_bytes * sum(deferred_numel(request, n, shape) for n, shape in trained),
         "ring_attention": 0,
         "all_to_all_buffers": 0,
-        "experts_backward": 0,
+        # A stage with routed blocks: the grouped GEMM's backward copies of one of them, in the last backward.
+        "experts_backward": grouped_backward_bytes(model, request.batch * request.local_seq_len, compute)
+        if set(model.moe_layers) & {i for s in stages for i in layers[s]}
+        else 0,
         "loss_backward": loss_backward if last else 0,
         "activations": activations[request.ac],
     }
-    per_gpu["total"] = stage_peak(per_gpu)
+    extra, head = hf_stage_buffers(request, stages, compute) if isinstance(model, HfShape) else ({}, 0)
+    per_gpu |= extra
+    per_gpu["total"] = stage_peak(per_gpu, head)
     host = sum(state.values()) if request.offload else 0
     return RankStages(rank, stages, tuple(layers[s] for s in stages), held, per_gpu, activations, host)
 
 
-def stage_peak(per_gpu: dict[str, int]) -> int:
-    """A rank's peak: the larger of its last backward (in-flight activations, the loss's) and the reduce-scatter
-    after it, both over the state and the stages' gathered parameters and unsharded gradients."""
+def largest_unit(trained: list[tuple[str, tuple[int, ...]]]) -> int:
+    """The values of the largest FSDP unit's trained parameters (a block's, or the root's) of a rank's stages."""
+    units: dict[int, int] = {}
+    for name, shape in trained:
+        unit = block_index(name) if in_block(name) else -1
+        units[unit] = units.get(unit, 0) + math.prod(shape)
+    return max(units.values(), default=0)
+
+
+def hf_stage_buffers(request: Any, stages: tuple[int, ...], compute: int) -> tuple[dict[str, int], int]:
+    """An hf model's rank's pipeline receive buffers and a block's backward temporaries (per_gpu rows), and the last
+    stage's loss-side saved tensors (stage_peak's `head`). torch.distributed.pipelining allocates every micro-batch's
+    receive buffers at the first step and keeps them (stage.py's _RecvInfo): a stage after the first its inputs', one
+    before the last its outputs' gradients', each the hidden states in the stages' fp32 output dtype."""
+    last_stage = request.pp * request.pp_stages_per_rank - 1
+    receives = sum((stage > 0) + (stage < last_stage) for stage in stages)
+    hidden = FP32 * request.batch * request.local_seq_len * request.model.dim
+    rows = {"pipeline_buffers": receives * request.grad_accum_steps * hidden,
+            "block_backward": hf_block_backward_bytes(request, compute)}  # fmt: skip
+    return rows, hf_stage_head_bytes(request, compute, last_stage in stages)
+
+
+def deferred_numel(request: Any, name: str, shape: tuple[int, ...]) -> int:
+    """The values of parameter `name`'s unsharded gradient, which FSDP accumulates (in reduce_dtype) from a stage's
+    first micro-batch to its last: its tensor-parallel shape, but an hf model's input embedding's whole under tp.
+    Its vocabulary rows split (embedding_rowwise), DTensor's embedding backward has no rule that keeps the gradient
+    split by rows: it computes the whole matrix's gradient as a partial sum (Partial), and FSDP accumulates that
+    (fp32: vocab x hidden x 4 bytes, 3.9 GiB for Llama 3.1 70B), reduced to the rank's rows only at the last
+    micro-batch (the simulated step of the first stage: tests/test_plan_simulation.py's pp x tp row)."""
+    model = request.model
+    if request.tp > 1 and name == "model.embed_tokens.weight" and tp_split_dim(model, name) == 0:
+        return model.vocab_size * model.dim
+    return math.prod(shape)
+
+
+def stage_peak(per_gpu: dict[str, int], head: int = 0) -> int:
+    """A rank's peak: the largest of the loss's backward (the last stage: every in-flight activation and the loss's
+    saved tensors, `head` of them, with the logits' gradients), a block's backward in its last micro-batch (the loss's
+    saved tensors freed; the block's temporaries, a routed block's experts' backward copies) and the reduce-scatter
+    after it, all over the state, the stages' gathered parameters, unsharded gradients and receive buffers."""
     base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
-    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
-    in_backward = base + per_gpu["activations"] + per_gpu["loss_backward"]
-    return max(in_backward, at_reduce(per_gpu))
+    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"] + per_gpu.get("pipeline_buffers", 0)
+    in_loss = base + per_gpu["activations"] + per_gpu["loss_backward"]
+    in_blocks = base + per_gpu["activations"] - head
+    in_blocks += max(per_gpu["experts_backward"], per_gpu.get("block_backward", 0))
+    return max(in_loss, in_blocks, at_reduce(per_gpu))
 
 
 def at_reduce(per_gpu: dict[str, int]) -> int:
     """A rank's memory at the reduce-scatter after its last backward: the gradient shards appear while the unsharded
     gradients are still there."""
     base = sum(per_gpu[k] for k in ("parameters", "optimizer_state", "model_buffers"))
-    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"]
+    base += per_gpu["all_gather_buffers"] + per_gpu["deferred_gradients"] + per_gpu.get("pipeline_buffers", 0)
     return base + per_gpu["gradients"] + per_gpu["reduce_scatter_buffers"]
 
 

@@ -43,6 +43,8 @@ ROWS = {
     "all_to_all_buffers": "all-to-all buffers (dispatch/combine, 1 layer)",
     "experts_backward": "grouped GEMM backward copies (1 layer)",
     "loss_backward": "loss backward (fp32 logit gradients)",
+    "block_backward": "block backward temporaries (1 block)",
+    "pipeline_buffers": "pipeline receive buffers (fp32, m micro-batches)",
     "kept_gathered": "blocks kept gathered forward -> backward",
     "nf4_dequantize": "NF4 dequantization (largest weight, transient)",
 }
@@ -157,8 +159,8 @@ def _memory_rows(plan: Plan) -> list[str]:
             continue  # no context parallelism: plain SDPA
         if key == "all_to_all_buffers" and request.ep == 1:
             continue  # no expert parallelism: every rank holds every expert
-        if key == "experts_backward" and not value:
-            continue  # no experts
+        if key in ("experts_backward", "block_backward", "pipeline_buffers") and not value:
+            continue  # no experts; not an hf model's pipeline stage (plan_pp.py)
         if key == "gradients" and request.grad_accum_steps == 1 and not request.offload:
             label += " [after backward]"  # not at the forward/backward peak: see estimate()
         if request.pp > 1 and key == "loss_backward" and not value:

@@ -186,12 +186,12 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
 
 def _check_hf_layout(request: PlanRequest) -> None:
     """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
-    not model with them (LoRA's adapters split or staged; a mixture-of-experts model's experts under tp, cp or pp)."""
+    not model with them (LoRA's adapters split by tp; a mixture-of-experts model's experts under tp or cp). Under pp
+    both are planned (plan_pp.py: a stage's adapters, its routed blocks)."""
     model = request.model
     if not isinstance(model, HfShape):
         return
-    degrees = [(flag, degree) for flag, degree in (("--tp", request.tp), ("--cp", request.cp), ("--pp", request.pp))
-               if degree > 1]  # fmt: skip
+    degrees = [(flag, degree) for flag, degree in (("--tp", request.tp), ("--cp", request.cp)) if degree > 1]
     for flag, degree in degrees:
         if has_experts(model):
             raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
@@ -218,20 +218,17 @@ def _check_pipeline(request: PlanRequest) -> None:
                 f"--pp {request.pp}: {request.model.source} ties lm_head to the input embedding (tie_word_embeddings), "
                 "one matrix the first and the last stage cannot share; plan an untied copy, or --pp 1"
             )
-        if isinstance(request.model, HfShape) and request.tp > 1:
-            # The project builds it (tensor_parallel.py inside each stage); plan_pp counts an hf stage's activations
-            # whole, and scripts/plan_memory.py cannot simulate tp stages to check a split count against.
-            raise PlanError(
-                f"--pp {request.pp} with --tp {request.tp}: plan does not model an hf model's tensor-parallel pipeline "
-                "stages yet; plan with --tp 1 (an upper bound of the activations) or --pp 1"
-            )
+        if isinstance(request.model, HfShape) and request.model.lora is not None and request.model.lora.nf4:
+            # As the generator refuses --qlora --pp: each stage would load and quantize its own blocks.
+            raise PlanError(f"--pp {request.pp} with QLoRA is not built (a project's NF4 base is quantized whole); "
+                            "use --pp 1, or plan LoRA on an unquantized base")  # fmt: skip
         for flag, degree in (("--cp", request.cp), ("--ep", request.ep)):
             if degree > 1:
                 raise PlanError(f"--pp {request.pp} with {flag} {degree} is not built; use {flag} 1 or --pp 1")
-        if has_experts(request.model):
+        if has_experts(request.model) and not isinstance(request.model, HfShape):
             raise PlanError(
-                f"--pp {request.pp}: mixture-of-experts models are not built for pp > 1; use --pp 1 (--ep splits "
-                "the experts over GPUs)"
+                f"--pp {request.pp}: the llama family's mixture-of-experts models are not built for pp > 1; use "
+                "--pp 1 (--ep splits the experts over GPUs)"
             )
     problem = plan_pp.check_pipeline(request)
     if problem:

@@ -389,18 +389,33 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
         f"--pp 2: {tied} ties lm_head to the input embedding (tie_word_embeddings), one matrix the first and the last "
         "stage cannot share; plan an untied copy, or --pp 1"
     )
-    assert error("--hf-config", str(projects["model"]), "--pp", "2", "--tp", "2", "--gpus", "8") == (
-        "--pp 2 with --tp 2: plan does not model an hf model's tensor-parallel pipeline stages yet; plan with --tp 1 "
-        "(an upper bound of the activations) or --pp 1"
-    )
-    assert error("--config", str(projects["lora"] / "config.toml"), "--pp", "2") == (
-        "--pp 2: plan does not model LoRA adapters with pp > 1 yet; plan with --pp 1"
+    # Planned under pp (tests/test_plan_simulation.py's rows): tp inside each stage, LoRA's adapters, a mixture of
+    # experts. What the projects do not build with pp, or plan does not model, stays one line.
+    split, whole = (plan_json("--hf-config", str(projects["model"]), "--pp", "2", "--tp", str(tp), "--gpus", "8",
+                              "--seq", "32") for tp in (2, 1))  # fmt: skip
+    # Each tp rank gathers its half of the stage's split layers (and of lm_head's logits).
+    gathered = [plan["per_gpu_bytes"]["all_gather_buffers"] for plan in (split, whole)]
+    assert gathered[0] < 0.6 * gathered[1], gathered
+    assert error("--config", str(projects["lora"] / "config.toml"), "--pp", "2", "--tp", "2", "--gpus", "8") == (
+        "--tp 2: plan does not model LoRA adapters with tp > 1 yet; plan with --tp 1"
     )
     moe = tmp_path / "moe.json"
     moe.write_text(json.dumps({**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": 2}))
-    assert error("--hf-config", str(moe), "--pp", "2") == (
-        "--pp 2: plan does not model a mixture-of-experts hf model (qwen3_moe) with pp > 1 yet; plan it with --pp 1 "
+    assert error("--hf-config", str(moe), "--pp", "2", "--ep", "2") == (
+        "--pp 2 with --ep 2 is not built; use --ep 1 or --pp 1"
+    )
+    assert error("--hf-config", str(moe), "--pp", "2", "--tp", "2", "--gpus", "8") == (
+        "--tp 2: plan does not model a mixture-of-experts hf model (qwen3_moe) with tp > 1 yet; plan it with --tp 1 "
         "(--ep splits the experts)"
+    )
+    qlora = tmp_path / "qlora"  # the lora project's config, as a --qlora project records its answers
+    qlora.mkdir()
+    answers = (projects["lora"] / ".copier-answers.yml").read_text()
+    (qlora / ".copier-answers.yml").write_text(answers.replace("qlora: false", "qlora: true"))
+    (qlora / "config.toml").write_bytes((projects["lora"] / "config.toml").read_bytes())
+    assert error("--config", str(qlora / "config.toml"), "--pp", "2") == (
+        "--pp 2 with QLoRA is not built (a project's NF4 base is quantized whole); use --pp 1, or plan LoRA on an "
+        "unquantized base"
     )
 
 

@@ -185,8 +185,8 @@ def test_refusals_are_one_line_naming_the_fix(tmp_path: Path) -> None:
     assert result.stderr == "fsdp2gen: error: --pp 8 x 1 stages per rank = 8 stages for 4 blocks; each stage needs " \
         "a block, lower --pp or --pp-stages-per-rank\n"  # fmt: skip
     result = invoke("plan", "--size", "debug-moe", "--pp", "2")
-    assert result.stderr == "fsdp2gen: error: --pp 2: mixture-of-experts models are not built for pp > 1; use " \
-        "--pp 1 (--ep splits the experts over GPUs)\n"  # fmt: skip
+    assert result.stderr == "fsdp2gen: error: --pp 2: the llama family's mixture-of-experts models are not built " \
+        "for pp > 1; use --pp 1 (--ep splits the experts over GPUs)\n"  # fmt: skip
     config = tmp_path / "config.toml"
     config.write_text('[model]\nsize = "debug"\ntie_embeddings = true\n\n[parallel]\npp = 2\n')
     result = invoke("plan", "--config", str(config))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fsdp2gen.plan import build_request, estimate
+from fsdp2gen.plan_pp import stage_layers
 from fsdp2gen.plan_shapes import TEMPLATE_SIZES
 
 GIB = 2**30
@@ -33,6 +34,9 @@ LLAMA_31_8B_CONFIG = {
                                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
 }  # fmt: skip
+# Llama 3.1 70B's config.json (meta-llama/Llama-3.1-70B): the pipeline x tensor parallel row's model.
+LLAMA_31_70B_CONFIG = {**LLAMA_31_8B_CONFIG, "hidden_size": 8192, "intermediate_size": 28672,
+                       "num_attention_heads": 64, "num_hidden_layers": 80}  # fmt: skip
 # Qwen3-30B-A3B's and Mixtral-8x7B's config.json as published (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1):
 # mixture-of-experts models, planned from config.json alone.
 QWEN3_30B_A3B_CONFIG = {
@@ -58,12 +62,13 @@ MIXTRAL_8X7B_CONFIG = {
 # `blocks`, in a folder of its own).
 HF_CONFIGS = {
     "Llama-3.1-8B": LLAMA_31_8B_CONFIG,
+    "Llama-3.1-70B": LLAMA_31_70B_CONFIG,
     "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG,
     "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
 # The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft,
-# --tp 2, --pp 2).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp")
+# --tp 2, --pp 2 --tp 2 (its rows set parallel.tp, 1 or more), --pp 2 --lora).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp", "hf-pp-lora")
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ class Row:
         # The hf projects have no cpu_offload (generated without --cpu-offload), and parallel.tp only when
         # generated with --tp.
         llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
-        llama |= {"parallel.tp": self.tp} if self.project == "hf-tp" else {}
+        llama |= {"parallel.tp": self.tp} if self.project in ("hf-tp", "hf-pp") else {}
         if self.blocks and self.project == "llama":
             model["model.n_layers"] = self.blocks  # hf: the config.json the test writes for the row (hf_config)
         return (
@@ -141,8 +146,9 @@ class Row:
             )
         name = f"llama {model}{depth}"
         if self.project != "llama":
-            kinds = {"hf": "", "hf-lora": ", LoRA rank 16 (7 targets)", "hf-sft": ", task sft", "hf-tp": "",
-                     "hf-pp": "", "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
+            lora = ", LoRA rank 16 (7 targets)"
+            kinds = {"hf": "", "hf-lora": lora, "hf-sft": ", task sft", "hf-tp": "", "hf-pp": "", "hf-pp-lora": lora,
+                     "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
             name = f"hf {self.model['path']} config.json{depth}{kind}"  # type: ignore[index]
         pp = self.extra.get("parallel.pp", 1)
@@ -249,22 +255,49 @@ FIGURES = ("parameters", "gradients", "optimizer_state", "activations", "tempora
 
 def peak_place(simulated: dict) -> str:
     """Where the simulation's peak is (its peak_at), a block counted from the last one ("layers.-1": the last block,
-    "layers.-2": the one before): the same place at every depth once it is the steady state's."""
-    blocks = simulated["blocks"]
-    return re.sub(r"layers\.(\d+)", lambda match: f"layers.{int(match[1]) - blocks}", simulated["peak_at"])
+    "layers.-2": the one before): the same place at every depth once it is the steady state's. Under pipeline
+    parallelism (its "pipeline_rank" given) from the last block of that rank's stage."""
+    return re.sub(
+        r"layers\.(\d+)", lambda match: f"layers.{int(match[1]) - stage_end(simulated)}", simulated["peak_at"]
+    )
+
+
+def stage_end(simulated: dict) -> int:
+    """The index after the last block of the simulated rank's blocks: the model's depth, or under pipeline parallelism
+    (one stage per rank) its pipeline rank's stage's end, as the project's pipeline.py splits the blocks evenly."""
+    if "pipeline_rank" not in simulated:
+        return simulated["blocks"]
+    stages = stage_layers(simulated["blocks"], len(simulated["pipeline_ranks"]))
+    return stages[simulated["pipeline_rank"]].stop
 
 
 def extrapolate(row: Row, simulated: list[dict]) -> dict:
     """Every figure of `row` at its whole depth from its simulations at the depths row.extrapolated_from (in order):
-    the second one's, plus its difference from the first one per block times the blocks left."""
+    the second one's, plus its difference from the first one per block times the blocks left. Under pipeline
+    parallelism every pipeline rank's figures (pipeline_figures), each at the same place at both depths, and the
+    worst at the whole depth reported (a rank that holds more micro-batches in flight may pass the last stage)."""
     (first, second), (at_first, at_second) = row.extrapolated_from, simulated
     steps, rest = divmod(row.full_depth - second, second - first)
     assert rest == 0, f"{row.id}: {row.full_depth} blocks are not {second} + a multiple of {second - first}"
+    if "pipeline_figures" not in at_second:
+        return _extrapolated(row, at_first, at_second, steps)
+    ranks = []
+    for rank, (one, two) in enumerate(zip(at_first["pipeline_figures"], at_second["pipeline_figures"], strict=True)):
+        pipeline = {"pipeline_rank": rank, "pipeline_ranks": at_second["pipeline_ranks"]}
+        one, two = {**one, **pipeline, "blocks": first}, {**two, **pipeline, "blocks": second}
+        assert peak_place(one) == peak_place(two), (row.id, rank, one["peak_at"], two["peak_at"])
+        ranks.append(_extrapolated(row, one, two, steps))
+    worst = max(ranks, key=lambda figures: figures["allocated"])
+    return {**worst, "pipeline_ranks": [figures["allocated"] for figures in ranks]}
+
+
+def _extrapolated(row: Row, at_first: dict, at_second: dict, steps: int) -> dict:
+    """extrapolate's figures of one simulated rank, its peak's place moved to the same block of the whole depth."""
     figures = {key: at_second[key] + steps * (at_second[key] - at_first[key]) for key in FIGURES}
-    # The peak's place at the whole depth: a block as far from the last one as at the second depth.
-    shift = row.full_depth - at_second["blocks"]
+    whole = {**at_second, **figures, "blocks": row.full_depth}
+    shift = stage_end(whole) - stage_end(at_second)
     place = re.sub(r"layers\.(\d+)", lambda match: f"layers.{int(match[1]) + shift}", at_second["peak_at"])
-    return {**at_second, **figures, "blocks": row.full_depth, "peak_at": place}
+    return {**whole, "peak_at": place}
 
 
 def difference(plan: int, simulated: int) -> float:

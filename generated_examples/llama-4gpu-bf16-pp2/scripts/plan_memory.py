@@ -141,12 +141,13 @@ class ValuesReadOnTheHost(TorchDispatchMode):
 def simulate(config: Config, gpus: int) -> dict[str, Any]:
     """One train_step of `config` on `gpus` ranks: rank 0's peak by category, or under parallel.pp > 1 the worst
     pipeline rank's (the first rank of each pipeline rank's group, pp outermost as layout.py lays the mesh out),
-    with every pipeline rank's peak in "pipeline_ranks"."""
+    with every pipeline rank's peak in "pipeline_ranks" and its figures in "pipeline_figures"."""
     real_mesh_arithmetic()
     pp = config.parallel.pp
     ranks = [simulate_rank(config, gpus, pp_rank * (gpus // pp)) for pp_rank in range(pp)]
     worst = max(range(pp), key=lambda pp_rank: ranks[pp_rank]["allocated"])
-    pipeline = {"rank": worst * (gpus // pp), "pipeline_rank": worst, "pipeline_ranks": [r["allocated"] for r in ranks]}
+    pipeline = {"rank": worst * (gpus // pp), "pipeline_rank": worst, "pipeline_ranks": [r["allocated"] for r in ranks],
+                "pipeline_figures": ranks}  # fmt: skip
     return ranks[worst] | pipeline
 
 
