@@ -105,26 +105,29 @@ def arguments(output_dir: Path, *overrides: str) -> list[str]:
 
 def refused(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`python train.py` with the tiny model, for a run that must stop with a usage error before it is locked in,
-    built or trained: its exit code and output, as its process's would be, but run in THIS process (runpy).
+    built or trained, run in this process (in_this_process). Only for the mistakes preflight.py finds (the config,
+    the data, the output folder and its checkpoints): they stop the run before rank 0 locks job.output_dir, a lock
+    that lives as long as its process. Anything found later (a checkpoint that fails its checksums at the load) is
+    launched as a process of its own."""
+    return in_this_process("train.py", *arguments(output_dir, *overrides))
 
-    torch is imported here already; a process of its own would import it again (seconds of CPU per refusal). Only
-    for the mistakes preflight.py finds (the config, the data, the output folder and its checkpoints): they stop the
-    run before rank 0 locks job.output_dir, a lock that lives as long as its process. Anything found later (a
-    checkpoint that fails its checksums at the load) is launched as a process of its own.
-    """
-    argv = ["train.py", *arguments(output_dir, *overrides)]
+
+def in_this_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in the project's folder, its exit code and output as its process's would be, but run in
+    THIS process (runpy): torch is imported here already, and a process of its own would import it again (seconds
+    of CPU each). For scripts that train nothing and hold nothing once they exit: refusals, scripts/export.py."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     saved_argv = sys.argv
     with contextlib.chdir(PROJECT), torch.random.fork_rng(devices=[]):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                sys.argv = argv
-                runpy.run_path("train.py", run_name="__main__")
+                sys.argv = [script, *args]
+                runpy.run_path(script, run_name="__main__")
             except SystemExit as exit:
                 code = 0 if exit.code is None else exit.code  # sys.exit(None) exits with 0, as python does
             finally:
                 sys.argv = saved_argv
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def metrics(output_dir: Path) -> list[dict]:

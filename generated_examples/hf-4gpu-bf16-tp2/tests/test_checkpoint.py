@@ -1,6 +1,7 @@
 """Checkpoints that never lose a run: exact resume, resharding, restarts, bad checkpoints, export.
 
-Real torchrun processes, gloo on CPU (or nccl on every visible GPU), a tiny model.
+Real torchrun processes, gloo on CPU (or nccl on every visible GPU), a tiny model; the refusals and the export,
+which need no process of their own, run in the test's (runs.in_this_process).
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
-from runs import DEVICE, NPROC, PROJECT, launch, metrics, refused, train, train_several
+from runs import DEVICE, NPROC, in_this_process, launch, metrics, refused, train, train_several
 
 TEN_STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
 # Another world size splits the batch differently, so sums round differently: losses (absolute) and
@@ -135,10 +134,8 @@ def adam_state(checkpoint: dict) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tmp_path: Path) -> None:
     exported = tmp_path / "exported"
-    export = subprocess.run(
-        [sys.executable, "scripts/export.py", str(straight / "checkpoints" / "step-10"), "--output", str(exported)],
-        cwd=PROJECT, capture_output=True, text=True,
-    )  # fmt: skip
+    # scripts/export.py is one CPU process that reads the checkpoint: run in this one (runs.in_this_process).
+    export = in_this_process("scripts/export.py", str(straight / "checkpoints" / "step-10"), "--output", str(exported))
     assert export.returncode == 0, export.stderr
     # The sharded model, loaded by train.py's checkpoint_load, on a fixed input. In one process: what is compared is
     # the export, and test_resume_on_fewer_ranks_continues_the_same_run loads the NPROC ranks' checkpoint in one.
