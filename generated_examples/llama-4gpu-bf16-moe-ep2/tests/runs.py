@@ -1,10 +1,14 @@
-"""Helpers for the tests: run the project's scripts as real processes, with a tiny model."""
+"""Helpers for the tests: run the project's scripts as real processes (a refusal: in the test's own), with a tiny
+model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +52,44 @@ def launch(
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         command += [f"--max-restarts={max_restarts}", script]
-    command += ["--config", "config.toml", *TINY_MODEL, "--job.output_dir", str(output_dir), *overrides]
+    command += arguments(output_dir, *overrides)
     env = {**os.environ, "PYTHONPATH": str(PROJECT), "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def arguments(output_dir: Path, *overrides: str) -> list[str]:
+    """The command line of a script run with the tiny model in `output_dir`, then `overrides`."""
+    return ["--config", "config.toml", *TINY_MODEL, "--job.output_dir", str(output_dir), *overrides]
+
+
+def refused(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python train.py` with the tiny model, for a run that must stop with a usage error before it is locked in,
+    built or trained, run in this process (in_this_process). Only for the mistakes preflight.py finds (the config,
+    the data, the output folder and its checkpoints): they stop the run before rank 0 locks job.output_dir, a lock
+    that lives as long as its process. Anything found later (a checkpoint that fails its checksums at the load) is
+    launched as a process of its own."""
+    return in_this_process("train.py", *arguments(output_dir, *overrides))
+
+
+def in_this_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in the project's folder, its exit code and output as its process's would be, but run in
+    THIS process (runpy): torch is imported here already, and a process of its own would import it again (seconds
+    of CPU each). For scripts that train nothing and hold nothing once they exit: refusals, scripts/export.py."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved_argv = sys.argv
+    with contextlib.chdir(PROJECT), torch.random.fork_rng(devices=[]):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                sys.argv = [script, *args]
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exit:
+                code = 0 if exit.code is None else exit.code  # sys.exit(None) exits with 0, as python does
+            finally:
+                sys.argv = saved_argv
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def metrics(output_dir: Path) -> list[dict]:

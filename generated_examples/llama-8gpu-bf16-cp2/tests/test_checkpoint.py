@@ -1,6 +1,7 @@
 """Checkpoints that never lose a run: exact resume, resharding, restarts, bad checkpoints, export.
 
-Real torchrun processes, gloo on CPU (or nccl on every visible GPU), a tiny model.
+Real torchrun processes, gloo on CPU (or nccl on every visible GPU), a tiny model; the refusals and the export,
+which need no process of their own, run in the test's (runs.in_this_process).
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model import Model, ModelArgs
-from runs import DEVICE, NPROC, PROJECT, launch, metrics, train, train_several
+from runs import DEVICE, NPROC, in_this_process, launch, metrics, refused, train, train_several
 
 TEN_STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
 # Another world size splits the batch differently, so sums round differently: losses (absolute) and
@@ -136,10 +135,8 @@ def adam_state(checkpoint: dict) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_export_loads_into_a_plain_model_with_the_same_output(straight: Path, tmp_path: Path) -> None:
     exported = tmp_path / "exported"
-    export = subprocess.run(
-        [sys.executable, "scripts/export.py", str(straight / "checkpoints" / "step-10"), "--output", str(exported)],
-        cwd=PROJECT, capture_output=True, text=True,
-    )  # fmt: skip
+    # scripts/export.py is one CPU process that reads the checkpoint: run in this one (runs.in_this_process).
+    export = in_this_process("scripts/export.py", str(straight / "checkpoints" / "step-10"), "--output", str(exported))
     assert export.returncode == 0, export.stderr
     # The sharded model, loaded by train.py's checkpoint_load, on a fixed input. In one process: what is compared is
     # the export, and test_resume_on_fewer_ranks_continues_the_same_run loads the NPROC ranks' checkpoint in one.
@@ -201,7 +198,11 @@ def refused_with(output_dir: Path, reasons: list[str], before_build: bool = True
     newest, *older = sorted(
         (output_dir / "checkpoints").iterdir(), key=lambda path: int(path.name.removeprefix("step-")), reverse=True
     )
-    result = launch("train.py", output_dir, "--training.steps", "12", nproc=1, check=False)
+    # Found by preflight.py, before the run is locked in: in this process (runs.refused); at the load, in a process.
+    if before_build:
+        result = refused(output_dir, "--training.steps", "12")
+    else:
+        result = launch("train.py", output_dir, "--training.steps", "12", nproc=1, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     first, *nor = result.stderr.split(", nor can ")
@@ -225,7 +226,7 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
     saved = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["training"]
     for key in ("global_batch_size", "seq_len"):
         changed = str(saved[key] // 2)
-        result = launch("train.py", tmp_path / "batch", *TEN_STEPS, f"--training.{key}", changed, nproc=1, check=False)
+        result = refused(tmp_path / "batch", *TEN_STEPS, f"--training.{key}", changed)
         assert (result.returncode, result.stderr) == (2, (
             f"train.py: error: {checkpoint} was saved with training.{key} {saved[key]}, but this run has {changed} (a "
             f"resume may not change what defines the run); resume with --training.{key} {saved[key]}, or start a new "
@@ -237,7 +238,7 @@ def test_resume_refuses_a_run_it_cannot_continue(straight: Path, tmp_path: Path)
     final = run / "checkpoints" / "step-2"
     assert load_checkpoint(final).keys() == {"model"}
     assert load_checkpoint(run / "checkpoints" / "step-1").keys() > {"model", "optimizer"}
-    result = launch("train.py", run, "--training.steps", "4", nproc=1, check=False)
+    result = refused(run, "--training.steps", "4")
     assert result.returncode == 2
     assert result.stderr.startswith(f"train.py: error: {final} is a model-only final checkpoint"), result.stderr
 
@@ -256,8 +257,7 @@ def test_a_new_run_never_mixes_with_another_runs_files(tmp_path: Path) -> None:
     before = {path: path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
     # A new run in the same folder would prune the old run's checkpoints as if they were its own, or be
     # resumed as the old run later: it is refused before anything is built, and nothing changes.
-    result = launch("train.py", run, "--training.steps", "2", "--checkpoint.resume", "never", *steps, nproc=1,
-                    check=False)  # fmt: skip
+    result = refused(run, "--training.steps", "2", "--checkpoint.resume", "never", *steps)
     assert (result.returncode, result.stderr) == (2, (
         f"train.py: error: job.output_dir {run} already holds a run (run.json; metrics.jsonl; checkpoints "
         "step-2, step-4); checkpoint.resume = 'never' starts a new run, which must not mix with it: give the new run "
