@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 
 from fsdp2gen.plan_families import (
+    ATTENTION,
+    FORWARD_ORDER,
     HfShape,
     hf_block_activation_bytes,
     lora_activation_delta,
     lora_op_level_delta,
+    lora_targets,
 )
 from fsdp2gen.plan_layout import AC_MODES, PlanRequest
 from fsdp2gen.plan_shapes import FP32, INT64
@@ -325,7 +328,37 @@ def hf_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int, i
         attention += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
     block = tokens * (attention + 4 * compute * model.ffn_dim)
     kept = compute * tokens * (q + kv + model.ffn_dim + q) + FP32 * tokens * model.n_heads
-    return block, kept
+    lora_block, lora_kept = lora_tp_split_bytes(model, tokens, compute)
+    return block + lora_block, kept + lora_kept
+
+
+def lora_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int, int]:
+    """Of LoRA's change of one dense block's saved activations (lora_activation_delta; lora_op_level_delta under
+    selective AC), the parts tensor parallelism splits, as the project's lora_styles splits the adapters: lora_A's
+    outputs (tokens x rank) are whole on every tp rank (rowwise: summed over them), and so are the norms' outputs;
+    split are what no longer is kept of this rank's heads and hidden units (Qwen3's q_norm / k_norm inputs,
+    down_proj's input), the dropped-out inputs of the rowwise layers (o_proj, down_proj: their input split), and
+    under selective AC the kept outputs of the colwise layers' base_layer and lora_B (q/k/v, gate/up)."""
+    lora = model.lora
+    if lora is None:
+        return 0, 0
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q, "gate_proj": model.ffn_dim,
+              "up_proj": model.ffn_dim, "down_proj": model.ffn_dim}  # fmt: skip
+    paths = {name: f"model.layers.0.{'self_attn' if name in ATTENTION else 'mlp'}.{name}" for name in widths}
+    adapted = {name for name in widths if lora_targets(paths[name], lora.targets)}
+    block = -(q + kv) * compute if model.qk_norm else 0
+    if lora.dropout > 0 or "down_proj" not in adapted:
+        block -= compute * model.ffn_dim
+    if lora.dropout > 0:
+        block += (compute + 1) * sum(widths[name] for name in adapted & {"o_proj", "down_proj"})
+    outputs: list[tuple[int, bool]] = []  # (width, split) of each matmul, in forward order
+    for name in FORWARD_ORDER:
+        split = name not in ("o_proj", "down_proj")  # colwise: base_layer's and lora_B's outputs split
+        width = widths[name] if split else 0
+        outputs += [(width, split), (0, False), (width, split)] if name in adapted else [(width, split)]
+    kept = sum(width for width, _ in outputs[::2]) - (q + kv + model.ffn_dim)  # less op_level_kept_bytes' split
+    return tokens * block, compute * tokens * kept
 
 
 def tp_share_saved(split: int, tp: int) -> int:

@@ -267,8 +267,15 @@ def tp_split_dim(model: HfShape, name: str) -> int | None:
     """The dimension tensor parallelism splits parameter `name` on (TP_SPLIT_DIM), from the model's declared plan;
     lm_head is split by vocabulary (the project keeps the logits split for loss_parallel, whatever its word). The
     model's plan is its config's plus, unless that names them, the input embeddings as "embedding_rowwise"
-    (transformers' PreTrainedModel.init_parallel_plans adds them to every model with a plan and embed_tokens)."""
+    (transformers' PreTrainedModel.init_parallel_plans adds them to every model with a plan and embed_tokens).
+    A layer peft adapted (its `base_layer`, `lora_A.<adapter>`, `lora_B.<adapter>`) splits as the project's
+    tensor_parallel.py lora_styles splits it: base_layer as the plan says the layer; with output features split
+    (colwise) lora_B too and lora_A whole, with input features split (rowwise) lora_A too and lora_B whole."""
     module = name.rsplit(".", 1)[0]
+    adapted = re.fullmatch(r"(.+)\.(base_layer|lora_A|lora_B)(\.[^.]+)?", module)
+    if adapted:
+        dim = tp_split_dim(model, adapted[1] + ".weight")
+        return {"base_layer": dim, "lora_A": 1 if dim == 1 else None, "lora_B": 0 if dim == 0 else None}[adapted[2]]
     if module == "lm_head":
         return 0
     plan = {"embed_tokens": "embedding_rowwise"} | declared_tp_plan(model.model_type)

@@ -186,8 +186,8 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
 
 def _check_hf_layout(request: PlanRequest) -> None:
     """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
-    not model with them (LoRA's adapters split by tp; a mixture-of-experts model's experts under tp or cp). Under pp
-    both are planned (plan_pp.py: a stage's adapters, its routed blocks)."""
+    not model with them (a mixture-of-experts model's experts under tp or cp). LoRA's adapters split by tp are
+    planned (plan_families.tp_split_dim); under pp both are (plan_pp.py: a stage's adapters, its routed blocks)."""
     model = request.model
     if not isinstance(model, HfShape):
         return
@@ -196,9 +196,6 @@ def _check_hf_layout(request: PlanRequest) -> None:
         if has_experts(model):
             raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
                             f"with {flag[2:]} > 1 yet; plan it with {flag} 1 (--ep splits the experts)")  # fmt: skip
-        if model.lora is not None and flag != "--cp":
-            raise PlanError(f"{flag} {degree}: plan does not model LoRA adapters with {flag[2:]} > 1 yet; plan with "
-                            f"{flag} 1")  # fmt: skip
     if request.tp > 1:
         problem = tp_unsupported(model)
         if problem:

@@ -396,9 +396,12 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
     # Each tp rank gathers its half of the stage's split layers (and of lm_head's logits).
     gathered = [plan["per_gpu_bytes"]["all_gather_buffers"] for plan in (split, whole)]
     assert gathered[0] < 0.6 * gathered[1], gathered
-    assert error("--config", str(projects["lora"] / "config.toml"), "--pp", "2", "--tp", "2", "--gpus", "8") == (
-        "--tp 2: plan does not model LoRA adapters with tp > 1 yet; plan with --tp 1"
-    )
+    # LoRA under tp (test_lora_adapters_under_tp_split_as_the_projects_lora_styles), inside each stage too.
+    config = str(projects["lora"] / "config.toml")
+    lora = [plan_json("--config", config, "--pp", "2", "--tp", str(tp), "--gpus", "8", "--seq", "32",
+                      "--grad-accum-steps", "2") for tp in (2, 1)]  # fmt: skip
+    gathered = [plan["per_gpu_bytes"]["all_gather_buffers"] for plan in lora]
+    assert gathered[0] < 0.6 * gathered[1], gathered
     moe = tmp_path / "moe.json"
     moe.write_text(json.dumps({**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": 2}))
     assert error("--hf-config", str(moe), "--pp", "2", "--ep", "2") == (
@@ -605,6 +608,22 @@ def test_bad_config_json_is_one_line_and_exit_2(case: str, tmp_path: Path) -> No
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {path}: {message}\n")
 
 
+def test_lora_adapters_under_tp_split_as_the_projects_lora_styles(projects: dict) -> None:
+    """plan --config of a LoRA project at --tp 2 on 2 GPUs (FSDP over 1: a rank holds its tp share whole): AdamW's
+    state (2 fp32 values per element, an fp32 step per tensor) is that of the adapters as tensor_parallel.py's
+    lora_styles splits them: a colwise layer's (q/k/v, gate/up) lora_B by output features and its lora_A whole, a
+    rowwise layer's (o_proj, down_proj) lora_A by input features and its lora_B whole."""
+    model = read_hf_config(projects["model"])
+    rank, q, kv = 16, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    colwise = [(model.dim, out) for out in (q, kv, kv, model.ffn_dim, model.ffn_dim)]  # (in, out)
+    rowwise = [(q, model.dim), (model.ffn_dim, model.dim)]
+    elements = sum(rank * d_in + out // 2 * rank for d_in, out in colwise)
+    elements += sum(rank * d_in // 2 + out * rank for d_in, out in rowwise)
+    plan = plan_json("--config", str(projects["lora"] / "config.toml"), "--tp", "2", "--gpus", "2", "--seq", "32")
+    tensors = 2 * len(colwise + rowwise) * model.n_layers
+    assert plan["per_gpu_bytes"]["optimizer_state"] == 8 * elements * model.n_layers + 4 * tensors
+
+
 def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: Path) -> None:
     def error(*args: str) -> str:
         result = invoke("plan", *args)
@@ -612,9 +631,6 @@ def test_bad_hf_project_input_is_one_line_and_exit_2(projects: dict, tmp_path: P
         return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
 
     config = projects["lora"] / "config.toml"
-    assert error("--config", str(config), "--tp", "2", "--seq", "32") == (
-        "--tp 2: plan does not model LoRA adapters with tp > 1 yet; plan with --tp 1"
-    )
     edited = tmp_path / "config.toml"
     (tmp_path / ".copier-answers.yml").write_bytes((projects["lora"] / ".copier-answers.yml").read_bytes())
     text = config.read_text()

@@ -45,7 +45,7 @@ HF_OPTIONS = ("--family", "hf", "--bf16", "--gpus", "8", "--activation-checkpoin
 # (hf-pp is generated with --tp 2 as well, so that its rows can set parallel.tp: 1, or 8 for the 70B row.)
 HF_KINDS = {"hf": (), "hf-lora": ("--lora",), "hf-qlora": ("--qlora",), "hf-sft": ("--task", "sft"),
             "hf-tp": ("--tp", "2"), "hf-pp": ("--pp", "2", "--tp", "2"),
-            "hf-pp-lora": ("--pp", "2", "--lora")}  # fmt: skip
+            "hf-pp-lora": ("--pp", "2", "--lora"), "hf-tp-lora": ("--tp", "2", "--lora")}  # fmt: skip
 HF_8B = {"path": "Llama-3.1-8B"}  # HF_CONFIGS' name: the test points model.path at its folder
 # Sequence 2048 and 1 sample per data-parallel rank keep a row at seconds on 2 cores (fake tensors: the sizes cost
 # no memory or compute, the number of ops does: a row's time grows with its blocks, 70B's 80 blocks cost 40 s).
@@ -124,6 +124,12 @@ ROWS = [
     # plan was read: +15.2% at 8 of its blocks; with the embedding whole, as the config's plan alone says: +7.6% at
     # 8 blocks, +31% under selective AC, whose peak is the root's.)
     Row("hf-8b-tp2-none", HF_8B, project="hf-tp", tp=2, ac="none", extrapolated_from=(2, 3)),
+    # LoRA under tensor parallelism (tensor_parallel.py's lora_styles): the frozen base_layer split as the plan
+    # splits the layer, lora_B with a colwise layer's outputs, lora_A with a rowwise layer's inputs, the other whole;
+    # only the adapters have gradients and AdamW state. Selective AC keeps the colwise layers' base and lora_B
+    # outputs split, the rowwise lora_B's whole. (Planned with the adapted layers whole: +28%; with LoRA's kept
+    # outputs all whole: +22%.) The peak is the last block's backward from 3 blocks (at 2: the first block's forward).
+    Row("hf-8b-lora-tp2-selective", HF_8B, project="hf-tp-lora", tp=2, ac="selective", extrapolated_from=(3, 4)),
     # Pipeline parallelism, cut by the model's declared pipeline plan: 2 stages of 4 blocks, 1F1B over 2 micro-batches,
     # the whole logits on the last stage (loss_chunks 1 under PP); each pipeline rank simulated, the worst compared.
     Row(
@@ -250,7 +256,7 @@ SIMULATED = [
 MEASURED: dict[str, dict] = {}
 SIMULATIONS: dict[str, dict] = {}  # simulate_rows' figures by the id of a row in SIMULATED, and its "blocks"
 # The projects in the one simulating process, in turn (QLoRA's, whose nf4.py extends torch, last).
-SIMULATION_ORDER = ("llama", "hf", "hf-sft", "hf-lora", "hf-tp", "hf-pp", "hf-pp-lora", "hf-qlora")
+SIMULATION_ORDER = ("llama", "hf", "hf-sft", "hf-lora", "hf-tp", "hf-tp-lora", "hf-pp", "hf-pp-lora", "hf-qlora")
 
 
 def simulation_order(row: Row) -> tuple[int, str]:

@@ -67,8 +67,8 @@ HF_CONFIGS = {
     "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
 # The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft,
-# --tp 2, --pp 2 --tp 2 (its rows set parallel.tp, 1 or more), --pp 2 --lora).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp", "hf-pp-lora")
+# --tp 2, --pp 2 --tp 2 (its rows set parallel.tp, 1 or more), --pp 2 --lora, --tp 2 --lora).
+PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp", "hf-pp-lora", "hf-tp-lora")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Row:
         # The hf projects have no cpu_offload (generated without --cpu-offload), and parallel.tp only when
         # generated with --tp.
         llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
-        llama |= {"parallel.tp": self.tp} if self.project in ("hf-tp", "hf-pp") else {}
+        llama |= {"parallel.tp": self.tp} if self.project in ("hf-tp", "hf-pp", "hf-tp-lora") else {}
         if self.blocks and self.project == "llama":
             model["model.n_layers"] = self.blocks  # hf: the config.json the test writes for the row (hf_config)
         return (
@@ -148,6 +148,7 @@ class Row:
         if self.project != "llama":
             lora = ", LoRA rank 16 (7 targets)"
             kinds = {"hf": "", "hf-lora": lora, "hf-sft": ", task sft", "hf-tp": "", "hf-pp": "", "hf-pp-lora": lora,
+                     "hf-tp-lora": lora,
                      "hf-qlora": ", QLoRA rank 16 (7 targets, NF4 base)"}  # fmt: skip
             kind = kinds[self.project]
             name = f"hf {self.model['path']} config.json{depth}{kind}"  # type: ignore[index]
