@@ -197,6 +197,9 @@ def _check_hf_layout(request: PlanRequest) -> None:
             raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
                             f"with {flag[2:]} > 1 yet; plan it with {flag} 1 (--ep splits the experts)")  # fmt: skip
     if request.tp > 1:
+        if model.lora is not None and model.lora.nf4:  # as the generator refuses --qlora --tp
+            raise PlanError(f"--tp {request.tp} with QLoRA is not built (a project's NF4 weights are sharded by "
+                            "fully_shard only); use --tp 1, or plan LoRA on an unquantized base")  # fmt: skip
         problem = tp_unsupported(model)
         if problem:
             raise PlanError(f"--tp {request.tp}: {problem} ({model.source}); use --tp 1")

@@ -420,6 +420,10 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
         "--pp 2 with QLoRA is not built (a project's NF4 base is quantized whole); use --pp 1, or plan LoRA on an "
         "unquantized base"
     )
+    assert error("--config", str(qlora / "config.toml"), "--tp", "2", "--gpus", "2") == (
+        "--tp 2 with QLoRA is not built (a project's NF4 weights are sharded by fully_shard only); use --tp 1, or "
+        "plan LoRA on an unquantized base"
+    )
 
 
 # --- mixture-of-experts config.json files (qwen3_moe, mixtral) ---------------------------------------------------
