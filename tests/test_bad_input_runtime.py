@@ -21,7 +21,8 @@ import pytest
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
 from tests.helpers import several_runs
-from tests.helpers.in_process import preflight_cases_in_this_process, run_captured_in_this_process
+from tests.helpers.in_process import preflight_cases_in_this_process
+from tests.helpers.scripts import captured_in_this_process
 
 # id -> (preflight.py arguments, the one line it must print after "preflight.py: error: "). In the
 # arguments and the line, {out} is the case's own output folder, {tmp} the folder of the shared inputs.
@@ -455,12 +456,12 @@ def inputs(projects: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     project = projects["fp32"]
     finished, model_only = tmp / "finished", tmp / "model-only"
     # Both in this process (tests/helpers/several_runs.py: train.train() per run, as `python train.py` makes each,
-    # a group of one; run_captured_in_this_process: the test's process imported torch already).
+    # a group of one; captured_in_this_process: the test's process imported torch already).
     head = [*TINY, "--job.device", "cpu", "--training.steps", "2", "--checkpoint.interval", "1", "--job.output_dir"]
     runs = [[*head, str(finished)], [*head, str(model_only), "--checkpoint.model_only_final", "true"]]
     runs_file = tmp_path_factory.mktemp("bad-input-runs") / "runs.json"
     runs_file.write_text(json.dumps(runs))
-    code, _, stderr = run_captured_in_this_process(project, several_runs.__file__, str(runs_file))
+    code, _, stderr = captured_in_this_process(project, several_runs.__file__, str(runs_file))
     assert code == 0, stderr[-3000:]
     return {"project": project, "tmp": tmp, "finished": finished, "model_only": model_only}
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import generate, metrics, torchrun, torchrun_env
-from tests.helpers.in_process import run_captured_in_this_process
 from tests.helpers.scripts import captured_in_this_process
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.vocab_size", "128",
@@ -65,8 +64,8 @@ def test_a_user_edited_model_trains_on_two_ranks(project: Path, tmp_path: Path) 
     assert f"model: {128 * 64 + 64 * 64 + blocks + 2 * 64:,} parameters" in result.stdout
 
     # A class name that matches no module stops before training, naming the classes there are. (`python train.py`,
-    # one process: run in this process, run_captured_in_this_process.)
-    wrong = run_captured_in_this_process(edited, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok",
+    # one process: run in this process, captured_in_this_process.)
+    wrong = captured_in_this_process(edited, "train.py", *TINY, "--parallel.shard_modules", "GatedBlok",
                                          "--job.output_dir", str(tmp_path / "wrong"))  # fmt: skip
     assert wrong[0] == 2
     assert wrong[2] == (

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import generate, metrics, torchrun_env
-from tests.helpers.in_process import run_captured_in_this_process
 from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 
 # hidden 64, 2 layers: each model is a few hundred KB.
@@ -81,7 +80,7 @@ def halve_the_norm(weights: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The project's one-process runs, in this process (run_captured_in_this_process: an hf train.py's imports cost
+    """The project's one-process runs, in this process (captured_in_this_process: an hf train.py's imports cost
     ~6 CPU-s a process; the models fixture made them here), one after the other; name -> (exit code, stdout,
     stderr), "root" -> their folder (root / name: a run's output folder):
     - "prepare": scripts/prepare_data.py of TEXT into root / "tokens" (the qwen2-tied run's data);
@@ -114,7 +113,7 @@ def one_process(project: Path, models: dict[str, Path], tmp_path_factory: pytest
     runs["shape"] = ["train.py", *TRAIN, "--model.path", str(shape), "--job.output_dir", str(root / "shape")]
     runs["shard-class"] = ["train.py", *TRAIN, "--parallel.shard_modules", "Qwen2Layer", "--job.output_dir",
                            str(root / "shard-class")]  # fmt: skip
-    return {"root": root, **{name: run_captured_in_this_process(project, *argv) for name, argv in runs.items()}}
+    return {"root": root, **{name: captured_in_this_process(project, *argv) for name, argv in runs.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -362,12 +361,12 @@ def test_op_level_activation_checkpointing_keeps_the_numbers_of_a_model_with_qkv
     # Qwen2's q/k/v projections have a bias (aten.addmm, not aten.mm): selective keeps every other one's output
     # like llama's; whatever it keeps, the losses and gradient norms are those of no checkpointing.
     # Which outputs the policy keeps does not depend on the number of ranks (tests/test_op_level_ac.py runs every
-    # mode on 2 ranks): both runs one process's, in this process (run_captured_in_this_process: the models fixture
+    # mode on 2 ranks): both runs one process's, in this process (captured_in_this_process: the models fixture
     # imported torch and transformers here).
     project = generate(tmp_path / "sac", "--family", "hf", "--hf-model", str(models["qwen2-tied"]), "--gpus", "2",
                        "--fp32", "--activation-checkpointing", "selective")  # fmt: skip
     modes = ("none", "selective")
-    results = [run_captured_in_this_process(
+    results = [captured_in_this_process(
         project, "train.py", *TRAIN, "--parallel.activation_checkpointing", mode, "--training.steps", "3",
         "--job.output_dir", str(tmp_path / mode)) for mode in modes]  # fmt: skip
     assert [code for code, _, _ in results] == [0, 0], results[-1][2][-3000:]

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, fsdp2gen, generate, metrics, project_modules, save_tiny_llama, torchrun
-from tests.helpers.in_process import run_captured_in_this_process
-from tests.helpers.scripts import run_in_this_process
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 
 PROBE = str(REPO / "tests" / "helpers" / "hf_llama_probe.py")
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 20
@@ -156,7 +155,7 @@ def test_loaded_trained_exported_and_saved_in_hf_format(project: Path, llama: Pa
     assert not any("safetensors" in p.name for p in (out / "checkpoints" / "step-4").iterdir())
 
     # One process: `python hf_llama_probe.py`, run in this process (torch and transformers are imported here).
-    code, stdout, stderr = run_captured_in_this_process(project, PROBE, "--train", *common, "--training.steps", "6")
+    code, stdout, stderr = captured_in_this_process(project, PROBE, "--train", *common, "--training.steps", "6")
     assert code == 0, stderr[-3000:]
     assert_equal_to_transformers(stdout, 21, sharded=True)
     assert "resumed from" in stdout and "at step 4" in stdout, stdout[-2000:]

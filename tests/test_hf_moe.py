@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
-from tests.helpers.in_process import run_captured_in_this_process
+from tests.helpers.scripts import captured_in_this_process
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}  # fmt: skip
@@ -152,7 +152,7 @@ def one_process(
     """Qwen3-MoE trained 5 steps on 2 ranks (each holds half the experts, gathered whole by the export), also saved
     as Hugging Face folders (checkpoint.save_format "hf": per-expert files too, each rank writing the parts of the
     gathered experts it was given): the probed fixture's launch, last. Then in this process
-    (run_captured_in_this_process; an hf train.py's imports cost ~6 CPU-s a process, done here by the models
+    (captured_in_this_process; an hf train.py's imports cost ~6 CPU-s a process, done here by the models
     fixture): its export; Mixtral's 5 steps and export (its names and its 12 experts' order do not depend on the
     ranks: one process); the two runs train.py must refuse (REFUSED, each as a user's first try: one process, no
     torchrun). "qwen3-moe", "mixtral" -> output folder (exported/ in it); "refused" -> name -> (exit code, stdout,
@@ -168,7 +168,7 @@ def one_process(
 
     refusals = refused_runs(models, root / "refused")
     runs = [export("qwen3-moe"), train("mixtral"), export("mixtral"), *refusals.values()]
-    results = [run_captured_in_this_process(project, *argv) for argv in runs]
+    results = [captured_in_this_process(project, *argv) for argv in runs]
     assert [code for code, _, _ in results[:3]] == [0, 0, 0], results[2][2][-3000:]
     return {"qwen3-moe": root / "qwen3-moe", "mixtral": root / "mixtral",
             "refused": dict(zip(refusals, results[3:], strict=True))}  # fmt: skip
@@ -240,10 +240,10 @@ def test_lora_adapts_attention_and_the_fused_experts(models: dict[str, Path], tm
 
     # Trained 3 steps and exported merged: the experts' per-expert weights changed, the routers' did not (one
     # process: what the sharded adapters compute is the probe's above). Then the experts module itself, which is no
-    # layer peft adapts: one line, exit 2, naming the fix. The three runs in this process (run_captured_in_this_process:
+    # layer peft adapts: one line, exit 2, naming the fix. The three runs in this process (captured_in_this_process:
     # the models fixture imported torch and transformers here).
     checkpoint, exported = tmp_path / "out" / "checkpoints" / "step-3", tmp_path / "exported"
-    trained, export, refused = (run_captured_in_this_process(project, *argv) for argv in (
+    trained, export, refused = (captured_in_this_process(project, *argv) for argv in (
         ["train.py", *TRAIN, *targets, "--training.steps", "3", "--job.output_dir", str(tmp_path / "out")],
         ["scripts/export.py", str(checkpoint), "--output", str(exported)],
         ["train.py", *TRAIN, "--lora.target_modules", "q_proj,experts", "--job.output_dir", str(tmp_path / "refused")],

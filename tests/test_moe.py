@@ -19,7 +19,8 @@ import pytest
 
 from tests.conftest import HELPERS, generate, metrics, project_modules, torchrun
 from tests.helpers import several_runs
-from tests.helpers.in_process import run_captured_in_this_process, script_in_this_process
+from tests.helpers.in_process import script_in_this_process
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import launch_several
 
 # A tiny MoE llama: 3 blocks (the first dense, then 2 MoE blocks of 8 experts, top 2, one shared expert).
@@ -125,7 +126,7 @@ BAD_SETTINGS = [
 
 @pytest.fixture(scope="module")
 def one_process(project: Path, two_ranks: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The project's one-process scripts, one after the other in this process (run_captured_in_this_process: torch
+    """The project's one-process scripts, one after the other in this process (captured_in_this_process: torch
     is imported here already), each as `python SCRIPT ARGS` runs it: tests/helpers/moe_probe.py ("probe"), the bias
     run's one-process reference ("bias"), a Mixtral-routed run of 2 steps ("mixtral"), its export --format hf
     ("exported"), the export of the 2-rank bias run, refused ("refused"), and train.py with each of BAD_SETTINGS (by
@@ -142,7 +143,7 @@ def one_process(project: Path, two_ranks: dict, tmp_path_factory: pytest.TempPat
         **{case: ["train.py", *TINY_MOE, *args, "--job.output_dir", str(root / case)]
            for case, args, _ in BAD_SETTINGS},
     }  # fmt: skip
-    return {"root": root, **{name: run_captured_in_this_process(project, *argv) for name, argv in runs.items()}}
+    return {"root": root, **{name: captured_in_this_process(project, *argv) for name, argv in runs.items()}}
 
 
 def weights(checkpoint: Path) -> dict:
@@ -301,7 +302,7 @@ def test_sharded_init_is_the_same_on_any_number_of_ranks(project: Path, tmp_path
     args = ["tests/check_init.py", *TINY_MOE[:16], "--job.device", "cpu"]
     if nproc == 1:
         # One process, `python tests/check_init.py` (a group of one): run in this process, which imported torch.
-        code, stdout, stderr = run_captured_in_this_process(copy, *args)
+        code, stdout, stderr = captured_in_this_process(copy, *args)
         assert code == 0, stderr[-3000:]
     else:
         stdout = torchrun(copy, *args, nproc=nproc).stdout
@@ -371,13 +372,13 @@ def test_activation_checkpointing_modes_give_the_same_moe_numbers(tmp_path: Path
     block runs its router again in backward: its tokens must not count twice."""
     project = generate(tmp_path / "run", "--gpus", "2", "--fp32", "--moe", "--activation-checkpointing", "selective")
     # The 4 runs one plain process's, in this process (tests/helpers/several_runs.py: train.train() per run, each
-    # with its own config, seed and output folder; run_captured_in_this_process: torch is imported here already).
+    # with its own config, seed and output folder; captured_in_this_process: torch is imported here already).
     modes = ("none", "selective", "layer", "full")
     (tmp_path / "runs.json").write_text(json.dumps([
         [*TINY_MOE, "--model.n_dense_layers", "0", "--model.aux_loss_coef", "0.01", "--training.steps", "3",
          "--parallel.activation_checkpointing", mode, "--job.output_dir", str(tmp_path / mode)] for mode in modes
     ]))  # fmt: skip
-    code, _, stderr = run_captured_in_this_process(project, several_runs.__file__, str(tmp_path / "runs.json"))
+    code, _, stderr = captured_in_this_process(project, several_runs.__file__, str(tmp_path / "runs.json"))
     assert code == 0, stderr[-3000:]
     runs = {mode: metrics(tmp_path / mode) for mode in modes}
     figures = ["loss", "grad_norm", "moe_aux_loss", *MOE_FIGURES]

@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, generate, metrics, torchrun_env, tree
 from tests.helpers import noflock_fs
-from tests.helpers.in_process import preflight_cases_in_this_process, run_captured_in_this_process
+from tests.helpers.in_process import preflight_cases_in_this_process
+from tests.helpers.scripts import captured_in_this_process
 
 # The generated project's ownership.py is plain Python (no template code, no torch): its mechanisms are tested
 # here directly, as well as through real launches below.
@@ -408,8 +409,8 @@ def test_a_run_without_checkpoint_is_not_continued_by_another_model(project: Pat
     assert other == [2, "", expected]
     assert tree(out) == before
     # The same model and data continue it (one process: which run a folder holds does not depend on the ranks;
-    # `python train.py` run in this process, run_captured_in_this_process).
-    same = run_captured_in_this_process(project, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir",
+    # `python train.py` run in this process, captured_in_this_process).
+    same = captured_in_this_process(project, "train.py", *TINY, "--job.device", "cpu", "--job.output_dir",
                                         str(out), "--training.steps", "2", "--data.synthetic_samples", "8")  # fmt: skip
     assert same[0] == 0, same[2][-3000:]
     assert [r["step"] for r in metrics(out)] == [1, 2]

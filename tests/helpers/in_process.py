@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import project_modules
-from tests.helpers.scripts import captured_in_this_process, run_in_this_process
+from tests.helpers.scripts import run_in_this_process
 
 
 def script_in_this_process(project: Path, script: str, *args: str) -> None:
@@ -19,21 +19,6 @@ def script_in_this_process(project: Path, script: str, *args: str) -> None:
         run_in_this_process(project, script, *args)
     except SystemExit as exit:  # train.py ends with sys.exit(its exit code)
         assert exit.code in (None, 0), f"{script} exited {exit.code}"
-    finally:
-        # train.py switches the collector off while it imports and freezes what the process holds once they are
-        # loaded (for a training process, its imports): both set back for the tests that follow.
-        gc.unfreeze()
-        gc.enable()
-
-
-def run_captured_in_this_process(project: Path, script: str, *args: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python SCRIPT ARGS` in `project`, run in this process (captured_in_this_process;
-    train.py's collector settings set back after, as script_in_this_process does)."""
-    try:
-        return captured_in_this_process(project, script, *args)
-    finally:
-        gc.unfreeze()
-        gc.enable()
 
 
 def preflight_cases_in_this_process(project: Path, cases: dict[str, list[str]]) -> dict[str, list]:

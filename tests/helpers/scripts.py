@@ -5,6 +5,7 @@ process). train.py runs this way as one process without torchrun (a 1-rank proce
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import runpy
@@ -45,7 +46,7 @@ def run_in_this_process(project: Path, script: str, *args: str) -> None:
     """`python SCRIPT ARGS` in `project`, run in the test's own process (runpy): for a script that involves nothing
     distributed (a plain-PyTorch reference), which needs no process of its own, so no torch import of its own. It
     runs on one thread, as a subprocess under torchrun_env would, and what it changes is set back after: the
-    project's modules (project_modules), the folder, sys.argv, the RNG, the threads."""
+    project's modules (project_modules), the folder, sys.argv, the RNG, the threads, the garbage collector."""
     import torch
 
     argv, threads = sys.argv, torch.get_num_threads()
@@ -57,6 +58,10 @@ def run_in_this_process(project: Path, script: str, *args: str) -> None:
     finally:
         sys.argv = argv
         torch.set_num_threads(threads)
+        # train.py and preflight.py switch the collector off while they import and freeze what the process holds
+        # once loaded (for a training process, its imports): both set back for the tests that follow.
+        gc.unfreeze()
+        gc.enable()
 
 
 def captured_in_this_process(project: Path, *argv: str) -> tuple[int, str, str]:
