@@ -114,10 +114,12 @@ def test_on_4_ranks_nf4_shards_equal_torchao_a_step_equals_one_process_and_memor
     check_probe(probed["report"])
     memory = probed["report"]["ranks"][1]["memory"]
     print(memory)
-    # Rank 1 holds its NF4 shards: 4.13 bits per weight, about a quarter of its fp16 share, plus the fp32
-    # embeddings and norms (~1 MiB) and a few MiB of Python objects; nothing else stays resident.
+    # Rank 1 holds its NF4 shards: 4.13 bits per weight, about a quarter of its fp16 share, plus its unquantized
+    # parameters (embeddings, norms: ~1 MiB) and a few MiB of Python objects (6.6 measured in CI, 5-7 here);
+    # nothing else stays resident: one fp16 copy of the adapted weights left behind would add ~49 MiB.
     assert memory["nf4_share_mib"] / memory["nf4_fp16_mib"] == pytest.approx(4.127 / 16, abs=1e-3)
-    assert 0.2 * memory["fp16_share_mib"] < memory["VmRSS"] < 0.4 * memory["fp16_share_mib"], memory
+    held = memory["nf4_share_mib"] + memory["dense_share_mib"]
+    assert held < memory["VmRSS"] < held + 12 < 0.6 * memory["fp16_share_mib"], memory
     # Its peak: that plus constants, whatever the model's size: up to 64 MiB of fp32 slices read at a time
     # (nf4.READ_BUDGET) and their mapped file pages, and torchao's working memory for one chunk of 2**20 values
     # (~150 MiB: each value's distance to the 16 levels, in fp32, twice) (measured here: 200-250 MiB).

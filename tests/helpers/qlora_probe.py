@@ -75,6 +75,9 @@ def measure_memory(config, folder: str) -> dict[str, float]:
         getattr(p.to_local(), part).numel() * getattr(p.to_local(), part).element_size()
         for p in model.parameters() if is_nf4(p) for part in PARTS[:3]
     ) / 2**20  # fmt: skip
+    memory["dense_share_mib"] = sum(
+        p.to_local().numel() * p.to_local().element_size() for p in model.parameters() if not is_nf4(p)
+    ) / 2**20  # fmt: skip
     return memory
 
 
