@@ -398,12 +398,14 @@ def test_bf16_pp2_x_dp_shard2_equals_bf16_dp_shard2_without_the_pipeline(
     project_runs: Callable[[], tuple[dict[str, Path], str]], two_rank_runs: tuple[dict[str, Path], str]
 ) -> None:
     # bf16 mixed precision (fp32 master weights, fp32 gradient reduction) rounds differently from one fp32 process,
-    # but a stage computes exactly what the same blocks compute in the whole model sharded over the same 2 ranks:
-    # measured equal (weights and losses identical, grad norm 6e-8) where both differ from one process by 1.1e-3.
+    # but a stage computes what the same blocks compute in the whole model sharded over the same 2 ranks, up to the
+    # CPU's bf16 kernels: a micro-batch of the schedule is a smaller matmul than the whole batch, which an AVX2 host
+    # (bf16 emulated) blocks differently. Measured: losses identical; weights equal on an AVX512 host,
+    # 2.1e-6 apart on an AVX2 one; where both differ from one process (a lost precision setting) by 1.1e-3.
     # (pp 2 on 4 ranks: PROJECT_RUNS' "bf16"; pp 1 on 2 ranks: two_rank_runs' "bf16-pp1".)
     diffs = differences(project_runs()[0]["bf16"], two_rank_runs[0]["bf16-pp1"], [1, 2, 3, 4])
     print(diffs)
-    assert max(diffs.values()) <= 1e-6, diffs
+    assert max(diffs.values()) <= 1e-5, diffs
 
 
 def test_dcp_async_checkpoints_of_pp2_resume_with_pp1_as_the_uninterrupted_run(
