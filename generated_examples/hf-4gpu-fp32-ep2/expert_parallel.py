@@ -18,15 +18,7 @@ whole model with its own options; here shard_experts shards each rank's experts,
 the ranks that hold the same ones (layout.py's expert_fsdp_mesh: dp_shard / ep ranks, per replica with HSDP) with
 the block's options (mixed precision, CPU offload, resharding), and divides their gradients like every other
 gradient's. Checkpoints hold the whole stacked tensors under the model's own names, whatever ep was, so they resume
-with any ep (and any pp); pretrained weights load with each rank reading only its experts' slices (model.py's
-load_pretrained).
-
-Under pipeline parallelism (pipeline.py) parallelize runs on each pipeline stage, so both steps see only the stage's
-own decoder layers (the others are parameter-free stand-ins, pipeline_stages.py, which the plan's expansion never
-names). The ep group is borrowed from the stage's dp_shard ranks (layout.py: pp is the mesh's outermost dimension), so
-its ranks hold the same stage and run the same schedule: each issues the same micro-batches' forwards and backwards
-in the same order, and AllToAllEP's exchanges (the token counts, then the tokens) pair up as they do without a
-pipeline.
+with any ep; pretrained weights load with each rank reading only its experts' slices (model.py's load_pretrained).
 """
 
 from __future__ import annotations
@@ -58,8 +50,6 @@ def apply_expert_parallel(model: PreTrainedModel, mesh: DeviceMesh, parallel: Pa
         return
     ep_mesh = mesh["ep"]
     plan = expanded_plan(model, ep_mesh.size())
-    if not plan:  # a pipeline stage whose decoder layers have no experts: nothing to share out
-        return
     # AllToAllEP's tensor-parallel mesh: the ranks that hold the same batch, which it splits among them before the
     # dispatch. Here every rank reads its own samples (ep borrows data-parallel ranks; --tp with --ep is refused):
     # a mesh of this rank alone, from a group that only this rank creates (no collective over the world).
@@ -71,10 +61,9 @@ def apply_expert_parallel(model: PreTrainedModel, mesh: DeviceMesh, parallel: Pa
     for name in layers:
         model.get_submodule(name).expert_fsdp_mesh = expert_fsdp_mesh
     if dist.get_rank() == 0:
-        held = " (of this pipeline stage)" if "other_stages" in vars(model) else ""
         print(f"expert parallelism: {experts[0] // ep_mesh.size()} of the {experts[0]} experts of each of "
-              f"{len(layers)} mixture-of-experts layers{held} per rank, sharded over the "
-              f"{expert_fsdp_mesh.size()} ranks that hold the same ones", flush=True)  # fmt: skip
+              f"{len(layers)} mixture-of-experts layers per rank, sharded over the {expert_fsdp_mesh.size()} ranks "
+              "that hold the same ones", flush=True)  # fmt: skip
 
 
 def expanded_plan(model: PreTrainedModel, ep: int) -> dict[str, str]:
@@ -90,11 +79,8 @@ def expanded_plan(model: PreTrainedModel, ep: int) -> dict[str, str]:
     if unknown:
         stop(f"parallel.ep: {name}'s expert-parallel plan uses {unknown}, which this project does not apply (only "
              f"{list(PLAN_WORDS)}); use --parallel.ep 1")  # fmt: skip
-    # Only the modules the model holds: a pipeline stage's (pipeline_stages.py) own decoder layers.
     plan = model._expand_parallel_plan(declared)
     if "ep_dispatch_experts" not in plan.values():
-        if "other_stages" in vars(model):  # a pipeline stage: the experts may all be in the other stages' layers
-            return {}
         stop(f"parallel.ep: {name}'s expert-parallel plan names no module of the model; use --parallel.ep 1")
     for key, word in plan.items():
         if word != "grouped_gemm":
