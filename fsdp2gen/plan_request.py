@@ -222,6 +222,11 @@ def _check_pipeline(request: PlanRequest) -> None:
             # As the generator refuses --qlora --pp: each stage would load and quantize its own blocks.
             raise PlanError(f"--pp {request.pp} with QLoRA is not built (a project's NF4 base is quantized whole); "
                             "use --pp 1, or plan LoRA on an unquantized base")  # fmt: skip
+        if isinstance(request.model, HfShape) and request.ep > 1:
+            # An hf project builds it (each stage shares out its own layers' experts); plan_pp has no ep figures yet.
+            raise PlanError(f"--pp {request.pp} with --ep {request.ep}: plan does not model expert parallelism inside "
+                            "pipeline stages yet (an hf project builds it); plan it with --ep 1 (FSDP shards the "
+                            "experts) or --pp 1")  # fmt: skip
         for flag, degree in (("--cp", request.cp), ("--ep", request.ep)):
             if degree > 1:
                 raise PlanError(f"--pp {request.pp} with {flag} {degree} is not built; use {flag} 1 or --pp 1")

@@ -3,19 +3,21 @@ tiny Llama, Qwen3, Mistral, Qwen3-MoE and Mixtral checkpoints made here with sav
 cannot span the first and the last stage; the mixtures of experts' blocks hold transformers' fused experts), trained by
 a generated project on pp 2 x dp 2 (4 gloo ranks) and by one process; both must agree in losses, gradient norms, the
 experts' load figures (summed over the stages) and final weights (fp32, 1e-5), and step 1's loss must be plain
-transformers' on the same batch. A Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per rank:
-rank 0 holds layers 0 and 2) proves the random initialisation of a stage equal to the whole model's and the merge of a
-rank's stages. A tiny Llama with a chat tokenizer is fine-tuned with LoRA on chat data (the loss on the responses'
-tokens only) by a `--lora --task sft` project, equal to one process in the same way (its adapters). The Llama run (4
-steps) has rank 3 killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit (and still equals one
-process); its step-2 checkpoint (2 stages, each sharded over 2 ranks) resumes without a pipeline on the same ranks, and
-one process's at pp 2, both equal to the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied
-embeddings; a mixture of experts whose config.json asks for transformers' load-balancing loss, one function of every
-layer's router logits at once; Granite, whose forward scales the embeddings outside the modules its plan names, so that
-each stage would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
+transformers' on the same batch. Qwen3-MoE's runs are by a project generated with `--pp 2 --ep 2`: each stage shares out
+its own layers' experts over its 2 dp_shard ranks (expert_parallel.py; Mixtral keeps ep 1), and its step-2 checkpoint
+(whole experts under the model's names) resumes without pipeline and without expert parallelism on the same ranks. A
+Qwen3 trained from scratch under Interleaved1F1B (4 stages of 1 layer, 2 per rank: rank 0 holds layers 0 and 2) proves
+the random initialisation of a stage equal to the whole model's and the merge of a rank's stages. A tiny Llama with a
+chat tokenizer is fine-tuned with LoRA on chat data (the loss on the responses' tokens only) by a `--lora --task sft`
+project, equal to one process in the same way (its adapters). The Llama run (4 steps) has rank 3 killed in the middle of
+step 4 and restarted by torchrun: it resumes bit for bit (and still equals one process); one process's step-2 checkpoint
+resumes at pp 2, equal to the uninterrupted run. Models that cannot be cut (GPT-2 declares no plan; tied embeddings; a
+mixture of experts whose config.json asks for transformers' load-balancing loss, one function of every layer's router
+logits at once; Granite, whose forward scales the embeddings outside the modules its plan names, so that each stage
+would scale them again) are refused in one line by `fsdp2gen new` and by preflight.
 
-Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of both projects, in one set of
-processes), and torchrun's restart of the second: the chat data's preparation, one process's seven references, plain
+Two launches for all of it (tests/helpers/several_runs.py runs several train.py runs, of the three projects, in one set
+of processes), and torchrun's restart of the second: the chat data's preparation, one process's seven references, plain
 transformers and the preflight cases, then the 4 ranks' seven runs and the two resumes across layouts. No network: every
 model is a local folder written by the test.
 """
@@ -53,8 +55,9 @@ RUNS = {
     "qwen3": ("qwen3", [], []),
     "mistral": ("mistral", [], []),
     # Mixtures of experts: 4 experts, 2 per token, in every decoder layer; no load-balancing loss (transformers'
-    # default, output_router_logits false).
-    "qwen3-moe": ("qwen3-moe", [], []),
+    # default, output_router_logits false). Qwen3-MoE's by EP_PROJECT: at pp 2 with ep 2 (each rank of a stage holds
+    # 2 of the 4 experts of the stage's layers), one process holding every expert.
+    "qwen3-moe": ("qwen3-moe", [], ["--parallel.ep", "2"]),
     "mixtral": ("mixtral", [], []),
     "qwen3-scratch": ("qwen3", ["--model.pretrained", "false", "--training.lr", "1e-4"],
                       ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"]),
@@ -63,6 +66,7 @@ RUNS = {
     "lora-sft": ("chat", [], []),
 }  # fmt: skip
 LORA_SFT = "lora-sft"
+EP_PROJECT = "qwen3-moe"  # the run of the project generated with --pp 2 --ep 2
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +117,13 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
                        "--pp", "2", "--fp32")  # fmt: skip
     lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["chat"]), "--lora", "--task", "sft",
                     "--gpus", "4", "--pp", "2", "--fp32")  # fmt: skip
+    ep = generate(root / "ep", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4", "--pp", "2",
+                  "--ep", "2", "--fp32")  # fmt: skip
+    projects = {LORA_SFT: {"project": str(lora)}, EP_PROJECT: {"project": str(ep)}}
 
     def run(name: str, pipeline: bool) -> dict:
         output = root / f"{name}-{'pp2' if pipeline else 'one'}"
-        return {"args": run_options(models, output, name, pipeline)} | (
-            {"project": str(lora)} if name == LORA_SFT else {}
-        )
+        return {"args": run_options(models, output, name, pipeline)} | projects.get(name, {})
 
     preflight = ["--world-size", "4", *TRAIN, "--job.output_dir", str(root / "refused")]
     spec = {
@@ -133,15 +138,18 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
 
     # Rank 3 SIGKILLs itself in Llama's step 4 (after its backward, before the optimizer step; the newest checkpoint
     # is step 2's): torchrun restarts all 4 ranks, which resume from step 2, compute steps 3 and 4 again, and go on
-    # with the runs after it. Then Llama's checkpoints of step 2 change layout on the same 4 ranks, each from a copy
-    # of its folder without the step-4 checkpoint: pp 2's resumed without a pipeline (FSDP over the 4 ranks), and
-    # one process's resumed at pp 2 (each stage reading only its own layers).
-    def resumed(folder: str, source: str, pipeline: bool) -> dict:
-        interrupted = {"from": str(root / source), "remove": ["checkpoints/step-4"]}
-        return {"args": run_options(models, root / folder, "llama", pipeline), "interrupted": interrupted}
+    # with the runs after it. Then checkpoints of step 2 change layout on the same 4 ranks, each from a copy of its
+    # folder without the newer checkpoints: Qwen3-MoE's at pp 2 x ep 2 resumed without a pipeline and with ep 1 (FSDP
+    # over the 4 ranks, every expert on each), and Llama's one process's resumed at pp 2 (each stage reading only its
+    # own layers).
+    def resumed(folder: str, name: str, source: str, pipeline: bool, *layout: str) -> dict:
+        interrupted = {"from": str(root / source), "remove": [f"checkpoints/step-{steps(name)[-1]}"]}
+        args = [*run_options(models, root / folder, name, pipeline), *layout]
+        return {"args": args, "interrupted": interrupted} | projects.get(name, {})
 
     runs = [run(name, True) | ({"kill": KILL} if name == "llama" else {}) for name in RUNS]
-    runs += [resumed("resumed", "llama-pp2", False), resumed("resumed-pp2", "llama-one", True)]
+    runs += [resumed("resumed", EP_PROJECT, "qwen3-moe-pp2", False, "--parallel.ep", "1"),
+             resumed("resumed-pp2", "llama", "llama-one", True)]  # fmt: skip
     pp2 = launch_several(project, {"runs": runs}, root / "pp2.json", nproc=4, restarts=1)
     return root, one.stdout, pp2.stdout
 
@@ -178,8 +186,11 @@ def assert_equal_runs(got: Path, expected: Path, steps: list[int]) -> None:
 def test_pp2_x_dp2_trains_equal_to_one_process_and_to_plain_transformers(
     runs: tuple[Path, str, str], name: str
 ) -> None:
-    root, stdout, _ = runs
+    root, stdout, pp2 = runs
     assert_equal_runs(root / f"{name}-pp2", root / f"{name}-one", steps(name))
+    if name == EP_PROJECT:  # rank 0 (stage 0: layers 0 and 1) holds 2 of each of its layers' 4 experts
+        assert ("expert parallelism: 2 of the 4 experts of each of 2 mixture-of-experts layers (of this pipeline "
+                "stage) per rank, sharded over the 1 ranks that hold the same ones") in pp2  # fmt: skip
     plain = plain_losses(stdout).get(str(root / f"{name}-one"))
     if name == "qwen3-scratch":
         assert plain is None
@@ -197,12 +208,14 @@ def test_a_rank_killed_mid_step_under_pp2_dp2_restarts_and_resumes_bit_for_bit(r
     assert_resumed_bit_for_bit(stdout, root / "llama-pp2", KILL, 2, ("loss", "grad_norm"))
 
 
-def test_checkpoints_resume_across_layouts_pp2_to_pp1_and_one_process_to_pp2(runs: tuple[Path, str, str]) -> None:
-    # Steps 3 and 4 and the final weights of both resumes are the uninterrupted one-process run's.
+def test_checkpoints_resume_across_layouts_pp2_ep2_to_pp1_ep1_and_one_process_to_pp2(
+    runs: tuple[Path, str, str],
+) -> None:
+    # The steps after step 2 and the final weights of both resumes are the uninterrupted one-process run's.
     root, _, stdout = runs
-    for folder in ("resumed", "resumed-pp2"):
+    for folder, name in (("resumed", EP_PROJECT), ("resumed-pp2", "llama")):
         assert f"resumed from {root / folder / 'checkpoints' / 'step-2'} at step 2" in stdout, stdout[-3000:]
-        assert_equal_runs(root / folder, root / "llama-one", [3, 4])
+        assert_equal_runs(root / folder, root / f"{name}-one", steps(name)[2:])
 
 
 def test_a_model_that_cannot_be_cut_is_refused_at_new_and_in_preflight(

@@ -405,7 +405,8 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
     moe = tmp_path / "moe.json"
     moe.write_text(json.dumps({**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": 2}))
     assert error("--hf-config", str(moe), "--pp", "2", "--ep", "2") == (
-        "--pp 2 with --ep 2 is not built; use --ep 1 or --pp 1"
+        "--pp 2 with --ep 2: plan does not model expert parallelism inside pipeline stages yet (an hf project builds "
+        "it); plan it with --ep 1 (FSDP shards the experts) or --pp 1"
     )
     assert error("--hf-config", str(moe), "--pp", "2", "--tp", "2", "--gpus", "8") == (
         "--tp 2: plan does not model a mixture-of-experts hf model (qwen3_moe) with tp > 1 yet; plan it with --tp 1 "
