@@ -6,11 +6,12 @@ save_pretrained, trained by one generated project (--cp 2): Qwen3 at cp 2 x dp_s
 dp_shard x cp), Llama, Mixtral and Mistral at cp 2 on 2 (FSDP over the cp ranks); Qwen3-MoE by a project generated
 with --ep 2 --cp 2, at ep 2 x cp 2 on 4 ranks (each rank holding 2 of the 4 experts of every layer, the tokens of
 its sequence pieces sent to their experts' ranks over the ep group, the experts sharded by FSDP over the cp ranks
-that hold the same ones: layout.py's expert_fsdp_mesh); and a tiny Llama with a chat tokenizer fine-tuned with LoRA on chat data by a `--lora --task sft` project at cp 2 on 2 (the loss mask
-split over the cp ranks with the tokens). All must equal one process in losses, gradient norms and final weights
-(LoRA's: the adapters), and step 1's loss must be plain transformers' on the same batch. Llama's cp 2 run has rank 1
-killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit. (cp 2 x tp 2 composes, as for
-llama: equal to one process by hand, for Llama, at 4 ranks; not run here, ~12 CPU-s more.)
+that hold the same ones: layout.py's expert_fsdp_mesh); and a tiny Llama with a chat tokenizer fine-tuned with LoRA
+on chat data by a `--lora --task sft` project at cp 2 on 2 (the loss mask split over the cp ranks with the tokens).
+All must equal one process in losses, gradient norms and final weights (LoRA's: the adapters), and step 1's loss
+must be plain transformers' on the same batch. Llama's cp 2 run has rank 1 killed in the middle of step 4 and
+restarted by torchrun: it resumes bit for bit. (cp 2 x tp 2 composes, as for llama: equal to one process by hand,
+for Llama, at 4 ranks; not run here, ~12 CPU-s more.)
 
 CPU ranks cannot run ring attention as torch ships it: the runs put tests/helpers/cp_cpu_shim on PYTHONPATH (see
 tests/test_context_parallel.py), which gives torch's ring attention the CPU kernel; the project's code path is the
@@ -18,8 +19,8 @@ GPU one. A model whose attention ring attention cannot split is refused in one l
 once on the meta device), and where its config.json says so by `fsdp2gen new` (test_bad_input_generator.py).
 
 Three launches (tests/helpers/several_runs.py), and torchrun's restart of the second: Qwen3's and Qwen3-MoE's on 4
-ranks; the chat data's preparation, the LoRA run, Mixtral's, Mistral's and Llama's on 2; then one process (without the
-shim: it has no cp ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py
+ranks; the chat data's preparation, the LoRA run, Mixtral's, Mistral's and Llama's on 2; then one process (without
+the shim: it has no cp ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py
 and makes the six references and plain transformers' losses. No network: every model is a local folder written by
 the test.
 """
@@ -49,7 +50,7 @@ RUNS = {
     "qwen3": ("qwen3", lambda root: []),
     "llama": ("llama", lambda root: []),
     # A mixture of experts (transformers' fused experts; each token routed on its own cp rank): Qwen3-MoE at ep 2 x
-    # cp 2 on 4 ranks (its own project, EP_CP), Mixtral at cp 2 on 2.
+    # cp 2 on 4 ranks (its own project: ep_cp in runs()), Mixtral at cp 2 on 2.
     "qwen3-moe": ("qwen3-moe", lambda root: []),
     "mixtral": ("mixtral", lambda root: []),
     # Mistral 7B v0.3's sliding_window is null; a window of training.seq_len tokens is the shortest ring attention
@@ -107,7 +108,7 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
     # LoRA fine-tuning on chat data (--lora --task sft): the same layout, in the same launches (several_runs.py).
     lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["chat"]), "--lora", "--task", "sft",
                     "--gpus", "2", "--cp", "2", "--fp32")  # fmt: skip
-    # Expert parallelism with context parallelism: mesh dp_shard_mod_ep 1 x ep 2 x cp 2, the experts' FSDP over cp.
+    # Expert parallelism with context parallelism: mesh dp_shard_mod_ep 1 x cp 2 x ep 2, the experts' FSDP over cp.
     ep_cp = generate(root / "ep-cp", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4",
                      "--ep", "2", "--cp", "2", "--fp32")  # fmt: skip
     env = {"PYTHONPATH": f"{SHIM}:{project}"}
