@@ -214,8 +214,8 @@ def largest_block(request: PlanRequest, shapes: list[tuple[str, tuple[int, ...]]
 
 def expert_layout(request: PlanRequest, ep: int) -> Any:
     """The ParallelLayout whose check_expert_parallel (as a project's preflight runs it) judges `ep` experts
-    groups borrowed from request's dp_shard ranks."""
-    return layout_module().ParallelLayout(request.world_size, dp_shard=request.fsdp_ranks, ep=ep)
+    groups borrowed from request's dp_shard ranks (not from cp's: layout.py's docstring says why)."""
+    return layout_module().ParallelLayout(request.world_size, dp_shard=request.layout.dp_shard, ep=ep)
 
 
 def ep_takes(request: PlanRequest, ep: int) -> bool:

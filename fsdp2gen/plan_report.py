@@ -276,8 +276,8 @@ def expert_lines(plan: Plan) -> list[str]:
         f"; FSDP-sharded over {request.fsdp_ranks} ranks like every weight (--ep N shares them out: without it each "
         f"GPU gathers all {model.n_experts} experts of a block to compute it)"
         if hf and request.ep == 1
-        else f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep = "
-        f"{request.fsdp_ranks // request.ep} ranks"
+        else f"; ep {request.ep}: {model.n_experts // request.ep} experts per GPU, sharded over dp_shard / ep"
+        f"{' x cp' if request.cp > 1 else ''} = {request.fsdp_ranks // request.ep} ranks"
     )
     lines = [
         f"experts: {model.n_experts} per MoE block x {len(model.moe_layers)} blocks, top {model.top_k}"

@@ -191,11 +191,9 @@ def _check_hf_layout(request: PlanRequest) -> None:
     model = request.model
     if not isinstance(model, HfShape):
         return
-    degrees = [(flag, degree) for flag, degree in (("--tp", request.tp), ("--cp", request.cp)) if degree > 1]
-    for flag, degree in degrees:
-        if has_experts(model):
-            raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
-                            f"with {flag[2:]} > 1 yet; plan it with {flag} 1 (--ep splits the experts)")  # fmt: skip
+    if request.tp > 1 and has_experts(model):  # (with cp: each rank routes its tokens, experts over dp_shard x cp)
+        raise PlanError(f"--tp {request.tp}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
+                        "with tp > 1 yet; plan it with --tp 1 (--ep splits the experts)")  # fmt: skip
     if request.tp > 1:
         if model.lora is not None and model.lora.nf4:  # as the generator refuses --qlora --tp
             raise PlanError(f"--tp {request.tp} with QLoRA is not built (a project's NF4 weights are sharded by "
@@ -316,8 +314,8 @@ def _plan_wording(problem: str, request: PlanRequest) -> str:
         f"e.g. --seq {_cp_fitting_seq_len(request)}",
         "cp_loss_chunks": f"--cp {cp}: training.loss_chunks ({loss_chunks}) must divide the {seq_len // cp} tokens "
         f"each context-parallel rank holds (seq / cp); e.g. --seq {_cp_fitting_seq_len(request)}",
-        "ep_ranks": f"--ep {request.ep} must divide the {request.fsdp_ranks} dp_shard ranks it borrows from "
-        f"({request.world_size} GPUs); e.g. --ep {_fitting_ep(request)}",
+        "ep_ranks": f"--ep {request.ep} must divide the {request.layout.dp_shard} dp_shard ranks it borrows from "
+        f"({request.world_size} GPUs{f' / cp {cp}' if cp > 1 else ''}); e.g. --ep {_fitting_ep(request)}",
         "ep_experts": f"--ep {request.ep} must divide model.n_experts ({model.n_experts}): each GPU holds n_experts / "
         f"ep whole experts; e.g. --ep {_fitting_ep(request)}",
         "batch": f"training.global_batch_size ({request.global_batch_size}) is not divisible by "

@@ -376,6 +376,12 @@ CASES = [
         "--tp 1",
     ),
     Case(
+        "ep-hf-beyond-what-cp-leaves",
+        (*NEW, "--family", "hf", "--hf-model", "org/model", "--ep", "8", "--cp", "2"),
+        "--ep: 8 must divide the 4 GPUs per node that --cp 2 leaves to dp_shard (expert parallelism borrows its "
+        "ranks from dp_shard, not from cp), e.g. --ep 4",
+    ),
+    Case(
         "reshard-zero",
         (*NEW, "--reshard-after-forward", "0"),
         "--reshard-after-forward: must be true, false or a positive integer, e.g. --reshard-after-forward 8",
@@ -1234,6 +1240,8 @@ SUGGESTING = [
     {"gpus": 1, "nodes": 3, "reshard_after_forward": "2"}, {"gpus": 6, "nodes": 5, "reshard_after_forward": "4"},
     {"project_name": "Run"}, {"project_name": "torch"}, {"project_name": "jinja2"}, {"family": "hf"},
     {"moe": True, "ep": 0}, {"moe": True, "ep": 3}, {"moe": True, "ep": 4, "gpus": 6}, {"moe": True, "ep": 99},
+    {"family": "hf", "hf_model": "org/model", "ep": 8, "cp": 2}, {"family": "hf", "hf_model": "org/model", "ep": 6,
+    "cp": 3, "gpus": 12},
 ]  # fmt: skip
 
 

@@ -3,21 +3,24 @@ sequence split over the cp ranks (context_parallel.py). Tiny Llama, Qwen3 (tied 
 k_norm), Qwen3-MoE and Mixtral (transformers' fused experts; their load figures compared too) and Mistral (a sliding
 window as long as training.seq_len: the whole causal mask, which ring attention splits) checkpoints made here with
 save_pretrained, trained by one generated project (--cp 2): Qwen3 at cp 2 x dp_shard 2 on 4 gloo ranks (FSDP over
-dp_shard x cp), Llama, Qwen3-MoE, Mixtral and Mistral at cp 2 on 2 (FSDP over the cp ranks); and a tiny Llama
-with a chat tokenizer fine-tuned with LoRA on chat data by a `--lora --task sft` project at cp 2 on 2 (the loss mask
-split over the cp ranks with the tokens). All must equal one process in losses, gradient norms and final weights
-(LoRA's: the adapters), and step 1's loss must be plain transformers' on the same batch. Llama's cp 2 run has rank 1
-killed in the middle of step 4 and restarted by torchrun: it resumes bit for bit. (cp 2 x tp 2 composes, as for
-llama: equal to one process by hand, for Llama, at 4 ranks; not run here, ~12 CPU-s more.)
+dp_shard x cp), Llama, Mixtral and Mistral at cp 2 on 2 (FSDP over the cp ranks); Qwen3-MoE by a project generated
+with --ep 2 --cp 2, at ep 2 x cp 2 on 4 ranks (each rank holding 2 of the 4 experts of every layer, the tokens of
+its sequence pieces sent to their experts' ranks over the ep group, the experts sharded by FSDP over the cp ranks
+that hold the same ones: layout.py's expert_fsdp_mesh); and a tiny Llama with a chat tokenizer fine-tuned with LoRA
+on chat data by a `--lora --task sft` project at cp 2 on 2 (the loss mask split over the cp ranks with the tokens).
+All must equal one process in losses, gradient norms and final weights (LoRA's: the adapters), and step 1's loss
+must be plain transformers' on the same batch. Llama's cp 2 run has rank 1 killed in the middle of step 4 and
+restarted by torchrun: it resumes bit for bit. (cp 2 x tp 2 composes, as for llama: equal to one process by hand,
+for Llama, at 4 ranks; not run here, ~12 CPU-s more.)
 
 CPU ranks cannot run ring attention as torch ships it: the runs put tests/helpers/cp_cpu_shim on PYTHONPATH (see
 tests/test_context_parallel.py), which gives torch's ring attention the CPU kernel; the project's code path is the
 GPU one. A model whose attention ring attention cannot split is refused in one line by preflight (its attention run
 once on the meta device), and where its config.json says so by `fsdp2gen new` (test_bad_input_generator.py).
 
-Three launches (tests/helpers/several_runs.py), and torchrun's restart of the second: Qwen3 on 4 ranks; the chat
-data's preparation, the LoRA run, Qwen3-MoE's, Mixtral's, Mistral's and Llama's on 2; then one process (without the
-shim: it has no cp ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py
+Three launches (tests/helpers/several_runs.py), and torchrun's restart of the second: Qwen3's and Qwen3-MoE's on 4
+ranks; the chat data's preparation, the LoRA run, Mixtral's, Mistral's and Llama's on 2; then one process (without
+the shim: it has no cp ranks, and the refusals come before the CPU kernel's) answers the refusal cases of preflight.py
 and makes the six references and plain transformers' losses. No network: every model is a local folder written by
 the test.
 """
@@ -46,7 +49,8 @@ STEPS = [1, 2, 3, 4]
 RUNS = {
     "qwen3": ("qwen3", lambda root: []),
     "llama": ("llama", lambda root: []),
-    # A mixture of experts (transformers' fused experts; each token routed on its own cp rank), at cp 2 on 2.
+    # A mixture of experts (transformers' fused experts; each token routed on its own cp rank): Qwen3-MoE at ep 2 x
+    # cp 2 on 4 ranks (its own project: ep_cp in runs()), Mixtral at cp 2 on 2.
     "qwen3-moe": ("qwen3-moe", lambda root: []),
     "mixtral": ("mixtral", lambda root: []),
     # Mistral 7B v0.3's sliding_window is null; a window of training.seq_len tokens is the shortest ring attention
@@ -104,15 +108,19 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
     # LoRA fine-tuning on chat data (--lora --task sft): the same layout, in the same launches (several_runs.py).
     lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["chat"]), "--lora", "--task", "sft",
                     "--gpus", "2", "--cp", "2", "--fp32")  # fmt: skip
+    # Expert parallelism with context parallelism: mesh dp_shard_mod_ep 1 x cp 2 x ep 2, the experts' FSDP over cp.
+    ep_cp = generate(root / "ep-cp", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--gpus", "4",
+                     "--ep", "2", "--cp", "2", "--fp32")  # fmt: skip
     env = {"PYTHONPATH": f"{SHIM}:{project}"}
-    launch_several(project, [options(models, root, "qwen3-cp2")], root / "cp2x2.json", nproc=4, env=env)
+    cp2x2 = launch_several(project, [options(models, root, "qwen3-cp2"),
+                             {"args": options(models, root, "qwen3-moe-cp2"), "project": str(ep_cp)}],
+                   root / "cp2x2.json", nproc=4, env=env)  # fmt: skip
     # Llama's run has rank 1 SIGKILLed in step 4 (after its backward, before the optimizer step; the newest
     # checkpoint is step 2's): torchrun restarts both ranks, which resume from step 2 and compute steps 3 and 4 again
-    # (the LoRA, Qwen3-MoE, Mixtral and Mistral runs, before it, are not run again).
+    # (the LoRA, Mixtral and Mistral runs, before it, are not run again).
     cp2 = launch_several(project, {
         "scripts": [prepare_chats(lora, root)],
         "runs": [{"args": options(models, root, "lora-sft-cp2"), "project": str(lora)},
-                 options(models, root, "qwen3-moe-cp2"),
                  options(models, root, "mixtral-cp2"),
                  options(models, root, "mistral-cp2"),
                  {"args": options(models, root, "llama-cp2"), "kill": KILL}],
@@ -125,7 +133,7 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> t
                   **({"project": str(lora)} if run == "lora-sft" else {})} for run in RUNS],
     }, root / "one.json", nproc=1).stdout  # fmt: skip
     plain = {run: plain_losses(one)[str(root / f"{run}-one")] for run in RUNS}
-    return root, {"preflight": preflight_answers(one), "plain": plain}, cp2.stdout
+    return root, {"preflight": preflight_answers(one), "plain": plain, "cp2x2": cp2x2.stdout}, cp2.stdout
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -143,6 +151,9 @@ def test_cp2_trains_equal_to_one_process_and_to_plain_transformers(
         for key in (key for key in ("loss", "grad_norm", "moe_load_max_mean", "moe_load_min_mean") if key in b):
             assert a[key] == pytest.approx(b[key], rel=TOLERANCE, abs=TOLERANCE), (key, a, b)
     assert parallel[0]["loss"] == pytest.approx(found["plain"][name], rel=TOLERANCE, abs=TOLERANCE)
+    if name == "qwen3-moe":  # the run was ep 2 x cp 2: each expert sharded over the 2 cp ranks that hold it
+        assert ("expert parallelism: 2 of the 4 experts of each of 2 mixture-of-experts layers per rank, sharded "
+                "over the 2 ranks that hold the same ones") in found["cp2x2"]  # fmt: skip
     # The final weights: the checkpoints hold whole tensors whatever the layout (LoRA's: the adapters only).
     weights = {}
     for run in ("cp2", "one"):

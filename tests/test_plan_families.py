@@ -502,6 +502,31 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
 
 
+def test_moe_with_cp_and_ep_shards_the_experts_over_dp_shard_over_ep_x_cp(tmp_path: Path) -> None:
+    # As a project's layout.py lays them out: ep borrows from dp_shard only (4 of the 8 GPUs with cp 2), each GPU's
+    # 64 experts sharded over the dp_shard / ep x cp = 4 ranks that hold them, as over dp_shard / ep = 4 at cp 1: the
+    # state per GPU stays; each rank routes its seq / cp tokens, so the all-to-all's buffers halve.
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    plans = {cp: plan_json("--hf-config", str(tmp_path), "--seq", "4096", "--batch", "1", "--ep", "2", "--cp", str(cp))
+             for cp in (1, 2)}  # fmt: skip
+    per_gpu = {cp: plan["per_gpu_bytes"] for cp, plan in plans.items()}
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert per_gpu[2][key] == per_gpu[1][key] > 0, key
+    assert 2 * per_gpu[2]["all_to_all_buffers"] == per_gpu[1]["all_to_all_buffers"] > 0
+    assert per_gpu[2]["ring_attention"] > 0 == per_gpu[1]["ring_attention"]
+    text = invoke("plan", "--hf-config", str(tmp_path), "--seq", "4096", "--batch", "1", "--ep", "2", "--cp", "2")
+    assert text.exit_code == 0, text.output
+    assert text.stdout.splitlines()[4] == (
+        "experts: 128 per MoE block x 48 blocks, top 8; ep 2: 64 experts per GPU, sharded over dp_shard / ep x cp = "
+        "4 ranks"
+    )
+    # ep 8 fits the 8 GPUs but not the 4 dp_shard ranks cp 2 leaves (a project's preflight refuses it too).
+    result = invoke("plan", "--hf-config", str(tmp_path), "--ep", "8", "--cp", "2")
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        2, "", "fsdp2gen: error: --ep 8 must divide the 4 dp_shard ranks it borrows from (8 GPUs / cp 2); e.g. --ep 4\n"
+    )  # fmt: skip
+
+
 MOE_SMALL = {
     "qwen3_moe": {**SMALL, "num_hidden_layers": 1, "intermediate_size": 96, "num_key_value_heads": 2, "head_dim": 16,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "attention_dropout": 0.0},

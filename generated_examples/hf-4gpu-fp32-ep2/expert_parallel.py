@@ -15,8 +15,9 @@ arrived, the outputs sent back, weighted and summed per token. Autograd runs the
 
 What is not transformers': the FSDP of the experts. transformers' own FSDP path (distributed/fsdp.py) shards the
 whole model with its own options; here shard_experts shards each rank's experts, as the llama family's EP does, over
-the ranks that hold the same ones (layout.py's expert_fsdp_mesh: dp_shard / ep ranks, per replica with HSDP) with
-the block's options (mixed precision, CPU offload, resharding), and divides their gradients like every other
+the ranks that hold the same ones (layout.py's expert_fsdp_mesh: dp_shard / ep ranks, x cp with context
+parallelism, whose ranks hold the same experts and route other tokens to them; per replica with HSDP) with the
+block's options (mixed precision, CPU offload, resharding), and divides their gradients like every other
 gradient's. Checkpoints hold the whole stacked tensors under the model's own names, whatever ep was, so they resume
 with any ep; pretrained weights load with each rank reading only its experts' slices (model.py's load_pretrained).
 """
@@ -114,9 +115,9 @@ def shard_experts(block: nn.Module, block_options: dict[str, Any]) -> None:
         options["reshard_after_forward"] = reshard
         fully_shard(module, **options)
         # The experts' gradients are summed over the ep ranks by the all-to-all's backward and reduced over their
-        # own mesh: divided like every other gradient (by all the data-parallel ranks, FSDP's default for the
-        # block's mesh), each rank's tokens count once, as without expert parallelism (transformers' fsdp.py does
-        # the same).
+        # own mesh (with cp, its ranks too): divided like every other gradient (by all the ranks of the block's
+        # mesh, data-parallel x cp: FSDP's default there), each rank's tokens count once, as without expert
+        # parallelism (transformers' fsdp.py does the same).
         module.set_gradient_divide_factor(float(math.prod(block_options["mesh"].shape)))
         if mesh.device_type == "cpu" and shard_ranks > 1:
             # Gloo has no pre-multiplied sum (NCCL's PREMUL_SUM, which a divide factor uses): sum, then divide.
