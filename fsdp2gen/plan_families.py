@@ -267,7 +267,9 @@ def tp_split_dim(model: HfShape, name: str) -> int | None:
     """The dimension tensor parallelism splits parameter `name` on (TP_SPLIT_DIM), from the model's declared plan;
     lm_head is split by vocabulary (the project keeps the logits split for loss_parallel, whatever its word). The
     model's plan is its config's plus, unless that names them, the input embeddings as "embedding_rowwise"
-    (transformers' PreTrainedModel.init_parallel_plans adds them to every model with a plan and embed_tokens).
+    (transformers' PreTrainedModel.init_parallel_plans adds them to every model with a plan and embed_tokens), which
+    the project's tensor_parallel.py splits by the embedding dimension instead ("embedding_colwise": DTensor's
+    backward of a lookup split by rows makes the whole gradient on every tp rank) unless lm_head shares the weight.
     A layer peft adapted (its `base_layer`, `lora_A.<adapter>`, `lora_B.<adapter>`) splits as the project's
     tensor_parallel.py lora_styles splits it: base_layer as the plan says the layer; with output features split
     (colwise) lora_B too and lora_A whole, with input features split (rowwise) lora_A too and lora_B whole."""
@@ -281,7 +283,8 @@ def tp_split_dim(model: HfShape, name: str) -> int | None:
     plan = {"embed_tokens": "embedding_rowwise"} | declared_tp_plan(model.model_type)
     for pattern, word in plan.items():
         if re.fullmatch(r"[^.]+".join(re.escape(part) for part in pattern.split("*")), module.removeprefix("model.")):
-            return TP_SPLIT_DIM[word]
+            untied_embedding = word == "embedding_rowwise" and not model.tie_embeddings
+            return TP_SPLIT_DIM["embedding_colwise" if untied_embedding else word]
     return None
 
 

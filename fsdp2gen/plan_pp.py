@@ -67,7 +67,6 @@ from fsdp2gen.plan_families import (
     is_trainable,
     lora_activation_delta,
     lora_op_level_delta,
-    tp_split_dim,
 )
 from fsdp2gen.plan_layout import AC_MODES, layout_module, request_shard_numel
 from fsdp2gen.plan_shapes import COMPUTE_BYTES, EMBEDDINGS, FP32, INT64, in_block, parameter_shapes
@@ -332,14 +331,19 @@ def hf_stage_head_bytes(request: Any, compute: int, last: bool) -> int:
     return losses * head
 
 
-def hf_block_backward_bytes(request: Any, compute: int) -> int:
+def hf_block_backward_bytes(request: Any, compute: int, received: bool) -> int:
     """The temporaries of a dense hf block's backward at its peak (inside the post-attention RMSNorm's backward, as
     the simulated step of a stage finds it): the gradients of the hidden states, seven in fp32 (transformers' RMSNorm
-    computes in fp32; the received gradient of the stage's fp32 output) and four in the compute dtype, and three of
-    the MLP's hidden units (this tp rank's). Beside the loss's backward on the last stage (stage_peak), it decides a
-    stage before the last: without it plan was 18% under the first stage's simulated step (Llama 3.1 70B, tp 8)."""
+    computes in fp32; the gradient of the stage's fp32 output) and four in the compute dtype, and three of the MLP's
+    hidden units (this tp rank's). The stage's output gradient is a receive buffer (pipeline_buffers) on a rank
+    whose stages all come before the last (`received`): six fp32 of its own there. Beside the loss's backward on the
+    last stage (stage_peak), it decides a stage before the last: without it plan was 18% under the first stage's
+    simulated step (Llama 3.1 70B, tp 8); with the received gradient counted twice, 10.6% over it at 4 blocks (8.4%
+    without), once the first stage no longer held the embedding's whole gradient (tensor_parallel.py splits it by its
+    dimension), which had hidden the excess."""
     model, tokens = request.model, request.batch * request.local_seq_len
-    return tokens * ((7 * FP32 + 4 * compute) * model.dim + 3 * compute * math.ceil(model.ffn_dim / request.tp))
+    hidden = (6 if received else 7) * FP32 + 4 * compute
+    return tokens * (hidden * model.dim + 3 * compute * math.ceil(model.ffn_dim / request.tp))
 
 
 def rank_stages(request: Any) -> list[RankStages]:
@@ -405,7 +409,7 @@ def one_rank(
         "model_buffers": 2 * FP32 * (1 if isinstance(model, HfShape) else model.max_seq_len) * (model.head_dim // 2),
         "all_gather_buffers": compute * gathered,
         "reduce_scatter_buffers": request.reduce_bytes * largest_unit(trained),
-        "deferred_gradients": request.reduce_bytes * sum(deferred_numel(request, n, shape) for n, shape in trained),
+        "deferred_gradients": request.reduce_bytes * sum(math.prod(shape) for _, shape in trained),
         "ring_attention": 0,
         "all_to_all_buffers": 0,
         # A stage with routed blocks: the grouped GEMM's backward copies of one of them, in the last backward.
@@ -440,21 +444,8 @@ def hf_stage_buffers(request: Any, stages: tuple[int, ...], compute: int) -> tup
     receives = sum((stage > 0) + (stage < last_stage) for stage in stages)
     hidden = FP32 * request.batch * request.local_seq_len * request.model.dim
     rows = {"pipeline_buffers": receives * request.grad_accum_steps * hidden,
-            "block_backward": hf_block_backward_bytes(request, compute)}  # fmt: skip
+            "block_backward": hf_block_backward_bytes(request, compute, last_stage not in stages)}  # fmt: skip
     return rows, hf_stage_head_bytes(request, compute, last_stage in stages)
-
-
-def deferred_numel(request: Any, name: str, shape: tuple[int, ...]) -> int:
-    """The values of parameter `name`'s unsharded gradient, which FSDP accumulates (in reduce_dtype) from a stage's
-    first micro-batch to its last: its tensor-parallel shape, but an hf model's input embedding's whole under tp.
-    Its vocabulary rows split (embedding_rowwise), DTensor's embedding backward has no rule that keeps the gradient
-    split by rows: it computes the whole matrix's gradient as a partial sum (Partial), and FSDP accumulates that
-    (fp32: vocab x hidden x 4 bytes, 3.9 GiB for Llama 3.1 70B), reduced to the rank's rows only at the last
-    micro-batch (the simulated step of the first stage: tests/test_plan_simulation.py's pp x tp row)."""
-    model = request.model
-    if request.tp > 1 and name == "model.embed_tokens.weight" and tp_split_dim(model, name) == 0:
-        return model.vocab_size * model.dim
-    return math.prod(shape)
 
 
 def stage_peak(per_gpu: dict[str, int], head: int = 0) -> int:

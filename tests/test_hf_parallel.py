@@ -175,6 +175,16 @@ def final_weights(run: Path, step: int = 6, part: str = "model") -> dict:
     return torch.load(run / f"step-{step}.pt", weights_only=True)["train"][part]
 
 
+def saved_pieces(run: Path, key: str, step: int = 6) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (offsets, sizes) of the pieces of model weight `key` that the ranks wrote to the run's DCP checkpoint of
+    `step` (the checkpoint's metadata): the parts of the whole tensor the ranks held, sorted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(run / "checkpoints" / f"step-{step}")).read_metadata()
+    chunks = metadata.state_dict_metadata[f"train.model.{key}"].chunks
+    return sorted((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in chunks)
+
+
 def assert_equal_to(run: Path, reference: Path, steps: list[int]) -> None:
     """`run`'s losses and gradient norms at `steps` and its final weights are `reference`'s, within fp32 rounding."""
     import torch
@@ -208,6 +218,15 @@ def test_tp2_dp2_trains_equal_to_one_process_and_to_plain_transformers(
     pretrained = {key: value for key, value in load_file(models[name] / "model.safetensors").items()
                   if key in trained}  # fmt: skip
     assert pretrained and all(not torch.equal(trained[key], value) for key, value in pretrained.items())
+    # The input embedding as tensor_parallel.py splits it over the tp ranks, FSDP its rows over the dp ranks: an
+    # untied one by its dimension (DTensor's backward of a lookup split by vocabulary would give every tp rank the
+    # whole gradient), a tied one by vocabulary as lm_head. Each rank's piece as it wrote it to the checkpoint.
+    vocab, dim = SIZES["vocab_size"], SIZES["hidden_size"]
+    if name == "qwen3-tied":
+        expected = [((row, 0), (vocab // 4, dim)) for row in range(0, vocab, vocab // 4)]
+    else:
+        expected = [((row, column), (vocab // 2, dim // 2)) for row in (0, vocab // 2) for column in (0, dim // 2)]
+    assert saved_pieces(parallel, "model.embed_tokens.weight") == expected
 
 
 # The second Llama run of the 3-D launch: on the first attempt rank 5 (node 1's second rank, in the last stage)

@@ -362,6 +362,15 @@ def test_an_hf_models_pipeline_stages_are_planned_from_its_shapes(projects: dict
         whole = sum(math.prod(shape) for shape in own)
         assert rank.per_gpu["all_gather_buffers"] == rank.per_gpu["deferred_gradients"] == 4 * whole
     assert last.per_gpu["loss_backward"] == 2 * 4 * 32 * 320 and first.per_gpu["loss_backward"] == 0
+    # Under tp 2 (one rank per stage and tp rank) the first stage's unsharded gradients are its tp halves, the input
+    # embedding's too: the project splits an untied one by its dimension (tensor_parallel.py), whose gradient DTensor
+    # keeps split (by vocabulary it would be whole on each tp rank); a tied one by vocabulary, with lm_head.
+    split = plan_pp.rank_stages(replace(request, tp=2))[0]
+    halves = [(name, shape) for name, shape in parameter_shapes(model, 2) if name in held[0]]
+    assert ("model.embed_tokens.weight", (model.vocab_size, model.dim // 2)) in halves
+    assert split.per_gpu["deferred_gradients"] == 4 * sum(math.prod(shape) for _, shape in halves)
+    tied = dict(parameter_shapes(replace(model, tie_embeddings=True), 2))["model.embed_tokens.weight"]
+    assert tied == (model.vocab_size // 2, model.dim)
     whole_model = replace(request, pp=1, loss_chunks=1)
     tokens = 32
     for ac, figure in activations_by_mode(whole_model, 4).items():

@@ -118,9 +118,10 @@ ROWS = [
     # QLoRA: the same adapters on NF4 frozen weights (nf4.py; the simulation fills no NF4 values, only their shapes).
     Row("hf-8b-qlora-selective", HF_8B, project="hf-qlora", ac="selective", blocks=8),
     Row("hf-8b-sft-selective", HF_8B, project="hf-sft", ac="selective", blocks=8),
-    # Tensor parallelism as the model declares it (config.base_model_tp_plan, and transformers' embedding_rowwise):
-    # no sequence parallelism, so the activations between the layers stay whole on each tp rank. Without AC, where
-    # the activations are most of the peak. (Planned with the blocks' activations whole, as before the declared
+    # Tensor parallelism as the model declares it (config.base_model_tp_plan, and the input embedding, which
+    # transformers adds as embedding_rowwise, split by its dimension: tensor_parallel.py): no sequence parallelism,
+    # so the activations between the layers stay whole on each tp rank. Without AC, where the activations are most
+    # of the peak. (Planned with the blocks' activations whole, as before the declared
     # plan was read: +15.2% at 8 of its blocks; with the embedding whole, as the config's plan alone says: +7.6% at
     # 8 blocks, +31% under selective AC, whose peak is the root's.)
     Row("hf-8b-tp2-none", HF_8B, project="hf-tp", tp=2, ac="none", extrapolated_from=(2, 3)),
@@ -325,8 +326,9 @@ def test_every_pipeline_rank_is_within_10_percent_at_each_simulated_depth(projec
     """Each pipeline rank of a pp row whose schedule reaches its steady state (more micro-batches than stages: the
     first rank then holds its in-flight micro-batches beside its accumulated gradients, plan's bound) against plan at
     every depth the row is simulated at (the simulations the matrix ran): where a stage's fixed parts weigh most
-    (the first stage's whole embedding gradient under tp, the receive buffers, a block's backward temporaries: the
-    70B row's first stage was 18.8% under at 4 blocks without them, 5% at its 80)."""
+    (the receive buffers, a block's backward temporaries, and before tensor_parallel.py split an untied embedding by
+    its dimension the first stage's whole embedding gradient under tp: the 70B row's first stage was 18.8% under at
+    4 blocks without them, 5% at its 80)."""
     rows = [row for row in ROWS if 1 < row.extra.get("parallel.pp", 1) < row.grad_accum_steps]
     assert rows
     simulate_all(project_of)

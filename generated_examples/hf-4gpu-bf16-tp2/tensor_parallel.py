@@ -17,6 +17,16 @@ transformers' apply_tensor_parallelism (transformers.distributed.tensor_parallel
 Either way the weights are DTensors on the tp mesh, sharded as transformers' styles shard them: checkpoints hold
 whole tensors (DCP), and pretrained weights load with each rank reading its own slices (model.py).
 
+The input embedding (embed_tokens, which transformers' init_parallel_plans adds to every plan as
+"embedding_rowwise": split by vocabulary rows) is split by its embedding dimension instead ("embedding_colwise":
+torch's ColwiseParallel on nn.Embedding, each rank looks up its columns of every token, gathered after). Both keep
+1/tp of the weight on a rank, but DTensor's backward of a lookup split by rows has no rule that keeps the gradient
+split (aten.embedding_dense_backward's strategies): every tp rank would compute the whole (vocab, dim) gradient,
+replicated, before FSDP keeps its rows (3.9 GiB in fp32 for Llama 3.1 70B's 128,256 x 8,192); split by the dimension,
+each computes its (vocab, dim / tp) columns. A tied embedding stays split by rows: its weight is lm_head's, whose
+vocabulary rows the plan splits for loss_parallel (one parameter, one placement); its whole gradient lives only until
+it is added to lm_head's rows.
+
 Between the layers the activations are whole (replicated over the tp ranks); each attention computes this rank's
 heads (q/k/v split their outputs, o_proj sums the partial results) and each MLP this rank's share of the hidden
 units. A model that declares no plan (GPT-2), or a plan word torch has no style for, stops with one line.
@@ -84,10 +94,14 @@ def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
     names = [key for key, _ in model.named_modules()]
     output = model.get_output_embeddings()
     output_name = next((key for key, module in model.named_modules() if module is output), None)
+    # The input embedding: by its dimension, unless lm_head shares its weight (the module docstring says why).
+    embedding_word = "embedding_rowwise" if tied_embeddings(model) else "embedding_colwise"
     styles = {}
     for pattern, word in plan.items():
         if word == "replicate":
             continue  # every tp rank keeps the whole tensor: nothing to split (FSDP still shards it)
+        if word == "embedding_rowwise":
+            word = embedding_word
         matches = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$").match
         # A pattern may match nothing: the plan names layers this model does not have (a mixture-of-experts
         # model's plan names the dense MLP, mlp.gate_proj ..., that only its dense layers have: Qwen3-MoE's
@@ -102,12 +116,17 @@ def torch_styles(model: PreTrainedModel) -> dict[str, ParallelStyle]:
     return styles
 
 
+def tied_embeddings(model: PreTrainedModel) -> bool:
+    """Whether lm_head's weight is the input embedding's (tie_word_embeddings: one parameter, two layers)."""
+    input_weight = getattr(model.get_input_embeddings(), "weight", None)
+    return input_weight is not None and input_weight is getattr(model.get_output_embeddings(), "weight", None)
+
+
 def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split the model's layers over the tp ranks as its declared plan says (torch_styles), before FSDP shards what
     each rank keeps over the data-parallel ranks."""
     styles = torch_styles(model)
-    input_weight = getattr(model.get_input_embeddings(), "weight", None)
-    tied = input_weight is not None and input_weight is getattr(model.get_output_embeddings(), "weight", None)
+    tied = tied_embeddings(model)
     parallelize_module(model, tp_mesh, styles)
     if tied:
         # Both layers split the (vocab, dim) matrix by vocabulary rows (embedding_rowwise, colwise), so one
