@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY, generate, metrics, torchrun_env
+from tests.conftest import REPO, TINY, generate, torchrun_env
 from tests.helpers import several_runs
 from tests.helpers.in_process import preflight_cases_in_this_process
 from tests.helpers.scripts import captured_in_this_process
@@ -493,6 +493,22 @@ def test_each_mistake_is_one_line_and_exit_code_2(case: str, inputs: dict, resul
     assert results[case] == [2, "", f"preflight.py: error: {expected}\n"]
 
 
+def test_a_model_only_final_checkpoint_holds_the_model_alone(inputs: dict, tmp_path: Path) -> None:
+    # What resume-model-only-final refuses: the run's last checkpoint (checkpoint.model_only_final) holds the model
+    # and nothing else, the one before it the whole training state. (Moved here from the fp32 project's own
+    # test_resume_refuses_a_run_it_cannot_continue, whose refusals are CASES' resume-other-global-batch,
+    # resume-other-seq-len and resume-model-only-final: the same lines, by the same preflight.py, on the same project.)
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    held = {}
+    for step in (1, 2):
+        dcp_to_torch_save(inputs["model_only"] / "checkpoints" / f"step-{step}", tmp_path / f"step-{step}.pt")
+        held[step] = torch.load(tmp_path / f"step-{step}.pt", weights_only=True)["train"].keys()
+    assert held[2] == {"model"}
+    assert held[1] > {"model", "optimizer"}
+
+
 # Through the real scripts/launch_local.sh: what the script does with preflight.py's refusal (stop, exit code 2,
 # nothing else) is the same for every case, whose line test_each_mistake_is_one_line_and_exit_code_2 checks; these
 # two are about the launch itself (torchrun's option among the run's, a new launch inside a requeued SLURM job).
@@ -591,25 +607,13 @@ def test_rank0_reaching_the_mistake_last_still_says_it(inputs: dict, tmp_path: P
     assert "exitcode  : 2" in result.stderr
 
 
-def test_a_restarted_new_run_resumes_itself(inputs: dict, tmp_path: Path) -> None:
-    # checkpoint.resume = "never" starts a new run; when torchrun restarts it after a fault, the folder holds
-    # that same run, which then resumes (instead of being refused, or started over on top of its checkpoints).
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-         "tests/kill_rank.py", *TINY, "--job.device", "cpu", "--job.output_dir", str(tmp_path),
-         "--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.resume", "never"],
-        cwd=inputs["project"], env={**torchrun_env(), "PYTHONPATH": str(inputs["project"]), "KILL_AFTER_STEP": "4"},
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 1: SIGKILL after step 4" in result.stdout
-    assert f"resumed from {tmp_path}/checkpoints/step-2 at step 2" in result.stdout
-    records = metrics(tmp_path)
-    # Step 3 was logged before the kill (in step 4) and again after the resume from step 2: metrics.jsonl has one
-    # row per step, the first launch's row of step 3 is kept aside in metrics.rewound.jsonl (issue 40).
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert [r["step"] for r in metrics(tmp_path, "metrics.rewound.jsonl")] == [3]
-    assert {r["run_id"] for r in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
+# A new run (checkpoint.resume = "never") restarted by a bare torchrun after a fault (--max-restarts: the restarted
+# ranks find this same run in the folder, and it resumes itself, instead of being refused or started over on top of
+# its checkpoints; one row per step, the repeated step's first row in metrics.rewound.jsonl, every row with the run's
+# id) is the fp32 project's own test_a_killed_rank_restarts_the_job_from_the_newest_checkpoint, which
+# tests/test_training_runs.py runs: its kill_rank.py launch on 2 ranks with --checkpoint.resume never, which also
+# ends exactly as the uninterrupted run. (Through the launch scripts' restart: tests/test_run_ownership.py's
+# test_a_crash_is_restarted_and_a_new_run_continues_itself.)
 
 
 # Issue 24's run-time cases, beyond the list above: each is found by a mechanism (the schema's bounds and rules in

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import HELPERS, TINY, generate, metrics, preflight_cases, torchrun_env
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import launch_several
 
 SHIM = HELPERS / "cp_cpu_shim"
@@ -170,16 +171,17 @@ REFUSALS = {
 def refusals(project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list]]:
     """Every case of REFUSALS run by the project's own preflight.main() as `python preflight.py --world-size 4 ARGS`
     runs it: the cases with the CPU shim all in one process (tests/helpers/preflight_driver.py), the one without it
-    (cpu) as `python preflight.py` itself. The folder of their output dirs, and case -> [exit code, stdout, stderr]."""
+    (cpu) as `python preflight.py` itself (in this process). The folder of their output dirs, and case -> [exit code,
+    stdout, stderr]."""
     root = tmp_path_factory.mktemp("refusals")
     argv = {case: ["--world-size", "4", *RUN, "--job.output_dir", str(root / case), *args]
             for case, (args, _, _) in REFUSALS.items()}  # fmt: skip
     shimmed = {case: argv[case] for case, (_, shim, _) in REFUSALS.items() if shim}
     results = preflight_cases(project, shimmed, root, pythonpath=f"{SHIM}:{project}")
     for case in REFUSALS.keys() - shimmed.keys():
-        plain = subprocess.run([sys.executable, "preflight.py", *argv[case]], cwd=project, capture_output=True,
-                               text=True, timeout=120, env={**torchrun_env(), "PYTHONPATH": str(project)})  # fmt: skip
-        results[case] = [plain.returncode, plain.stdout, plain.stderr]
+        # Without the shim, as `python preflight.py` runs: its __main__ in this process (captured_in_this_process;
+        # nothing distributed, and torch is imported here already), not a process of its own.
+        results[case] = list(captured_in_this_process(project, "preflight.py", *argv[case]))
     return root, results
 
 

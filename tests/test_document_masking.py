@@ -16,7 +16,6 @@ import importlib.util
 import io
 import json
 import random
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, generate, metrics, preflight_cases, torchrun_env
-from tests.helpers.scripts import run_in_this_process
+from tests.conftest import TINY, generate, metrics
+from tests.helpers.in_process import preflight_cases_in_this_process
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 from tests.helpers.several_runs import launch_several
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -73,10 +73,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def prepare(project: Path, output: Path, *inputs: Path, shard_tokens: int = 100_000, val: str = "0") -> Path:
-    command = [sys.executable, "scripts/prepare_data.py", *map(str, inputs), "--output", str(output),
-               "--val-fraction", val, "--shard-tokens", str(shard_tokens)]  # fmt: skip
-    result = subprocess.run(command, cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    """`python scripts/prepare_data.py INPUTS ...` of `project`, run in this process (captured_in_this_process: one
+    process, nothing distributed; a process of its own would import torch again)."""
+    options = ["--output", str(output), "--val-fraction", val, "--shard-tokens", str(shard_tokens)]
+    code, _, stderr = captured_in_this_process(project, "scripts/prepare_data.py", *map(str, inputs), *options)
+    assert code == 0, stderr
     return output
 
 
@@ -184,13 +185,6 @@ def test_two_ranks_train_on_packed_documents(corpus: dict, families: dict, tmp_p
         assert len(ours) == len(theirs) > 0 and np.allclose(ours, theirs, rtol=0, atol=1e-5), (name, ours, theirs)
 
 
-def preflight(project: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "preflight.py", "--world-size", "2", *tiny("llama"), "--eval.every", "0", *args],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-
-
 def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path) -> None:
     project, data = families["llama"]["project"], families["llama"]["data"]
     flat = tmp_path / "tokens.bin"
@@ -222,16 +216,17 @@ def test_data_without_document_starts_is_refused(families: dict, tmp_path: Path)
         f"{damaged}-new and point --data.path there",
     }
     # Each case refused, and the fix named works: without document masking the same data passes. The first case by
-    # `python preflight.py` itself, the others by its main() as that runs it, all in one process
-    # (tests/helpers/preflight_driver.py).
+    # `python preflight.py` itself (its __main__, run in this process: captured_in_this_process), the others by its
+    # main() as that runs it (tests/helpers/preflight_driver.py's run_case), all in this process: preflight involves
+    # nothing distributed, and a process of its own would import torch again.
     argv = {f"{path.name}-{mask}": ["--world-size", "2", *tiny("llama"), "--eval.every", "0", "--data.path",
                                     str(path), *([] if mask else ["--data.document_mask", "false"])]
             for path in cases for mask in (True, False)}  # fmt: skip
-    first = preflight(project, "--data.path", str(flat))
-    driven = preflight_cases(
-        project, {case: args for case, args in argv.items() if case != "tokens.bin-True"}, tmp_path
+    first = captured_in_this_process(project, "preflight.py", *argv["tokens.bin-True"])
+    driven = preflight_cases_in_this_process(
+        project, {case: args for case, args in argv.items() if case != "tokens.bin-True"}
     )
-    results = driven | {"tokens.bin-True": [first.returncode, first.stdout, first.stderr]}
+    results = driven | {"tokens.bin-True": list(first)}
     for path, line in cases.items():
         assert results[f"{path.name}-True"] == [2, "", f"preflight.py: error: {line}\n"], path
         assert results[f"{path.name}-False"][0] == 0, (path, results[f"{path.name}-False"])
@@ -367,10 +362,12 @@ def test_prepare_chat_makes_each_conversation_a_document(tmp_path: Path) -> None
     special = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
     model = save_tiny_llama(tmp_path / "model", " ".join(WORDS) * 20, special, chat_template=CHAT_TEMPLATE)
     project = generate(tmp_path / "run", "--family", "hf", "--hf-model", str(model), "--task", "sft", "--gpus", "2")
-    command = [sys.executable, "scripts/prepare_chat.py", str(tmp_path / "chats.jsonl"), "--output",
-               str(tmp_path / "data"), "--val-fraction", "0", "--shard-tokens", "1000"]  # fmt: skip
-    result = subprocess.run(command, cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    # One process, nothing distributed: run in this one (captured_in_this_process; transformers is imported here
+    # already, for the model above), not a process that imports torch and transformers again.
+    code, _, stderr = captured_in_this_process(project, "scripts/prepare_chat.py", str(tmp_path / "chats.jsonl"),
+                                               "--output", str(tmp_path / "data"), "--val-fraction", "0",
+                                               "--shard-tokens", "1000")  # fmt: skip
+    assert code == 0, stderr
     data = tmp_path / "data"
     index = json.loads((data / "index.json").read_text())
     assert index["documents"] is True and index["masks"] is True and len(index["train"]) > 1

@@ -57,7 +57,8 @@ SHARDED = {
     "4-ranks-hsdp-2x2": (4, ["--parallel.dp_replicate", "2"]),
     # An int reshard_after_forward: parameters stay sharded over groups of 2 (of the 4 ranks a parameter is sharded
     # over) between forward and backward, gathered again for each of 2 micro-batches' backward. (The generated
-    # project's own test_resharding_to_groups_changes_memory_not_numbers checks the same against one process.)
+    # project's own test_resharding_to_groups_changes_memory_not_numbers checks the same layout against one process;
+    # this suite does not run it, this case proves it: test_training_runs.py says so.)
     "4-ranks-reshard-groups-of-2": (4, ["--parallel.dp_replicate", "1", "--parallel.reshard_after_forward", "2",
                                         "--training.grad_accum_steps", "2"]),
     # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered
@@ -191,16 +192,20 @@ ALL_OPTIONS = [
 
 def test_project_with_every_option_passes_its_own_training_tests(tmp_path: Path) -> None:
     project = generate(tmp_path / "run-options", *ALL_OPTIONS)
-    # -q -vv: one line per test. With every option on: 2 ranks == 1 process, meta init == eager init (CPU offload
-    # initialises on CPU); 3 options equal to the run without them (CPU offload, prefetch of 2 blocks, no
-    # resharding); compiled == eager; TensorBoard. (The other base tests do not depend on options: they run in the
-    # fp32 project's own suite. Its 3 activation checkpointing cases, op-level selective, layer and full vs none on
-    # 2 fp32 ranks, are test_op_level_ac.py's test_every_ac_mode_trains_to_the_numbers_of_no_ac, at 1e-6.)
-    selected = ["-k", "ranks_match_one_process or meta_init or (option_changes and not activation_checkpointing) "
-                "or compiled or tensorboard"]  # fmt: skip
+    # -q -vv: one line per test. With every option on: 2 ranks == 1 process (with a validation pass), the chunked
+    # loss == the whole logits' (the one-process runs that the ranks are compared with: no run of its own), meta
+    # init == eager init (CPU offload initialises on CPU); 3 options equal to the run without them (CPU offload,
+    # prefetch of 2 blocks, no resharding); compiled == eager; TensorBoard. These 2-ranks, chunked-loss and meta-init
+    # tests are the llama template's, run here and not again in the fp32 project's own suite (test_training_runs.py
+    # says what runs where). (The other base tests do not depend on options: test_training_runs.py runs them. This
+    # project's 3 activation checkpointing cases, op-level selective, layer and full vs none on 2 fp32 ranks, are
+    # test_op_level_ac.py's test_every_ac_mode_trains_to_the_numbers_of_no_ac, at 1e-6.)
+    selected = ["-k", "ranks_match_one_process or chunked_loss or meta_init or (option_changes and not "
+                "activation_checkpointing) or compiled or tensorboard"]  # fmt: skip
     stdout = run_own_tests(project, "-vv", "tests/test_training.py", *selected)
-    assert re.search(r" 7 passed, 6 deselected in ", stdout), stdout[-2000:]
-    for test in ("ranks_match_one_process", "meta_init_matches_eager_init",
+    assert re.search(r" 8 passed, 5 deselected in ", stdout), stdout[-2000:]
+    for test in ("ranks_match_one_process", "chunked_loss_equals_the_loss_of_the_whole_logits",
+                 "meta_init_matches_eager_init",
                  "option_changes_memory_or_speed_not_numbers[cpu_offload-true]",
                  "option_changes_memory_or_speed_not_numbers[prefetch_blocks-2]",
                  "option_changes_memory_or_speed_not_numbers[reshard_after_forward-false]",

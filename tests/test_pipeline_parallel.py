@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp2gen.plan_layout import layout_module
 from tests.conftest import generate, metrics, preflight_cases, torchrun_env
-from tests.helpers.scripts import run_in_this_process
+from tests.helpers.scripts import captured_in_this_process, run_in_this_process
 from tests.helpers.several_runs import assert_resumed_bit_for_bit, launch_several
 from tests.test_launchers import launch_two_nodes
 
@@ -803,12 +803,11 @@ def test_what_the_zero_bubble_schedules_cannot_run_is_refused_in_one_line(
     if case != "selective-checkpointing":
         assert_refused(refusals, case, line)
         return
-    # The selective project's refusal: `python preflight.py` itself, launched.
-    command = [sys.executable, "preflight.py", "--world-size", "4", *RUN, "--job.output_dir", str(tmp_path / "o"),
-               *args]  # fmt: skip
-    result = subprocess.run(command, cwd=options_project, capture_output=True, text=True, timeout=120,
-                            env={**torchrun_env(), "PYTHONPATH": str(options_project)})  # fmt: skip
-    assert (result.returncode, result.stderr) == (2, f"preflight.py: error: {line}\n")
+    # The selective project's refusal: `python preflight.py` itself (its __main__, in this process:
+    # captured_in_this_process; nothing distributed, and torch is imported here already).
+    argv = ["--world-size", "4", *RUN, "--job.output_dir", str(tmp_path / "o"), *args]
+    code, _, stderr = captured_in_this_process(options_project, "preflight.py", *argv)
+    assert (code, stderr) == (2, f"preflight.py: error: {line}\n")
     assert not (tmp_path / "o").exists()  # nothing written
 
 

@@ -32,6 +32,8 @@ from fsdp2gen.plan_shapes import LLAMA_SIZES, TEMPLATE_MODEL, TEMPLATE_SIZES, pa
 from fsdp2gen.questions import questions
 from fsdp2gen.sizes import LlamaShape, field_default
 from tests.conftest import HELPERS, REPO, generate, invoke, torchrun_env
+from tests.helpers.plan_simulation import simulate_rows
+from tests.helpers.scripts import captured_in_this_process
 
 TEMPLATE = REPO / "templates" / "project"
 # The llama model as a --moe project renders it (the templates are Jinja; a dense project's has no experts).
@@ -622,12 +624,11 @@ def test_plan_states_rank_0_memory_for_a_full_checkpoint_as_written(tmp_path: Pa
     project = generate(tmp_path / "full", "--gpus", "1", "--fp32", "--checkpoint", "full")
     config = tmp_path / "tiny.toml"
     config.write_text(TINY_CONFIG)
-    run = subprocess.run(
-        [sys.executable, "train.py", "--config", str(config), "--training.steps", "1", "--job.device", "cpu",
-         "--job.output_dir", str(tmp_path / "out")],
-        cwd=project, env=torchrun_env(), capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    # `python train.py` (one process, a group of one), run in this process (captured_in_this_process): a process of
+    # its own would import torch again.
+    run = ["--config", str(config), "--training.steps", "1", "--job.device", "cpu", "--job.output_dir"]
+    code, _, stderr = captured_in_this_process(project, "train.py", *run, str(tmp_path / "out"))
+    assert code == 0, stderr[-3000:]
     written = sum(p.stat().st_size for p in (tmp_path / "out" / "checkpoints" / "step-1").glob("*.*"))
     plan = plan_json("--config", str(config), "--gpus", "1")
     host = plan["full_checkpoint_rank0_host_bytes"]
@@ -675,18 +676,14 @@ def test_the_simulation_of_a_pp_project_is_every_pipeline_ranks_and_refuses_seve
     # both ranks within 10% of plan's (tests/test_plan_simulation.py's hf pp row at real sizes). Several stages per
     # rank are several FSDP roots, which FSDPMemTracker cannot follow: one line naming the way out, exit 2.
     project = generate(tmp_path / "run", "--gpus", "4", "--pp", "2", "--fp32")
-    script = [sys.executable, "scripts/plan_memory.py", "--gpus", "4"]
-    interleaved = ["--parallel.pp_stages_per_rank", "2", "--parallel.pp_schedule", "Interleaved1F1B"]
-    refused = subprocess.run([*script, *interleaved, "--training.grad_accum_steps", "4"], cwd=project,
-                             env=torchrun_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", (
+    # Both runs of scripts/plan_memory.py --gpus 4 in one process (simulate_rows: torch imported once): the refused
+    # one's text output ("text:"), then the simulation's --json line.
+    interleaved = "--parallel.pp_stages_per_rank 2 --parallel.pp_schedule Interleaved1F1B --training.grad_accum_steps 4"
+    refused, result = simulate_rows(project, [project / "config.toml"] * 2, [f"text:4 {interleaved}", 4])
+    assert (refused["exit"], refused["stdout"], refused["stderr"]) == (2, "", (
         "plan_memory.py: error: parallel.pp = 2 with pp_stages_per_rank 2 is not simulated (one stage per rank is); "
         "simulate with --parallel.pp_stages_per_rank 1 --parallel.pp_schedule 1F1B (`fsdp2gen plan` plans it)\n"
     ))  # fmt: skip
-    simulated = subprocess.run([*script, "--json"], cwd=project, env=torchrun_env(), capture_output=True, text=True,
-                               timeout=300)  # fmt: skip
-    assert simulated.returncode == 0, simulated.stderr[-3000:]
-    result = json.loads(simulated.stdout.splitlines()[-1])
     plan = estimate(build_request(config=project / "config.toml", gpus=4), with_levers=False)
     planned = [rank["total_bytes"] for rank in plan.pipeline["ranks"]]
     assert len(result["pipeline_ranks"]) == 2 and result["allocated"] == max(result["pipeline_ranks"])

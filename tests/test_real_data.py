@@ -9,8 +9,6 @@ import json
 import random
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 
 from tests.conftest import generate, metrics, save_tiny_llama, torchrun
 from tests.helpers.in_process import script_in_this_process
-from tests.helpers.scripts import run_scripts
+from tests.helpers.scripts import captured_in_this_process, run_scripts
 from tests.helpers.several_runs import launch_several
 
 WORDS = "the a cat dog bird sat ran flew on under over mat log tree house quickly slowly red blue big small".split()
@@ -57,9 +55,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "tokenizer": root / "tokenizer.json"}
 
 
-def prepare(project: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/prepare_data.py", *args], cwd=project, capture_output=True,
-                          text=True)  # fmt: skip
+def prepare(project: Path, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python scripts/prepare_data.py ARGS` in `project`, run in this process
+    (captured_in_this_process: one process, nothing distributed; a process of its own would import torch again)."""
+    return captured_in_this_process(project, "scripts/prepare_data.py", *args)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +67,9 @@ def llama(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     project = generate(tmp_path_factory.mktemp("llama") / "run", "--gpus", "2", "--fp32", "--tokenizer",
                        str(corpus["tokenizer"]), "--wandb")  # fmt: skip
     data = project.parent / "data"
-    result = prepare(project, str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
-                     str(data), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    code, _, stderr = prepare(project, str(corpus["root"] / "text"), str(corpus["root"] / "docs.jsonl"), "--output",
+                              str(data), "--val-fraction", "0.2", "--shard-tokens", "4000")  # fmt: skip
+    assert code == 0, stderr
     return {"project": project, "data": data}
 
 

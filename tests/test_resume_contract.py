@@ -44,6 +44,7 @@ from tests.conftest import (
     save_tiny_llama,
     torchrun_env,
 )
+from tests.helpers.scripts import captured_in_this_process
 from tests.helpers.several_runs import launch_several
 
 BASE = [*TINY, "--job.device", "cpu", "--training.steps", "4", "--checkpoint.interval", "2"]
@@ -269,11 +270,11 @@ def test_a_tokenizer_without_a_vocabulary_is_refused_before_anything_is_written(
     spec = folder if family == "hf" else folder / "tokenizer.json"
     cwd = lora_project[0] if family == "hf" else project
     output = tmp_path / "tokens"
-    result = subprocess.run(
-        [sys.executable, "scripts/prepare_data.py", str(text), "--output", str(output), "--tokenizer", str(spec)],
-        cwd=cwd, env=torchrun_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert (result.returncode, result.stdout, result.stderr) == (2, "", (
+    # One process, nothing distributed: run in this one (captured_in_this_process), not a process that imports torch
+    # (and, for hf, transformers) again.
+    result = captured_in_this_process(cwd, "scripts/prepare_data.py", str(text), "--output", str(output),
+                                      "--tokenizer", str(spec))  # fmt: skip
+    assert result == (2, "", (
         f"prepare_data.py: error: the tokenizer {spec} is not usable: it has 1 token(s), and 'The quick brown fox'... "
         "becomes 0 id(s) that decode to ''; its tokenizer files are missing or empty: give data.tokenizer (or "
         "--tokenizer) a complete tokenizer\n"

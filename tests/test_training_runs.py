@@ -9,42 +9,54 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, TINY, generate, run_own_tests, torchrun
+from tests.conftest import HELPERS, TINY, run_own_tests, torchrun
 from tests.helpers.scripts import captured_in_this_process
 
 # scripts/launch_local.sh training on two CPU ranks (5 steps on a repeated batch: the loss falls steadily, one
 # progress line with its ETA per step, the checkpoints) is test_run_ownership.py's
 # test_launch_local_script_trains_on_two_cpu_ranks, on the launch that its tests of a finished run's folder read.
 #
-# 2 ranks == `python train.py` (no torchrun, a process group of one) in fp32 is the fp32 project's own
-# test_ranks_match_one_process, run below (runs.py launches nproc 1 as a plain process; 1e-5, with 2 accumulated
-# micro-batches), and test_option_numerics.py's 2-ranks case proves 2 ranks without accumulation against plain
-# PyTorch (1e-5, 10 clipped steps, final weights).
+# Not run in the fp32 project's own suite below, each run once elsewhere on the same template code (issue 37: what
+# is proven once runs once):
+# - test_ranks_match_one_process and test_chunked_loss_equals_the_loss_of_the_whole_logits: the project generated
+#   with every option (tests/test_option_numerics.py, fp32 too) runs both on its one sharded run and its one
+#   process's runs (2 ranks, 2 accumulated micro-batches, 4 loss chunks and a validation pass == 1 process at 1e-5;
+#   4 chunks == the whole logits at 1e-6), and test_option_numerics.py's sharded cases prove this project's 2 ranks
+#   (its default 8 loss chunks; 4 accumulated micro-batches, both grad_sync modes) equal to plain PyTorch on the
+#   whole logits (1e-5, 10 clipped steps, final weights).
+# - test_meta_init_matches_eager_init: the every-option project's own (meta init + fully_shard + to_empty +
+#   initialize == eager init, bit for bit, on 2 ranks: the same model.py and check_init.py), the custom family's
+#   (tests/test_custom.py), and this project's check_init.py itself on 1 and 3 ranks, its values drawn in blocks of
+#   1000 (tests/test_sharded_init.py); that the check fails on blocks left uninitialised is
+#   test_init_check_catches_blocks_left_uninitialised below.
+# - test_resume_refuses_a_run_it_cannot_continue: its refusals (another global batch size or sequence length, a
+#   model-only final checkpoint) are test_bad_input_runtime.py's cases resume-other-global-batch,
+#   resume-other-seq-len and resume-model-only-final (the same lines, by the same preflight.py, of this project),
+#   and what a model-only final checkpoint holds is test_a_model_only_final_checkpoint_holds_the_model_alone there.
+# - test_loss_decreases_on_a_repeated_batch: test_run_ownership.py's test_launch_local_script_trains_on_two_cpu_ranks
+#   (the loss falling on a repeated batch, fp32) and the fp16 `full` project's own test below (with its checks of
+#   the metrics' fields).
+OWN_TESTS_NOT_RUN_HERE = "loss_decreases or ranks_match or chunked_loss or meta_init or cannot_continue"
 
 
 def test_generated_projects_own_tests_pass(projects: dict[str, Path]) -> None:
-    # The whole suite once: 4 training tests + 7 checkpoint tests (resume, restart, reshard, export, bad
-    # checkpoints, a run it cannot continue, a new run beside another). The loss falling on a repeated batch is
-    # test_run_ownership.py's test_launch_local_script_trains_on_two_cpu_ranks in fp32, and the fp16 project's own
-    # test below (with its checks of the metrics' fields).
-    stdout = run_own_tests(projects["fp32"], "-k", "not loss_decreases")
-    assert re.search(r"^11 passed, 1 deselected in ", stdout, flags=re.M), stdout[-2000:]
+    # The rest of the suite: test_unknown_config_key_is_rejected and 6 checkpoint tests (resume, a killed rank's
+    # restart of a new run, resume on fewer ranks, export, bad checkpoints, a new run beside another).
+    stdout = run_own_tests(projects["fp32"], "-k", f"not ({OWN_TESTS_NOT_RUN_HERE})")
+    assert re.search(r"^7 passed, 5 deselected in ", stdout, flags=re.M), stdout[-2000:]
 
 
-def test_a_project_resharding_to_groups_passes_its_own_resharding_test(tmp_path: Path) -> None:
-    # The 8-GPU project with reshard_after_forward = 4, as generated; its own test takes the rank count it needs
-    # (RESHARD_RANKS: 4 on CPU) and groups that divide it (2): FSDP over 4 ranks, groups of 2, 2 micro-batches each
-    # == 1 process. (The same against plain PyTorch at 1e-5, 10 clipped steps and final weights:
-    # test_option_numerics.py's 4-ranks-reshard-groups-of-2. 8 gloo ranks on one node equal to one process:
-    # test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.)
-    project = generate(tmp_path / "run", "--gpus", "8", "--fp32", "--reshard-after-forward", "4")
-    stdout = run_own_tests(project, "-vv", "tests/test_training.py", "-k", "resharding_to_groups")
-    assert re.search(r" 1 passed, \d+ deselected in ", stdout), stdout[-2000:]
-    assert "tests/test_training.py::test_resharding_to_groups_changes_memory_not_numbers PASSED" in stdout, stdout
+# A generated project's own test_resharding_to_groups_changes_memory_not_numbers (FSDP over 4 ranks, parameters kept
+# sharded over groups of 2 between forward and backward, 2 micro-batches a step, no HSDP replicas == 1 process, loss
+# and grad norm at 1e-5) is not run here (issue 37: proven once, run once; its 8-GPU project, a pytest process, a
+# one-process run and a 4-rank launch cost ~30 CPU-s): test_option_numerics.py's 4-ranks-reshard-groups-of-2 runs the
+# same layout (the same train.py code: every project holds it, parallel.reshard_after_forward 2 in config) in its
+# existing 4-rank launch against plain PyTorch, at 1e-5 over 10 clipped steps and in the final weights. (8 gloo ranks
+# on one node equal to one process: test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.)
 
 
 # The checkpoint tests that run each style's own save and load code. The others (preflight's refusals, a new run
-# beside another) run the same code in every style and are run in the fp32 (dcp) project above.
+# beside another) run the same code in every style and are run for the fp32 (dcp) project above.
 # (dcp-async writes the same DCP files as dcp, so it shares dcp's load, export and corrupt-checkpoint code; a
 # killed rank restarts through the same code in every style.) These projects compute in bf16 and fp16: the fp16
 # one's run also takes the test of the training step's numbers, 2 ranks == 1 process with accumulation, chunked loss
@@ -104,7 +116,8 @@ def test_init_check_catches_blocks_left_uninitialised(projects: dict[str, Path],
     model.write_text(source.replace(skip_blocks, skip_blocks + '            if name.startswith("layers."):\n'
                                                                 "                continue\n"))  # fmt: skip
     # The project's test_meta_init_matches_eager_init launches tests/check_init.py and fails on its MISMATCH line
-    # (its passing run is test_generated_projects_own_tests_pass above): the check script is what must catch it.
+    # (its passing runs: the every-option project's own suite, tests/test_option_numerics.py, and the custom
+    # family's, tests/test_custom.py): the check script is what must catch it.
     own_test = (broken / "tests" / "test_training.py").read_text()
     assert 'launch("tests/check_init.py", tmp_path)' in own_test and '"MISMATCH" not in result.stdout' in own_test
     # One process, a group of one, run in this process (no launch of its own): the blocks are left uninitialised on

@@ -87,12 +87,16 @@ def test_resume_is_bit_exact_and_ignores_tmp_leftovers(straight: Path, tmp_path:
 
 @pytest.mark.skipif(DEVICE == "cuda" and NPROC < 2, reason="needs 2 GPUs")
 def test_a_killed_rank_restarts_the_job_from_the_newest_checkpoint(straight: Path, tmp_path: Path) -> None:
-    # Rank 1 SIGKILLs itself after step 7 (once a checkpoint exists); torchrun restarts both ranks.
-    result = launch("tests/kill_rank.py", tmp_path, *TEN_STEPS, nproc=2, max_restarts=1, env={"KILL_AFTER_STEP": "7"})
-    assert "rank 1: SIGKILL after step" in result.stdout, result.stdout
-    assert f"resumed from {tmp_path / 'checkpoints'}/step-" in result.stdout, result.stdout
+    # Rank 1 SIGKILLs itself after step 7 (once a checkpoint exists); torchrun restarts both ranks. Started as a new
+    # run (checkpoint.resume = "never", which refuses a folder holding another run): after the restart the folder
+    # holds this same run, which resumes itself, as it would with the default "auto".
+    never, kill = ["--checkpoint.resume", "never"], {"KILL_AFTER_STEP": "7"}
+    result = launch("tests/kill_rank.py", tmp_path, *TEN_STEPS, *never, nproc=2, max_restarts=1, env=kill)
+    assert "rank 1: SIGKILL after step 7" in result.stdout, result.stdout
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-5 at step 5" in result.stdout, result.stdout
     records = metrics(tmp_path)
     assert records[-1]["loss"] == metrics(straight)[-1]["loss"]
+    assert {record["run_id"] for record in records} == {json.loads((tmp_path / "run.json").read_text())["run_id"]}
     # One row per step: the row of step 6, logged before the kill and repeated after the resume from step 5, was
     # set aside (metrics.rewound.jsonl), not written twice and not deleted.
     assert [record["step"] for record in records] == list(range(1, 11))
