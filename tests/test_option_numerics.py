@@ -57,8 +57,7 @@ SHARDED = {
     "4-ranks-hsdp-2x2": (4, ["--parallel.dp_replicate", "2"]),
     # An int reshard_after_forward: parameters stay sharded over groups of 2 (of the 4 ranks a parameter is sharded
     # over) between forward and backward, gathered again for each of 2 micro-batches' backward. (The generated
-    # project's own test_resharding_to_groups_changes_memory_not_numbers checks the same layout against one process;
-    # this suite does not run it, this case proves it: test_training_runs.py says so.)
+    # project's own test_resharding_to_groups_changes_memory_not_numbers checks the same against one process.)
     "4-ranks-reshard-groups-of-2": (4, ["--parallel.dp_replicate", "1", "--parallel.reshard_after_forward", "2",
                                         "--training.grad_accum_steps", "2"]),
     # 4 micro-batches of 1 sample per rank must add up to the reference's one batch of 8: reduce-scattered

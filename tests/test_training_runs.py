@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HELPERS, TINY, run_own_tests, torchrun
+from tests.conftest import HELPERS, TINY, generate, run_own_tests, torchrun
 from tests.helpers.scripts import captured_in_this_process
 
 # scripts/launch_local.sh training on two CPU ranks (5 steps on a repeated batch: the loss falls steadily, one
@@ -46,13 +46,16 @@ def test_generated_projects_own_tests_pass(projects: dict[str, Path]) -> None:
     assert re.search(r"^7 passed, 5 deselected in ", stdout, flags=re.M), stdout[-2000:]
 
 
-# A generated project's own test_resharding_to_groups_changes_memory_not_numbers (FSDP over 4 ranks, parameters kept
-# sharded over groups of 2 between forward and backward, 2 micro-batches a step, no HSDP replicas == 1 process, loss
-# and grad norm at 1e-5) is not run here (issue 37: proven once, run once; its 8-GPU project, a pytest process, a
-# one-process run and a 4-rank launch cost ~30 CPU-s): test_option_numerics.py's 4-ranks-reshard-groups-of-2 runs the
-# same layout (the same train.py code: every project holds it, parallel.reshard_after_forward 2 in config) in its
-# existing 4-rank launch against plain PyTorch, at 1e-5 over 10 clipped steps and in the final weights. (8 gloo ranks
-# on one node equal to one process: test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.)
+def test_a_project_resharding_to_groups_passes_its_own_resharding_test(tmp_path: Path) -> None:
+    # The 8-GPU project with reshard_after_forward = 4, as generated; its own test takes the rank count it needs
+    # (RESHARD_RANKS: 4 on CPU) and groups that divide it (2): FSDP over 4 ranks, groups of 2, 2 micro-batches each
+    # == 1 process. (The same against plain PyTorch at 1e-5, 10 clipped steps and final weights:
+    # test_option_numerics.py's 4-ranks-reshard-groups-of-2. 8 gloo ranks on one node equal to one process:
+    # test_context_parallel.py's test_hsdp_2_x_cp2_x_tp2_on_8_ranks_equals_one_process.)
+    project = generate(tmp_path / "run", "--gpus", "8", "--fp32", "--reshard-after-forward", "4")
+    stdout = run_own_tests(project, "-vv", "tests/test_training.py", "-k", "resharding_to_groups")
+    assert re.search(r" 1 passed, \d+ deselected in ", stdout), stdout[-2000:]
+    assert "tests/test_training.py::test_resharding_to_groups_changes_memory_not_numbers PASSED" in stdout, stdout
 
 
 # The checkpoint tests that run each style's own save and load code. The others (preflight's refusals, a new run
