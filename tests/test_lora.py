@@ -201,8 +201,11 @@ def test_tensor_parallel_lora_on_a_tied_lm_head_equals_one_process(lora: dict, o
     tp, reference = (load_file(root / f"{kind}-tied-adapter" / "adapter_model.safetensors") for kind in ("tp", "one"))
     assert len(reference) == 28 and tp.keys() == reference.keys()
     assert all(torch.any(reference[key] != 0) for key in reference if "lora_B" in key)  # trained
+    # Adam divides each gradient element by its magnitude: an element whose terms nearly cancel keeps the layouts'
+    # roundoff at up to lr x 1e-3 (measured 9.2e-6 on one element of a gate_proj's lora_A at lr 1e-2; the others
+    # under 6e-7), as in the test above.
     for key, value in reference.items():
-        assert (tp[key] - value).abs().max().item() <= 1e-5, key
+        assert (tp[key] - value).abs().max().item() <= 2e-5, key
 
 
 def export_merged_and_adapter(project: Path, checkpoint: Path, dest: Path) -> None:
