@@ -248,8 +248,10 @@ def _check_experts(request: PlanRequest) -> None:
         if ep > 1 and not has_experts(model):
             raise PlanError(f"--ep {ep}: {model.source} is not a mixture-of-experts model; use --ep 1")
         if ep > 1 and model.lora is not None:
-            raise PlanError(f"--ep {ep}: an hf project's expert parallelism is not built with LoRA (peft adapts fused "
-                            "experts as whole tensors); use --ep 1")  # fmt: skip
+            # The project trains it (expert_parallel.py splits the experts' adapters by expert); plan's memory
+            # model of LoRA on a mixture-of-experts model has its experts frozen whole, not adapted and split.
+            raise PlanError(f"--ep {ep}: plan does not model LoRA with expert parallelism yet (its LoRA memory "
+                            "model keeps an MoE model's experts frozen and whole); plan with --ep 1")  # fmt: skip
         if ep > 1:
             _check_expert_layout(request, model.n_experts)
         return

@@ -6,8 +6,10 @@ ep 2 x dp_shard_mod_ep 2 (4 gloo ranks, each holding 2 of the 4 experts of every
 plain transformers' on the same batch, the checkpoints of step 2 resume across layouts (ep 2's with ep 1, one
 process's with ep 2) equal to the uninterrupted run, and scripts/export.py and generate.py read the ep 2 checkpoints
 as one process's. The Qwen3-MoE run at ep 2 has rank 3 killed in the middle of step 4 and restarted by torchrun: it
-resumes bit for bit (and still equals one process). A dense model is refused in one line by `fsdp2gen new --ep` and
-by preflight.
+resumes bit for bit (and still equals one process). LoRA on the Qwen3-MoE (a project generated --lora --ep 2, its
+fused experts' adapters split by expert as the experts are) does the same against its one-process run, resumes its
+ep 2 checkpoint with ep 1, and exports as one process's. A dense model is refused in one line by `fsdp2gen new --ep`
+and by preflight.
 
 Two launches in all (tests/helpers/several_runs.py), and torchrun's restart of the second: the one-process launch
 runs the preflight cases and both references (and plain transformers); the 4-rank one trains both models and the
@@ -39,8 +41,9 @@ KILL = {"rank": 3, "step": 4}
 MOE = ("qwen3-moe", "mixtral")
 # Full fine-tuning on chat data (--task sft: only the responses' tokens are targets; data.document_mask on, each
 # conversation attending to itself) of a Qwen3-MoE with a chat tokenizer, by a project generated for it, in the same
-# launches. (--lora with --ep is refused at `new`: peft adapts each fused expert tensor whole, which ep splits.)
-RUNS = (*MOE, "sft")
+# launches; and LoRA on the Qwen3-MoE (--lora: attention and the fused experts adapted, each rank training the
+# adapters of its own experts, expert_parallel.apply_lora_expert_parallel), by a project generated --lora --ep 2.
+RUNS = (*MOE, "sft", "lora")
 TOLERANCE = 1e-5  # fp32: the all-to-all sums each token's experts in another order than one process
 # The final weights: Adam divides each gradient element by its magnitude, so an element whose terms nearly cancel
 # keeps its summation-order roundoff at up to lr x 1e-2 (tests/test_hf_parallel.py measured 1.0e-5 at lr 1e-3).
@@ -62,6 +65,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folders["sft"] = chat_model(
         root / "sft", Qwen3MoeConfig(**sizes, num_experts=4, moe_intermediate_size=16, head_dim=8)
     )
+    folders["lora"] = folders["qwen3-moe"]
     # 3 experts, which 2 ep ranks cannot share out: its config.json only (trained from scratch, nothing loaded).
     folders["three-experts"] = root / "three-experts"
     Qwen3MoeConfig(**SIZES, num_experts=3, moe_intermediate_size=16, head_dim=8).save_pretrained(root / "three-experts")
@@ -78,13 +82,15 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
 
     sft = generate(root / "sft", "--family", "hf", "--hf-model", str(models["sft"]), "--task", "sft", "--gpus", "4",
                    "--ep", "2", "--fp32")  # fmt: skip
+    lora = generate(root / "lora", "--family", "hf", "--hf-model", str(models["qwen3-moe"]), "--lora", "--gpus", "4",
+                    "--ep", "2", "--fp32")  # fmt: skip
 
     def options(name: str, run: str) -> list[str]:
         data = ["--data.path", str(root / "chats")] if name == "sft" else []
         return [*TRAIN, "--model.path", str(models[name]), *data, "--job.output_dir", str(root / f"{run}-{name}")]
 
     def project_of(name: str) -> dict:
-        return {"project": str(sft)} if name == "sft" else {}
+        return {"project": str({"sft": sft, "lora": lora}[name])} if name in ("sft", "lora") else {}
 
     dense = [*TRAIN, "--model.path", str(models["qwen3"]), "--job.output_dir", str(root / "refused")]
     three = [*TRAIN, "--model.path", str(models["three-experts"]), "--model.pretrained", "false", "--job.output_dir",
@@ -100,16 +106,18 @@ def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     # checkpoints of step 2 change layout: the ep 2 run's resumed with parallel.ep 1 (FSDP over the 4 ranks, every
     # expert on each), and the one process's resumed at ep 2 (each rank reading only its experts), each from a copy
     # of its folder without the step-4 checkpoint.
-    def resumed(run: str, source: str, *layout: str) -> dict:
-        interrupted = {"from": str(root / f"{source}-qwen3-moe"), "remove": ["checkpoints/step-4"]}
-        return {"args": [*options("qwen3-moe", run), *layout], "interrupted": interrupted}
+    def resumed(run: str, source: str, *layout: str, name: str = "qwen3-moe") -> dict:
+        interrupted = {"from": str(root / f"{source}-{name}"), "remove": ["checkpoints/step-4"]}
+        return {"args": [*options(name, run), *layout], "interrupted": interrupted, **project_of(name)}
 
     ep2 = launch_several(project, {
         "runs": [{"args": options("qwen3-moe", "ep2"), "kill": KILL}, options("mixtral", "ep2"),
                  {"args": options("sft", "ep2"), **project_of("sft")},
-                 resumed("resume", "ep2", "--parallel.ep", "1"), resumed("resume-ep2", "one")],
+                 {"args": options("lora", "ep2"), **project_of("lora")},
+                 resumed("resume", "ep2", "--parallel.ep", "1"), resumed("resume-ep2", "one"),
+                 resumed("resume", "ep2", "--parallel.ep", "1", name="lora")],
     }, root / "ep2.json", nproc=4, restarts=1)  # fmt: skip
-    return {"root": root, "ep2": ep2, "one": one, "project": project}
+    return {"root": root, "ep2": ep2, "one": one, "project": project, "lora": lora}
 
 
 def final_weights(run: Path) -> dict:
@@ -163,25 +171,35 @@ def test_a_rank_killed_mid_step_under_ep2_dp2_restarts_and_resumes_bit_for_bit(r
 
 def test_checkpoints_resume_across_layouts_ep2_to_ep1_and_one_process_to_ep2(runs: dict) -> None:
     # The same 4 ranks: ep 2's checkpoint of step 2 resumed with ep 1, and one process's resumed with ep 2; steps 3
-    # and 4 and the final weights are the uninterrupted one-process run's (within the layouts' rounding).
+    # and 4 and the final weights are the uninterrupted one-process run's (within the layouts' rounding). LoRA's
+    # ep 2 checkpoint too, with ep 1: the experts' adapters (and their Adam moments) are saved whole.
     root = runs["root"]
-    for run, source in (("resume", "ep2"), ("resume-ep2", "one")):
-        checkpoint = root / f"{run}-qwen3-moe" / "checkpoints" / "step-2"
+    for run, source, name in (("resume", "ep2", "qwen3-moe"), ("resume-ep2", "one", "qwen3-moe"),
+                              ("resume", "ep2", "lora")):  # fmt: skip
+        checkpoint = root / f"{run}-{name}" / "checkpoints" / "step-2"
         assert f"resumed from {checkpoint} at step 2" in runs["ep2"].stdout, (source, runs["ep2"].stdout[-3000:])
-        assert_same_run(root / f"{run}-qwen3-moe", root / "one-qwen3-moe", [3, 4])
+        assert_same_run(root / f"{run}-{name}", root / f"one-{name}", [3, 4])
 
 
-@pytest.mark.parametrize("name", MOE)
-def test_export_and_generate_read_the_ep2_checkpoint_as_the_one_process_one(runs: dict, name: str) -> None:
+@pytest.mark.parametrize("name", (*MOE, "lora"))
+def test_export_and_generate_read_the_ep2_checkpoint_as_the_one_process_one(
+    runs: dict, models: dict[str, Path], name: str
+) -> None:
     # Each rank saved its own experts: exported, they are the per-expert files of the one-process run's export.
+    # LoRA's: the adapters merged into the per-expert weights (the experts' lora_B back in peft's layout).
     from safetensors.torch import load_file
 
     step = Path("checkpoints") / "step-4"
     root = runs["root"]
-    assert_read_as_one_process(runs["project"], root / f"ep2-{name}" / step, root / f"one-{name}" / step,
-                               WEIGHTS_TOLERANCE)  # fmt: skip
+    project = runs["lora" if name == "lora" else "project"]
+    assert_read_as_one_process(project, root / f"ep2-{name}" / step, root / f"one-{name}" / step,
+                               WEIGHTS_TOLERANCE, generates=name != "lora")  # fmt: skip
     exported = load_file(root / f"ep2-{name}" / "exported-step-4" / "model.safetensors")
     assert any(".experts.3." in key for key in exported)
+    if name == "lora":  # trained: merged, each expert's weights moved from the pretrained ones
+        pretrained = load_file(models["qwen3-moe"] / "model.safetensors")
+        for key in ("model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight"):
+            assert (exported[key] - pretrained[key]).abs().max().item() > 1e-4, key
 
 
 def test_a_dense_model_or_unshareable_experts_are_refused_at_new_and_in_preflight(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -46,6 +47,7 @@ class DcpState(Stateful):
         # Sharded (DTensor) model and optimizer state: each rank writes only its own shards.
         # The adapters and their optimizer state only: the frozen base weights are the pretrained files'.
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer, options=ADAPTERS_ONLY)
+        model_state = without_tied_frozen(state.model, model_state)
         saved = {"model": model_state, "optimizer": optimizer_state, **state.progress()}
         if self.with_rng:
             # One key per rank: DCP keeps a single copy of an entry that every rank saves under the same key.
@@ -64,6 +66,16 @@ class DcpState(Stateful):
         state.restore_progress(saved)
         if self.with_rng:
             state.restore_rng_state(saved["rng"][f"rank{dist.get_rank()}"])
+
+
+def without_tied_frozen(model: nn.Module, model_state: dict) -> dict:
+    """model_state without the frozen weights that ignore_frozen_params leaves in it (torch 2.13): it drops a frozen
+    parameter under the one name named_parameters gives it, so a tied weight's other name stays (lm_head.weight,
+    where the output layer shares the embedding's matrix): a whole frozen matrix in every checkpoint, which
+    scripts/export.py would take for an adapter. Named as get_state_dict names them (without the wrappers' parts)."""
+    frozen = {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+              for name, tensor in model.state_dict(keep_vars=True).items() if not tensor.requires_grad}  # fmt: skip
+    return {name: value for name, value in model_state.items() if name not in frozen}
 
 
 class ChecksummedWriter(FileSystemWriter):
