@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from fsdp2gen import plan_pp
 from fsdp2gen.plan_config import FIX_CONFIG, LIMITS, hf_request, project_request, size_request
-from fsdp2gen.plan_families import HfShape, tp_unsupported
+from fsdp2gen.plan_families import LORA_DEFAULTS, HfShape, tp_unsupported
 from fsdp2gen.plan_layout import (
     AC_MODES,
     GPUS,
@@ -54,6 +54,9 @@ def build_request(
     grad_accum_steps: int | None = None,
     dp_replicate: int | None = None,
     loss_chunks: int | None = None,
+    lora: bool = False,
+    lora_rank: int | None = None,
+    qlora: bool = False,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project (every key of its config.toml that changes memory: plan_keys.py) or of --size,
@@ -63,15 +66,25 @@ def build_request(
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
     numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--ep": ep, "--batch": batch, "--seq": seq}
     numbers |= {"--pp": pp, "--pp-stages-per-rank": pp_stages_per_rank, "--grad-accum-steps": grad_accum_steps}
-    numbers |= {"--dp-replicate": dp_replicate, "--loss-chunks": loss_chunks}
+    numbers |= {"--dp-replicate": dp_replicate, "--loss-chunks": loss_chunks, "--lora-rank": lora_rank}
     ac = activation_checkpointing
     _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
-    request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
+    rank = _lora_rank(lora, lora_rank, qlora, hf_config)
+    request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp, lora=(rank, qlora))
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "ep": ep, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": cpu_offload, "ac": ac, "gpu": gpu_type, "loss_chunks": loss_chunks}
     given |= {"dp_replicate": dp_replicate}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
-    request = _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps)
+    request = _loss_chunks(
+        _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps), loss_chunks
+    )
+    _check_request(request, config)
+    return request
+
+
+def _loss_chunks(request: PlanRequest, loss_chunks: int | None) -> PlanRequest:
+    """The request with the loss chunks a pipeline takes (1: its last stage computes the whole logits), --loss-chunks
+    checked against it and the sequence length."""
     if request.pp > 1 and request.loss_chunks > 1:
         if loss_chunks is not None:  # the project's config.py refuses it too: the last stage computes whole logits
             raise PlanError(f"--loss-chunks {loss_chunks} with --pp {request.pp} is not built (the last pipeline "
@@ -79,7 +92,6 @@ def build_request(
         request = replace(request, loss_chunks=1)  # a pp project's training.loss_chunks (the only one it takes)
     if loss_chunks is not None and loss_chunks > request.seq_len:  # a config's is checked with its seq_len
         raise PlanError(f"--loss-chunks {loss_chunks} exceeds the sequence length ({request.seq_len}); lower it")
-    _check_request(request, config)
     return request
 
 
@@ -123,16 +135,31 @@ def _check_options(
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
 
 
+def _lora_rank(lora: bool, rank: int | None, qlora: bool, hf_config: Path | None) -> int | None:
+    """The rank of the LoRA adapters --lora or --qlora ask for (--qlora implies --lora, as `new --qlora` does; the
+    template's lora.rank unless --lora-rank), or None without them. They plan --hf-config's model only: a project's
+    adapters are its config.toml's [lora] table (and its recorded qlora answer)."""
+    flags = [flag for flag, given in (("--lora", lora), ("--qlora", qlora), ("--lora-rank", rank)) if given]
+    if flags and hf_config is None:
+        raise PlanError(f"{flags[0]} plans adapters on an --hf-config model; a project's are its config.toml's [lora] "
+                        "table (--config), and a --size model takes none")  # fmt: skip
+    if rank is not None and not (lora or qlora):
+        raise PlanError(f"--lora-rank {rank} is the rank of LoRA's adapters; add --lora (or --qlora)")
+    return (rank or LORA_DEFAULTS["rank"]) if lora or qlora else None
+
+
 def _model_request(
-    *, size: str | None, config: Path | None, hf_config: Path | None, tp: int | None, seq: int | None, cp: int | None
-) -> PlanRequest:
-    """The request of the one model source given (--config, --size or --hf-config), before the options override it."""
+    *, size: str | None, config: Path | None, hf_config: Path | None, tp: int | None, seq: int | None, cp: int | None,
+    lora: tuple[int | None, bool] = (None, False),
+) -> PlanRequest:  # fmt: skip
+    """The request of the one model source given (--config, --size or --hf-config), before the options override it;
+    `lora`: the rank of --hf-config's adapters (None: none) and whether on an NF4 base."""
     if config is not None:
         return project_request(config, tp, seq, cp)
     if size is not None:
         return size_request(size, seq)
     if hf_config is not None:
-        return hf_request(hf_config, seq)
+        return hf_request(hf_config, seq, *lora)
     raise PlanError(
         f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config PATH/config.json"
     )

@@ -612,6 +612,54 @@ def test_bad_config_json_is_one_line_and_exit_2(case: str, tmp_path: Path) -> No
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {path}: {message}\n")
 
 
+def test_lora_flags_plan_what_the_lora_projects_config_plans(projects: dict, tmp_path: Path) -> None:
+    """plan --hf-config --lora (--qlora, --lora-rank) is plan --config of the project `new --lora` (--qlora) makes on
+    that model, figure for figure, under tp 2 (the adapters split as lora_styles) and without; the options a project
+    or a --size cannot take are one line."""
+    model, config = projects["model"], projects["lora"] / "config.toml"
+    same = ("--seq", "32", "--batch", "2", "--grad-accum-steps", "1")
+    flags = ("--hf-config", str(model), "--gpus", "2", "--precision", "fp32", *same)
+    qlora = tmp_path / "config.toml"  # the lora project's config, as a --qlora project records its answers
+    (tmp_path / ".copier-answers.yml").write_text(
+        (projects["lora"] / ".copier-answers.yml").read_text().replace("qlora: false", "qlora: true")
+    )
+    rank_8 = re.sub(r"(?m)^rank = 16$", "rank = 8", config.read_text())
+    qlora.write_text(rank_8)
+    for project, options in (([str(config), "--tp", "2"], ["--lora", "--tp", "2"]), ([str(config)], ["--lora"]),
+                             ([str(qlora)], ["--qlora", "--lora-rank", "8"])):  # fmt: skip
+        planned, flagged = (plan_json(*args) for args in (("--config", *project, *same), (*flags, *options)))
+        unlabelled = [{**plan, "model": {**plan["model"], "label": ""}} for plan in (planned, flagged)]
+        assert unlabelled[0] == unlabelled[1], options
+    assert plan_json(*flags, "--qlora", "--lora-rank", "8")["model"]["label"].endswith(" + QLoRA rank 8")
+    assert (
+        plan_json(*flags)["model"]["trainable_parameters"]
+        > plan_json(*flags, "--lora")["model"]["trainable_parameters"]
+    )
+
+    def error(*args: str) -> str:
+        result = invoke("plan", *args)
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
+
+    assert error(*flags, "--lora-rank", "8") == "--lora-rank 8 is the rank of LoRA's adapters; add --lora (or --qlora)"
+    assert error("--config", str(config), "--lora") == (
+        "--lora plans adapters on an --hf-config model; a project's are its config.toml's [lora] table (--config), "
+        "and a --size model takes none"
+    )
+    assert (
+        error(*flags, "--lora", "--lora-rank", "0")
+        == "--lora-rank must be at least 1, got 0; give --lora-rank 1 or more"
+    )
+    moe = save_config(tmp_path / "moe", "qwen3_moe", **MOE_SMALL["qwen3_moe"])
+    assert error("--hf-config", str(moe), "--qlora") == (
+        f"--qlora: QLoRA on a mixture-of-experts model (qwen3_moe, {moe}) is not modelled by plan yet (which weights "
+        "nf4.py quantizes around transformers' fused experts); plan it with --lora (an unquantized base)"
+    )
+    # A mixture-of-experts model's adapters: on its attention layers (the targets plan models there).
+    planned = plan_json("--hf-config", str(moe), "--lora", "--seq", "32")["model"]
+    assert planned["lora"]["targets"] == list(ATTENTION)
+
+
 def test_lora_adapters_under_tp_split_as_the_projects_lora_styles(projects: dict) -> None:
     """plan --config of a LoRA project at --tp 2 on 2 GPUs (FSDP over 1: a rank holds its tp share whole): AdamW's
     state (2 fp32 values per element, an fp32 step per tensor) is that of the adapters as tensor_parallel.py's
