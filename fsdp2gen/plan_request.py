@@ -213,16 +213,18 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
 
 def _check_hf_layout(request: PlanRequest) -> None:
     """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
-    not model with them (a mixture-of-experts model's experts under tp or cp). LoRA's adapters split by tp are
+    not model with them (a mixture-of-experts model's experts under cp; under tp they stay whole, as the model's
+    declared plan leaves them: plan_activations.hf_tp_split_bytes). LoRA's adapters split by tp are
     planned (plan_families.tp_split_dim); under pp both are (plan_pp.py: a stage's adapters, its routed blocks)."""
     model = request.model
     if not isinstance(model, HfShape):
         return
-    degrees = [(flag, degree) for flag, degree in (("--tp", request.tp), ("--cp", request.cp)) if degree > 1]
-    for flag, degree in degrees:
-        if has_experts(model):
-            raise PlanError(f"{flag} {degree}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
-                            f"with {flag[2:]} > 1 yet; plan it with {flag} 1 (--ep splits the experts)")  # fmt: skip
+    if request.cp > 1 and has_experts(model):
+        raise PlanError(f"--cp {request.cp}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
+                        "with cp > 1 yet; plan it with --cp 1 (--ep splits the experts)")  # fmt: skip
+    if request.tp > 1 and request.ep > 1:  # as the generator refuses --ep --tp for an hf model
+        raise PlanError(f"--ep {request.ep} with --tp {request.tp} for an hf model is not built (its experts would "
+                        "need both meshes); use --ep 1 (tp leaves the experts whole) or --tp 1")  # fmt: skip
     if request.tp > 1:
         if model.lora is not None and model.lora.nf4:  # as the generator refuses --qlora --tp
             raise PlanError(f"--tp {request.tp} with QLoRA is not built (a project's NF4 weights are sharded by "
@@ -230,8 +232,10 @@ def _check_hf_layout(request: PlanRequest) -> None:
         problem = tp_unsupported(model)
         if problem:
             raise PlanError(f"--tp {request.tp}: {problem} ({model.source}); use --tp 1")
-        for key, value in (("num_attention_heads", model.n_heads), ("num_key_value_heads", model.n_kv_heads),
-                           ("intermediate_size", model.ffn_dim)):  # fmt: skip
+        splits = [("num_attention_heads", model.n_heads), ("num_key_value_heads", model.n_kv_heads)]
+        if len(model.moe_layers) < model.n_layers:  # a dense MLP's units (a routed block's experts stay whole)
+            splits.append(("intermediate_size", model.ffn_dim))
+        for key, value in splits:
             if value % request.tp:
                 raise PlanError(f"--tp {request.tp} must divide {key} ({value}, {model.source}), which it splits; "
                                 f"e.g. --tp {math.gcd(value, request.tp)}")  # fmt: skip
