@@ -524,7 +524,8 @@ def _size_names() -> str:
 HfConfigOption = Annotated[
     Path | None,
     typer.Option(
-        help="A Hugging Face model's config.json, or its folder (Llama, Qwen2, Qwen3, Mistral), without a project.",
+        help="A Hugging Face model's config.json, or its folder (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral), "
+        "without a project.",
         show_default=False,
     ),
 ]
@@ -628,6 +629,23 @@ SeqOption = Annotated[
 ]
 GpuTypeOption = Annotated[str, typer.Option(help="GPU model, e.g. h100-80gb, a100-40gb, h200-141gb.")]
 
+LoraOption = Annotated[
+    bool,
+    typer.Option(
+        "--lora",
+        help="With --hf-config: LoRA fine-tuning as `new --lora` builds it (only the adapters train; the template's "
+        "[lora] table: its 7 linear layers, a mixture-of-experts model's 4 attention layers). --config plans a "
+        "project's own [lora].",
+    ),
+]
+LoraRankOption = Annotated[
+    int | None, typer.Option(help="With --lora or --qlora: the adapters' rank. [default: 16]", show_default=False)
+]
+QloraOption = Annotated[
+    bool,
+    typer.Option("--qlora", help="With --hf-config: --lora on an NF4 base (the adapted layers' frozen weights)."),
+]
+
 
 @app.command()
 @answer_options(PLAN_OPTIONS)
@@ -649,6 +667,9 @@ def plan(
     grad_accum_steps: GradAccumOption = None,
     dp_replicate: DpReplicateOption = None,
     loss_chunks: LossChunksOption = None,
+    lora: LoraOption = False,
+    lora_rank: LoraRankOption = None,
+    qlora: QloraOption = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     **answers: Any,
 ) -> None:
@@ -663,8 +684,8 @@ def plan(
         request = planner.build_request(
             size=size, config=config, hf_config=hf_config, batch=batch, seq=seq, gpu_type=gpu_type, grad_sync=grad_sync,
             cp=cp, ep=ep, pp=pp, pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank,
-            grad_accum_steps=grad_accum_steps, dp_replicate=dp_replicate, loss_chunks=loss_chunks,
-            **_given_answers(answers),
+            grad_accum_steps=grad_accum_steps, dp_replicate=dp_replicate, loss_chunks=loss_chunks, lora=lora,
+            lora_rank=lora_rank, qlora=qlora, **_given_answers(answers),
         )  # fmt: skip
         if cp_sweep:
             plans = planner.cp_sweep(request)

@@ -301,44 +301,58 @@ def hf_tp_saving(
     rank. The project's tensor_parallel.py applies the model's declared plan without sequence parallelism: between
     the layers the activations are whole on every tp rank (each block's input, the norms, the inputs of q/k/v and
     of gate/up, the final norm and the output layer's input), so only what the split layers compute is split
-    (hf_tp_split_bytes), and the logits (by vocabulary, for loss_parallel).
+    (hf_tp_split_bytes, block by block: a routed block's experts are whole), and the logits (by vocabulary, for
+    loss_parallel). Under AC the recomputed block is the largest one left after the split.
     Unlike the llama family's tp (block_activation_bytes: sequence parallelism splits all but two inputs)."""
     if tp == 1:
         return 0
-    block, kept = hf_tp_split_bytes(model, batch * seq_len, compute)
-    split = {
-        "none": model.n_layers * block,
-        "layer": (model.n_layers - len(range(0, model.n_layers, every))) * block + block,
-        "full": block,
-        "selective": model.n_layers * kept + block,
-    }[ac]
+    tokens = batch * seq_len
+    parts = [[tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute, i)]
+             for i in range(model.n_layers)]  # fmt: skip
+    whole = [
+        hf_block_activation_bytes(model, batch, seq_len, compute, i)
+        + lora_activation_delta(model, batch, seq_len, compute, i)
+        for i in range(model.n_layers)
+    ]
+    layers = {"none": range(model.n_layers), "layer": [i for i in range(model.n_layers) if i % every]}
+    recomputed = {"none": [], "layer": range(0, model.n_layers, every)}.get(ac, range(model.n_layers))
+    saved = sum(parts[i][0] for i in layers.get(ac, []))
+    if recomputed:
+        saved += max(whole[i] for i in recomputed) - max(whole[i] - parts[i][0] for i in recomputed)
+    if ac == "selective":
+        saved += sum(kept for _, kept in parts)
     logits = FP32 * batch * math.ceil(seq_len / loss_chunks)  # one chunk's log-softmax (head_activation_bytes)
-    return tp_share_saved(split, tp) + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
+    return saved + logits * (model.vocab_size - math.ceil(model.vocab_size / tp))
 
 
-def hf_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int, int]:
-    """Of one dense hf block's saved activations for `tokens` tokens, the parts tensor parallelism splits (each tp
+def hf_tp_split_bytes(model: HfShape, tokens: int, compute: int, layer: int = 0) -> tuple[int, int]:
+    """Of hf block `layer`'s saved activations for `tokens` tokens, the parts tensor parallelism splits (each tp
     rank holds 1/tp of them): of the whole block (hf_block_activation_bytes) the rotated q, k, v, the attention
-    output and logsumexp (this rank's heads; Qwen3's q_norm and k_norm too) and the MLP's hidden units (gate, silu,
-    up, their product); and of what selective AC keeps (op_level_kept_bytes) q's, v's and gate's matmul outputs,
-    attention's output and logsumexp (down_proj's output is a whole partial sum)."""
+    output and logsumexp (this rank's heads; Qwen3's q_norm and k_norm too) and a dense MLP's hidden units (gate,
+    silu, up, their product); and of what selective AC keeps (op_level_kept_bytes) q's, v's and gate's matmul
+    outputs, attention's output and logsumexp (down_proj's output is a whole partial sum).
+    A routed block (layer in moe_layers): its router and experts stay whole on every tp rank, which run them all on
+    the same whole tokens (the declared tp plans of Qwen3-MoE and Mixtral name the attention and a dense MLP only;
+    the experts are split by ep, base_model_ep_plan), so only its attention's part is split."""
     q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     attention = compute * (2 * q + 2 * kv) + FP32 * model.n_heads
     if model.qk_norm:
         attention += (FP32 + compute) * (q + kv) + FP32 * (model.n_heads + model.n_kv_heads)
-    block = tokens * (attention + 4 * compute * model.ffn_dim)
-    kept = compute * tokens * (q + kv + model.ffn_dim + q) + FP32 * tokens * model.n_heads
-    lora_block, lora_kept = lora_tp_split_bytes(model, tokens, compute)
+    dense = layer not in model.moe_layers
+    block = tokens * (attention + 4 * compute * model.ffn_dim * dense)
+    kept = compute * tokens * (q + kv + model.ffn_dim * dense + q) + FP32 * tokens * model.n_heads
+    lora_block, lora_kept = lora_tp_split_bytes(model, tokens, compute, dense)
     return block + lora_block, kept + lora_kept
 
 
-def lora_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int, int]:
-    """Of LoRA's change of one dense block's saved activations (lora_activation_delta; lora_op_level_delta under
+def lora_tp_split_bytes(model: HfShape, tokens: int, compute: int, dense: bool = True) -> tuple[int, int]:
+    """Of LoRA's change of one block's saved activations (lora_activation_delta; lora_op_level_delta under
     selective AC), the parts tensor parallelism splits, as the project's lora_styles splits the adapters: lora_A's
     outputs (tokens x rank) are whole on every tp rank (rowwise: summed over them), and so are the norms' outputs;
     split are what no longer is kept of this rank's heads and hidden units (Qwen3's q_norm / k_norm inputs,
     down_proj's input), the dropped-out inputs of the rowwise layers (o_proj, down_proj: their input split), and
-    under selective AC the kept outputs of the colwise layers' base_layer and lora_B (q/k/v, gate/up)."""
+    under selective AC the kept outputs of the colwise layers' base_layer and lora_B (q/k/v, gate/up). A routed
+    block (not `dense`): its attention's only (read_lora adapts no expert)."""
     lora = model.lora
     if lora is None:
         return 0, 0
@@ -348,16 +362,16 @@ def lora_tp_split_bytes(model: HfShape, tokens: int, compute: int) -> tuple[int,
     paths = {name: f"model.layers.0.{'self_attn' if name in ATTENTION else 'mlp'}.{name}" for name in widths}
     adapted = {name for name in widths if lora_targets(paths[name], lora.targets)}
     block = -(q + kv) * compute if model.qk_norm else 0
-    if lora.dropout > 0 or "down_proj" not in adapted:
+    if dense and (lora.dropout > 0 or "down_proj" not in adapted):
         block -= compute * model.ffn_dim
     if lora.dropout > 0:
         block += (compute + 1) * sum(widths[name] for name in adapted & {"o_proj", "down_proj"})
     outputs: list[tuple[int, bool]] = []  # (width, split) of each matmul, in forward order
-    for name in FORWARD_ORDER:
+    for name in FORWARD_ORDER if dense else ATTENTION:
         split = name not in ("o_proj", "down_proj")  # colwise: base_layer's and lora_B's outputs split
         width = widths[name] if split else 0
         outputs += [(width, split), (0, False), (width, split)] if name in adapted else [(width, split)]
-    kept = sum(width for width, _ in outputs[::2]) - (q + kv + model.ffn_dim)  # less op_level_kept_bytes' split
+    kept = sum(width for width, _ in outputs[::2]) - (q + kv + model.ffn_dim * dense)  # less op_level_kept's split
     return tokens * block, compute * tokens * kept
 
 

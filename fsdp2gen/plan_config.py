@@ -12,7 +12,9 @@ from typing import Any
 
 from fsdp2gen.files import FileInputError, read_text
 from fsdp2gen.plan_families import (
+    ATTENTION,
     HfConfigError,
+    HfShape,
     read_hf_config,
     read_lora,
 )
@@ -38,7 +40,7 @@ from fsdp2gen.sizes import (
 LIMITS = {"--gpus": 64, "--nodes": 16384, "--tp": 64, "--cp": 64, "--ep": 2**16, "--batch": 2**16, "--seq": 2**24}
 
 LIMITS |= {"--pp": 2**12, "--pp-stages-per-rank": 2**12, "--grad-accum-steps": 2**16}
-LIMITS |= {"--dp-replicate": 16384, "--loss-chunks": 2**24}
+LIMITS |= {"--dp-replicate": 16384, "--loss-chunks": 2**24, "--lora-rank": 2**20}
 
 MODEL_LIMITS = {
     "dim": 2**17,
@@ -266,16 +268,23 @@ def _project_cp(config: Path, answers: dict[str, Any], cp: int | None) -> int:
     return cp
 
 
-def hf_request(path: Path, seq: int | None) -> PlanRequest:
+def hf_request(path: Path, seq: int | None, lora_rank: int | None = None, qlora: bool = False) -> PlanRequest:
     """A Hugging Face model's config.json (or its folder), with the template's default setup, one sample of --seq
-    tokens (default: the template's training.seq_len)."""
+    tokens (default: the template's training.seq_len). With `lora_rank` (--lora, --qlora): the adapters a `new
+    --lora` project's [lora] table adds (its defaults at that rank; a mixture-of-experts model's attention layers
+    only, the targets plan models there), on an NF4 base with `qlora`: as hf_project_request plans that project."""
     try:
         model = read_hf_config(path)
+        if lora_rank is not None:
+            table = {"rank": lora_rank} | ({"target_modules": list(ATTENTION)} if model.moe_layers else {})
+            model = replace(model, lora=read_lora(path, table, model))
     except HfConfigError as error:
         raise PlanError(str(error)) from None
+    if qlora:
+        model = _nf4_base(model, "--qlora:", "plan it with --lora (an unquantized base)")
     return PlanRequest(
         model=model,
-        label=f"{model.model_type} {model.source}",
+        label=f"{model.model_type} {model.source}{_lora_label(model)}",
         **{name: questions()[name].default for name in ("gpus", "nodes", "precision", "tp")},
         seq_len=seq or TEMPLATE_TRAINING["seq_len"],
         grad_accum_steps=None,
@@ -315,14 +324,8 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None, cp: int | 
     # [model] of an hf project has no llama keys: read [training] and the answers with an empty [model].
     _, training, answers = _read_config(config, model_table={})
     if model.lora and answers.get("qlora"):  # a --qlora project: the adapted layers' frozen weights in NF4
-        if model.moe_layers:
-            raise PlanError(
-                f"{config}: QLoRA on a mixture-of-experts model ({model.model_type}, {model.source}) is not modelled "
-                "by plan yet (which weights nf4.py quantizes around transformers' fused experts); plan the model "
-                "with fsdp2gen plan --hf-config"
-            )
-        model = replace(model, lora=replace(model.lora, nf4=True))
-    lora = f" + {'QLoRA' if model.lora.nf4 else 'LoRA'} rank {model.lora.rank}" if model.lora else ""
+        model = _nf4_base(model, f"{config}:", "plan the model with fsdp2gen plan --hf-config")
+    lora = _lora_label(model)
     task = str(_default("task", answers))
     return PlanRequest(
         **_project_pipeline(config, answers),
@@ -341,6 +344,21 @@ def hf_project_request(config: Path, tp: int | None, seq: int | None, cp: int | 
         task=task,
         loss_chunks=training["loss_chunks"],
     )
+
+
+def _nf4_base(model: HfShape, where: str, fix: str) -> HfShape:
+    """`model`'s LoRA on an NF4 base (QLoRA: the adapted layers' frozen weights in NF4); `where` names the source."""
+    if model.moe_layers:
+        raise PlanError(
+            f"{where} QLoRA on a mixture-of-experts model ({model.model_type}, {model.source}) is not modelled by plan "
+            f"yet (which weights nf4.py quantizes around transformers' fused experts); {fix}"
+        )
+    return replace(model, lora=replace(model.lora, nf4=True))
+
+
+def _lora_label(model: HfShape) -> str:
+    """What the plan's first line adds for LoRA: ' + LoRA rank 16' (QLoRA on an NF4 base), '' without adapters."""
+    return f" + {'QLoRA' if model.lora.nf4 else 'LoRA'} rank {model.lora.rank}" if model.lora else ""
 
 
 def size_request(size: str, seq: int | None) -> PlanRequest:

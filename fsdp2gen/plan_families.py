@@ -504,9 +504,13 @@ def lora_op_level_delta(model: HfShape, batch: int, seq_len: int, compute: int) 
     return compute * batch * seq_len * (kept - plain)
 
 
+# The template's [lora] table (config.toml.jinja): what a key left out of a project's, and plan --lora, take.
+LORA_DEFAULTS = {"rank": 16, "dropout": 0.0, "target_modules": list(ATTENTION + MLP)}
+
+
 def read_lora(path: Path, table: Any, model: HfShape) -> LoraSpec:
     """config.toml's [lora] (the template's defaults for keys left out), checked as config.py and peft check it."""
-    defaults = {"rank": 16, "dropout": 0.0, "target_modules": list(ATTENTION + MLP)}
+    defaults = LORA_DEFAULTS
     fix = "fix that value in the file"
     if not isinstance(table, dict):
         raise HfConfigError(f"{path}: [lora] must be a table, got {table!r}; {fix}")

@@ -288,16 +288,18 @@ def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range
     output dtype (fp32) and the loss keeps with its fp32 log-softmax, with the final norm's one fp32 copy of its input
     (transformers' RMSNorm), its output (lm_head's input) and the targets; m of them under GPipe, else 1.
     With tp > 1 (tensor_parallel.py inside each stage, no sequence parallelism) each block holds 1/tp of what its
-    split layers compute (hf_tp_split_bytes) and the last stage 1/tp of the vocabulary's logits (loss_parallel);
-    the blocks' inputs, the norms, lm_head's input and the hidden states the stages exchange stay whole."""
+    split layers compute (hf_tp_split_bytes: a routed block's experts whole) and the last stage 1/tp of the
+    vocabulary's logits (loss_parallel); the blocks' inputs, the norms, lm_head's input and the hidden states the
+    stages exchange stay whole."""
     model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
     tokens = batch * seq
-    split, split_kept = (tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute))
+    split = {i: [tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute, i)] for i in blocks}
     one = [
-        hf_block_activation_bytes(model, batch, seq, compute, i) + lora_activation_delta(model, batch, seq, compute, i)
+        hf_block_activation_bytes(model, batch, seq, compute, i)
+        + lora_activation_delta(model, batch, seq, compute, i)
+        - split[i][0]
         for i in blocks
     ]
-    one = [size - split for size in one]
     block_input = compute * tokens * model.dim
     if ac == "none":
         kept = sum(one)
@@ -306,8 +308,8 @@ def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range
     elif ac == "layer":
         kept = sum(block_input if i % request.ac_every == 0 else size for i, size in zip(blocks, one, strict=True))
     else:
-        matmuls = [routed_kept_bytes(model, batch, seq, compute) if i in model.moe_layers
-                   else op_level_kept_bytes(model, batch, seq, compute) - split_kept for i in blocks]  # fmt: skip
+        matmuls = [(routed_kept_bytes(model, batch, seq, compute) if i in model.moe_layers
+                    else op_level_kept_bytes(model, batch, seq, compute)) - split[i][1] for i in blocks]  # fmt: skip
         kept = sum(matmuls) + len(one) * (block_input + lora_op_level_delta(model, batch, seq, compute))
     recompute = 0 if ac == "none" else max(one)
     rotary = 2 * compute * tokens * model.head_dim

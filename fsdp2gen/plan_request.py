@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from fsdp2gen import plan_pp
 from fsdp2gen.plan_config import FIX_CONFIG, LIMITS, hf_request, project_request, size_request
-from fsdp2gen.plan_families import HfShape, tp_unsupported
+from fsdp2gen.plan_families import LORA_DEFAULTS, HfShape, tp_unsupported
 from fsdp2gen.plan_layout import (
     AC_MODES,
     GPUS,
@@ -54,6 +54,9 @@ def build_request(
     grad_accum_steps: int | None = None,
     dp_replicate: int | None = None,
     loss_chunks: int | None = None,
+    lora: bool = False,
+    lora_rank: int | None = None,
+    qlora: bool = False,
 ) -> PlanRequest:
     """Check the command-line options (raising PlanError) and turn them into a PlanRequest: the model and
     setup of --config's project (every key of its config.toml that changes memory: plan_keys.py) or of --size,
@@ -63,15 +66,25 @@ def build_request(
         raise PlanError(f"{' and '.join(sources)} both given; the model comes from one of them")
     numbers = {"--gpus": gpus, "--nodes": nodes, "--tp": tp, "--cp": cp, "--ep": ep, "--batch": batch, "--seq": seq}
     numbers |= {"--pp": pp, "--pp-stages-per-rank": pp_stages_per_rank, "--grad-accum-steps": grad_accum_steps}
-    numbers |= {"--dp-replicate": dp_replicate, "--loss-chunks": loss_chunks}
+    numbers |= {"--dp-replicate": dp_replicate, "--loss-chunks": loss_chunks, "--lora-rank": lora_rank}
     ac = activation_checkpointing
     _check_options(numbers, ac=ac, gpu_type=gpu_type, precision=precision, grad_sync=grad_sync)
-    request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp)
+    rank = _lora_rank(lora, lora_rank, qlora, hf_config)
+    request = _model_request(size=size, config=config, hf_config=hf_config, tp=tp, seq=seq, cp=cp, lora=(rank, qlora))
     given = {"gpus": gpus, "nodes": nodes, "precision": precision, "tp": tp, "cp": cp, "ep": ep, "micro_batch": batch}
     given |= {"grad_sync": grad_sync, "offload": cpu_offload, "ac": ac, "gpu": gpu_type, "loss_chunks": loss_chunks}
     given |= {"dp_replicate": dp_replicate}
     request = replace(request, **{name: value for name, value in given.items() if value is not None})
-    request = _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps)
+    request = _loss_chunks(
+        _pipeline_request(request, pp, pp_schedule, pp_stages_per_rank, grad_accum_steps), loss_chunks
+    )
+    _check_request(request, config)
+    return request
+
+
+def _loss_chunks(request: PlanRequest, loss_chunks: int | None) -> PlanRequest:
+    """The request with the loss chunks a pipeline takes (1: its last stage computes the whole logits), --loss-chunks
+    checked against it and the sequence length."""
     if request.pp > 1 and request.loss_chunks > 1:
         if loss_chunks is not None:  # the project's config.py refuses it too: the last stage computes whole logits
             raise PlanError(f"--loss-chunks {loss_chunks} with --pp {request.pp} is not built (the last pipeline "
@@ -79,7 +92,6 @@ def build_request(
         request = replace(request, loss_chunks=1)  # a pp project's training.loss_chunks (the only one it takes)
     if loss_chunks is not None and loss_chunks > request.seq_len:  # a config's is checked with its seq_len
         raise PlanError(f"--loss-chunks {loss_chunks} exceeds the sequence length ({request.seq_len}); lower it")
-    _check_request(request, config)
     return request
 
 
@@ -123,16 +135,31 @@ def _check_options(
         raise PlanError(f"--grad-sync {grad_sync}: choose one of {', '.join(GRAD_SYNC_MODES)}")
 
 
+def _lora_rank(lora: bool, rank: int | None, qlora: bool, hf_config: Path | None) -> int | None:
+    """The rank of the LoRA adapters --lora or --qlora ask for (--qlora implies --lora, as `new --qlora` does; the
+    template's lora.rank unless --lora-rank), or None without them. They plan --hf-config's model only: a project's
+    adapters are its config.toml's [lora] table (and its recorded qlora answer)."""
+    flags = [flag for flag, given in (("--lora", lora), ("--qlora", qlora), ("--lora-rank", rank)) if given]
+    if flags and hf_config is None:
+        raise PlanError(f"{flags[0]} plans adapters on an --hf-config model; a project's are its config.toml's [lora] "
+                        "table (--config), and a --size model takes none")  # fmt: skip
+    if rank is not None and not (lora or qlora):
+        raise PlanError(f"--lora-rank {rank} is the rank of LoRA's adapters; add --lora (or --qlora)")
+    return (rank or LORA_DEFAULTS["rank"]) if lora or qlora else None
+
+
 def _model_request(
-    *, size: str | None, config: Path | None, hf_config: Path | None, tp: int | None, seq: int | None, cp: int | None
-) -> PlanRequest:
-    """The request of the one model source given (--config, --size or --hf-config), before the options override it."""
+    *, size: str | None, config: Path | None, hf_config: Path | None, tp: int | None, seq: int | None, cp: int | None,
+    lora: tuple[int | None, bool] = (None, False),
+) -> PlanRequest:  # fmt: skip
+    """The request of the one model source given (--config, --size or --hf-config), before the options override it;
+    `lora`: the rank of --hf-config's adapters (None: none) and whether on an NF4 base."""
     if config is not None:
         return project_request(config, tp, seq, cp)
     if size is not None:
         return size_request(size, seq)
     if hf_config is not None:
-        return hf_request(hf_config, seq)
+        return hf_request(hf_config, seq, *lora)
     raise PlanError(
         f"no model to plan; give --size ({', '.join(SIZES)}), --config PATH/config.toml or --hf-config PATH/config.json"
     )
@@ -186,14 +213,15 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
 
 def _check_hf_layout(request: PlanRequest) -> None:
     """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
-    not model with them (a mixture-of-experts model's experts under tp or cp). LoRA's adapters split by tp are
+    not model with them (ep with tp, which the generator refuses too). A mixture-of-experts model's experts stay
+    whole under tp, as the model's declared plan leaves them (plan_activations.hf_tp_split_bytes). LoRA's adapters split by tp are
     planned (plan_families.tp_split_dim); under pp both are (plan_pp.py: a stage's adapters, its routed blocks)."""
     model = request.model
     if not isinstance(model, HfShape):
         return
-    if request.tp > 1 and has_experts(model):  # (with cp: each rank routes its tokens, experts over dp_shard x cp)
-        raise PlanError(f"--tp {request.tp}: plan does not model a mixture-of-experts hf model ({model.model_type}) "
-                        "with tp > 1 yet; plan it with --tp 1 (--ep splits the experts)")  # fmt: skip
+    if request.tp > 1 and request.ep > 1:  # as the generator refuses --ep --tp for an hf model
+        raise PlanError(f"--ep {request.ep} with --tp {request.tp} for an hf model is not built (its experts would "
+                        "need both meshes); use --ep 1 (tp leaves the experts whole) or --tp 1")  # fmt: skip
     if request.tp > 1:
         if model.lora is not None and model.lora.nf4:  # as the generator refuses --qlora --tp
             raise PlanError(f"--tp {request.tp} with QLoRA is not built (a project's NF4 weights are sharded by "
@@ -201,8 +229,10 @@ def _check_hf_layout(request: PlanRequest) -> None:
         problem = tp_unsupported(model)
         if problem:
             raise PlanError(f"--tp {request.tp}: {problem} ({model.source}); use --tp 1")
-        for key, value in (("num_attention_heads", model.n_heads), ("num_key_value_heads", model.n_kv_heads),
-                           ("intermediate_size", model.ffn_dim)):  # fmt: skip
+        splits = [("num_attention_heads", model.n_heads), ("num_key_value_heads", model.n_kv_heads)]
+        if len(model.moe_layers) < model.n_layers:  # a dense MLP's units (a routed block's experts stay whole)
+            splits.append(("intermediate_size", model.ffn_dim))
+        for key, value in splits:
             if value % request.tp:
                 raise PlanError(f"--tp {request.tp} must divide {key} ({value}, {model.source}), which it splits; "
                                 f"e.g. --tp {math.gcd(value, request.tp)}")  # fmt: skip

@@ -417,10 +417,15 @@ def test_hf_pipeline_refusals_are_one_line(projects: dict, tmp_path: Path) -> No
         "--pp 2 with --ep 2: plan does not model expert parallelism inside pipeline stages yet (an hf project builds "
         "it); plan it with --ep 1 (FSDP shards the experts) or --pp 1"
     )
-    assert error("--hf-config", str(moe), "--pp", "2", "--tp", "2", "--gpus", "8") == (
-        "--tp 2: plan does not model a mixture-of-experts hf model (qwen3_moe) with tp > 1 yet; plan it with --tp 1 "
-        "(--ep splits the experts)"
-    )
+    # tp inside a mixture-of-experts model's stages: its declared plan splits the attention, the experts stay whole on
+    # each tp rank, FSDP-sharded over the 2 data-parallel ranks of a stage instead of 4 (tests/test_plan_simulation.py's
+    # hf-qwen3-30b-a3b-tp2-selective row: without pp).
+    split, whole = (plan_json("--hf-config", str(moe), "--pp", "2", "--tp", str(tp), "--gpus", "8", "--seq", "32",
+                              "--grad-accum-steps", "2") for tp in (2, 1))  # fmt: skip
+    experts = 3 * 2048 * 768 * 128 + 128 * 2048  # a block's fused experts and router (a stage holds one block)
+    growth = split["per_gpu_bytes"]["parameters"] - whole["per_gpu_bytes"]["parameters"]
+    # fp32 shards: 4 x experts / 2 ranks at tp 2, 4 x experts / 4 at tp 1 (the rest: split by tp, sharded over half)
+    assert experts <= growth < 1.01 * experts, (growth, experts)
     qlora = tmp_path / "qlora"  # the lora project's config, as a --qlora project records its answers
     qlora.mkdir()
     answers = (projects["lora"] / ".copier-answers.yml").read_text()
@@ -504,8 +509,8 @@ def test_moe_plan_text_names_the_experts_router_and_routed_activations(tmp_path:
     for options, message in (
         (["--ep", "16"], "--ep 16 must divide model.n_experts (8): each GPU holds n_experts / ep whole experts; "
          "e.g. --ep 8"),
-        (["--ep", "2", "--tp", "2"], "--tp 2: plan does not model a mixture-of-experts hf model (mixtral) with tp > 1 "
-         "yet; plan it with --tp 1 (--ep splits the experts)"),
+        (["--ep", "2", "--tp", "2"], "--ep 2 with --tp 2 for an hf model is not built (its experts would need both "
+         "meshes); use --ep 1 (tp leaves the experts whole) or --tp 1"),
     ):  # fmt: skip
         result = invoke("plan", "--hf-config", str(tmp_path), "--nodes", "2", *options)
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {message}\n")
@@ -645,6 +650,54 @@ def test_bad_config_json_is_one_line_and_exit_2(case: str, tmp_path: Path) -> No
     path.write_text(json.dumps(document))
     result = invoke("plan", "--hf-config", str(path))
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"fsdp2gen: error: {path}: {message}\n")
+
+
+def test_lora_flags_plan_what_the_lora_projects_config_plans(projects: dict, tmp_path: Path) -> None:
+    """plan --hf-config --lora (--qlora, --lora-rank) is plan --config of the project `new --lora` (--qlora) makes on
+    that model, figure for figure, under tp 2 (the adapters split as lora_styles) and without; the options a project
+    or a --size cannot take are one line."""
+    model, config = projects["model"], projects["lora"] / "config.toml"
+    same = ("--seq", "32", "--batch", "2", "--grad-accum-steps", "1")
+    flags = ("--hf-config", str(model), "--gpus", "2", "--precision", "fp32", *same)
+    qlora = tmp_path / "config.toml"  # the lora project's config, as a --qlora project records its answers
+    (tmp_path / ".copier-answers.yml").write_text(
+        (projects["lora"] / ".copier-answers.yml").read_text().replace("qlora: false", "qlora: true")
+    )
+    rank_8 = re.sub(r"(?m)^rank = 16$", "rank = 8", config.read_text())
+    qlora.write_text(rank_8)
+    for project, options in (([str(config), "--tp", "2"], ["--lora", "--tp", "2"]), ([str(config)], ["--lora"]),
+                             ([str(qlora)], ["--qlora", "--lora-rank", "8"])):  # fmt: skip
+        planned, flagged = (plan_json(*args) for args in (("--config", *project, *same), (*flags, *options)))
+        unlabelled = [{**plan, "model": {**plan["model"], "label": ""}} for plan in (planned, flagged)]
+        assert unlabelled[0] == unlabelled[1], options
+    assert plan_json(*flags, "--qlora", "--lora-rank", "8")["model"]["label"].endswith(" + QLoRA rank 8")
+    assert (
+        plan_json(*flags)["model"]["trainable_parameters"]
+        > plan_json(*flags, "--lora")["model"]["trainable_parameters"]
+    )
+
+    def error(*args: str) -> str:
+        result = invoke("plan", *args)
+        assert result.exit_code == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr.removeprefix("fsdp2gen: error: ").rstrip("\n")
+
+    assert error(*flags, "--lora-rank", "8") == "--lora-rank 8 is the rank of LoRA's adapters; add --lora (or --qlora)"
+    assert error("--config", str(config), "--lora") == (
+        "--lora plans adapters on an --hf-config model; a project's are its config.toml's [lora] table (--config), "
+        "and a --size model takes none"
+    )
+    assert (
+        error(*flags, "--lora", "--lora-rank", "0")
+        == "--lora-rank must be at least 1, got 0; give --lora-rank 1 or more"
+    )
+    moe = save_config(tmp_path / "moe", "qwen3_moe", **MOE_SMALL["qwen3_moe"])
+    assert error("--hf-config", str(moe), "--qlora") == (
+        f"--qlora: QLoRA on a mixture-of-experts model (qwen3_moe, {moe}) is not modelled by plan yet (which weights "
+        "nf4.py quantizes around transformers' fused experts); plan it with --lora (an unquantized base)"
+    )
+    # A mixture-of-experts model's adapters: on its attention layers (the targets plan models there).
+    planned = plan_json("--hf-config", str(moe), "--lora", "--seq", "32")["model"]
+    assert planned["lora"]["targets"] == list(ATTENTION)
 
 
 def test_lora_adapters_under_tp_split_as_the_projects_lora_styles(projects: dict) -> None:

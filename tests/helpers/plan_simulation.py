@@ -66,9 +66,11 @@ HF_CONFIGS = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG,
     "Mixtral-8x7B": MIXTRAL_8X7B_CONFIG,
 }
-# The generated projects a row can be a config of: the llama one, and hf ones (plain, --lora, --qlora, --task sft,
-# --tp 2, --pp 2 --tp 2 (its rows set parallel.tp, 1 or more), --pp 2 --lora, --tp 2 --lora).
-PROJECTS = ("llama", "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp", "hf-pp-lora", "hf-tp-lora")
+# The generated projects a row can be a config of: the llama ones (the test's OPTIONS, and the same with --pp 2), and
+# hf ones (plain, --lora, --qlora, --task sft, --tp 2, --pp 2 --tp 2 (its rows set parallel.tp, 1 or more), --pp 2
+# --lora, --tp 2 --lora).
+LLAMA_PROJECTS = ("llama", "llama-pp")
+PROJECTS = (*LLAMA_PROJECTS, "hf", "hf-lora", "hf-qlora", "hf-sft", "hf-tp", "hf-pp", "hf-pp-lora", "hf-tp-lora")
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,9 @@ class Row:
             model = {f"model.{key}": value for key, value in self.model.items()}
         # The hf projects have no cpu_offload (generated without --cpu-offload), and parallel.tp only when
         # generated with --tp.
-        llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.project == "llama" else {}
+        llama = {"parallel.tp": self.tp, "parallel.cpu_offload": self.offload} if self.llama else {}
         llama |= {"parallel.tp": self.tp} if self.project in ("hf-tp", "hf-pp", "hf-tp-lora") else {}
-        if self.blocks and self.project == "llama":
+        if self.blocks and self.llama:
             model["model.n_layers"] = self.blocks  # hf: the config.json the test writes for the row (hf_config)
         return (
             model
@@ -145,7 +147,7 @@ class Row:
                 *self.extrapolated_from, self.full_depth
             )
         name = f"llama {model}{depth}"
-        if self.project != "llama":
+        if not self.llama:
             lora = ", LoRA rank 16 (7 targets)"
             kinds = {"hf": "", "hf-lora": lora, "hf-sft": ", task sft", "hf-tp": "", "hf-pp": "", "hf-pp-lora": lora,
                      "hf-tp-lora": lora,
@@ -173,9 +175,14 @@ class Row:
         return ", ".join(parts + (["whole logits (loss_chunks 1)"] if self.loss_chunks == 1 else []))
 
     @property
+    def llama(self) -> bool:
+        """Whether the row is a config of a llama project (model.size and the llama keys), not an hf one."""
+        return self.project in LLAMA_PROJECTS
+
+    @property
     def full_depth(self) -> int:
         """The number of blocks of the whole model."""
-        if self.project != "llama":
+        if not self.llama:
             return HF_CONFIGS[self.model["path"]]["num_hidden_layers"]  # type: ignore[index]
         return TEMPLATE_SIZES[self.model]["n_layers"] if isinstance(self.model, str) else self.model["n_layers"]
 

@@ -144,7 +144,13 @@ def simulate(config: Config, gpus: int) -> dict[str, Any]:
     with every pipeline rank's peak in "pipeline_ranks" and its figures in "pipeline_figures"."""
     real_mesh_arithmetic()
     pp = config.parallel.pp
-    ranks = [simulate_rank(config, gpus, pp_rank * (gpus // pp)) for pp_rank in range(pp)]
+    ranks = []
+    for pp_rank in range(pp):
+        # DTensor's sharding cache (C++) keeps the output specs of the ops it has seen, their meshes with them: an
+        # earlier pipeline rank's mesh compares equal to this rank's (the same layout) but names that rank's process
+        # groups, which destroy_process_group removed. (torch's private function: re-check it when torch changes.)
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        ranks.append(simulate_rank(config, gpus, pp_rank * (gpus // pp)))
     worst = max(range(pp), key=lambda pp_rank: ranks[pp_rank]["allocated"])
     pipeline = {"rank": worst * (gpus // pp), "pipeline_rank": worst, "pipeline_ranks": [r["allocated"] for r in ranks],
                 "pipeline_figures": ranks}  # fmt: skip
@@ -165,9 +171,10 @@ def static_stage_metadata(model: Any, config: Config, micro_batch: int) -> torch
     width, vocab = text.dim, text.vocab_size
     hidden = torch.float32 if config.parallel.output_dtype == "float32" else torch.bfloat16
     tokens = (micro_batch, config.training.seq_len)
+    between = (*tokens, width)
     for stage in stages:
-        inputs = torch.zeros(tokens, dtype=torch.long) if stage.is_first else torch.zeros(*tokens, width, dtype=hidden)
-        outputs = torch.zeros(*tokens, vocab if stage.is_last else width, dtype=hidden)
+        inputs = torch.zeros(tokens, dtype=torch.long) if stage.is_first else torch.zeros(between, dtype=hidden)
+        outputs = torch.zeros(*tokens, vocab, dtype=hidden) if stage.is_last else torch.zeros(between, dtype=hidden)
         inputs.requires_grad_(not stage.is_first)
         outputs.requires_grad_()
         metas = {"inputs": (inputs,), "outputs": (outputs,)}
