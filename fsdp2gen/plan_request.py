@@ -214,8 +214,9 @@ def _check_request(request: PlanRequest, config: Path | None) -> None:
 def _check_hf_layout(request: PlanRequest) -> None:
     """An hf model's tp, cp and pp, as its project's layout.py and tensor_parallel.py check them, and what plan does
     not model with them (ep with tp, which the generator refuses too). A mixture-of-experts model's experts stay
-    whole under tp, as the model's declared plan leaves them (plan_activations.hf_tp_split_bytes). LoRA's adapters split by tp are
-    planned (plan_families.tp_split_dim); under pp both are (plan_pp.py: a stage's adapters, its routed blocks)."""
+    whole under tp, as the model's declared plan leaves them (plan_activations.hf_tp_split_bytes). LoRA's adapters
+    split by tp are planned (plan_families.tp_split_dim); under pp both are (plan_pp.py: a stage's adapters, its
+    routed blocks)."""
     model = request.model
     if not isinstance(model, HfShape):
         return
