@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+import jinja2.meta
 import pytest
 import yaml
 
@@ -1307,6 +1309,30 @@ def test_copier_copy_applies_the_same_checks(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert not (tmp_path / dest).exists()
+
+
+def test_a_question_reads_a_later_answer_only_where_it_is_defined() -> None:
+    """copier renders a question's validator, default and condition with the answers it has so far: all of them
+    when they are given (fsdp2gen new, --data), only the earlier questions' when it asks one by one or takes the
+    defaults. A later question named there without an `is defined` guard breaks those copies ("'cp' is undefined")."""
+    spec = yaml.safe_load((REPO / "templates" / "copier.yml").read_text())
+    names = [name for name in spec if not name.startswith("_")]
+    env = jinja2.Environment(extensions=["jinja2_ansible_filters.AnsibleCoreFiltersExtension"])
+    unguarded = []
+    for position, name in enumerate(names):
+        fields = spec[name] if isinstance(spec[name], dict) else {}
+        for field, text in fields.items():
+            if isinstance(text, str) and "{" in text:
+                read = jinja2.meta.find_undeclared_variables(env.parse(text)) & set(names[position + 1 :])
+                unguarded += [(name, field, later) for later in read if f"{later} is defined" not in text]
+    assert unguarded == []
+
+
+def test_copier_copy_with_every_default_renders(tmp_path: Path) -> None:
+    """`copier copy --defaults` (every question at its default, asked in order) renders a project."""
+    result = subprocess.run([COPIER, "copy", "--defaults", "--data", "project_name=run", str(REPO / "templates"),
+                             str(tmp_path / "run")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0 and (tmp_path / "run" / "train.py").is_file(), result.stderr[-2000:]
 
 
 def test_dependency_names_are_refused_as_project_names() -> None:
