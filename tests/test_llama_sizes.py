@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, generate, metrics, project_modules, torchrun
-from tests.helpers.scripts import captured_in_this_process, run_in_this_process
+from tests.conftest import TINY, generate, metrics, project_modules, torchrun, torchrun_env
+from tests.helpers.scripts import run_in_this_process
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +76,9 @@ def test_tied_embeddings_in_a_full_checkpoint_on_one_rank(checkpoint_projects: d
     # parameter.
     project = checkpoint_projects["full"]
     tied = [*TINY, "--model.tie_embeddings", "true", "--job.device", "cpu", "--job.output_dir", str(tmp_path)]
-    # Both runs one process each, a group of one: run one after the other in this process (captured_in_this_process),
-    # not two processes that import torch again.
     for steps in ("2", "3"):
-        code, stdout, stderr = captured_in_this_process(project, "train.py", *tied, "--training.steps", steps,
-                                                        "--checkpoint.interval", "1")  # fmt: skip
-        assert code == 0, stderr[-3000:]
-    assert f"resumed from {tmp_path / 'checkpoints'}/step-2 at step 2" in stdout
+        run = subprocess.run([sys.executable, "train.py", *tied, "--training.steps", steps, "--checkpoint.interval",
+                              "1"], cwd=project, env=torchrun_env(), capture_output=True, text=True)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints'}/step-2 at step 2" in run.stdout
     assert [record["step"] for record in metrics(tmp_path)] == [1, 2, 3]
