@@ -9,8 +9,7 @@ from fsdp2gen.plan_families import (
     ATTENTION,
     FORWARD_ORDER,
     HfShape,
-    hf_block_activation_bytes,
-    lora_activation_delta,
+    hf_block_with_lora_bytes,
     lora_op_level_delta,
     lora_targets,
 )
@@ -267,11 +266,7 @@ def family_activation_bytes(model: LlamaShape, batch: int, seq_len: int, compute
     hidden = batch * seq_len * model.dim
     final_norm = (FP32 + compute) * hidden - norm_activation_bytes(hidden, compute)
     llama = block_activation_bytes(model, batch, seq_len, compute)
-    blocks = [
-        hf_block_activation_bytes(model, batch, seq_len, compute, i)
-        + lora_activation_delta(model, batch, seq_len, compute, i)
-        for i in range(model.n_layers)
-    ]
+    blocks = [hf_block_with_lora_bytes(model, batch, seq_len, compute, i) for i in range(model.n_layers)]
     # The blocks whose activations backward recomputes (one at a time): those checkpointed whole, or all (selective).
     recomputed = {"none": [], "layer": blocks[::every], "full": blocks, "selective": blocks}[ac]
     kept = {"none": blocks, "layer": [block for i, block in enumerate(blocks) if i % every]}.get(ac, [])
@@ -309,11 +304,7 @@ def hf_tp_saving(
     tokens = batch * seq_len
     parts = [[tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute, i)]
              for i in range(model.n_layers)]  # fmt: skip
-    whole = [
-        hf_block_activation_bytes(model, batch, seq_len, compute, i)
-        + lora_activation_delta(model, batch, seq_len, compute, i)
-        for i in range(model.n_layers)
-    ]
+    whole = [hf_block_with_lora_bytes(model, batch, seq_len, compute, i) for i in range(model.n_layers)]
     layers = {"none": range(model.n_layers), "layer": [i for i in range(model.n_layers) if i % every]}
     recomputed = {"none": [], "layer": range(0, model.n_layers, every)}.get(ac, range(model.n_layers))
     saved = sum(parts[i][0] for i in layers.get(ac, []))

@@ -438,6 +438,13 @@ def routed_activation_parts(model: HfShape, tokens: int, compute: int) -> dict[s
     }
 
 
+def hf_block_with_lora_bytes(model: HfShape, batch: int, seq_len: int, compute: int, layer: int) -> int:
+    """hf block `layer`'s saved activations (hf_block_activation_bytes) with LoRA's change (lora_activation_delta)."""
+    return hf_block_activation_bytes(model, batch, seq_len, compute, layer) + lora_activation_delta(
+        model, batch, seq_len, compute, layer
+    )
+
+
 def lora_activation_delta(model: HfShape, batch: int, seq_len: int, compute: int, layer: int = 0) -> int:
     """How LoRA changes one block's saved activations (bytes, negative when it saves less), as torch saves them
     (tests/test_plan_families.py measures it on a transformers block):

@@ -63,9 +63,8 @@ from fsdp2gen.plan_activations import (
 )
 from fsdp2gen.plan_families import (
     HfShape,
-    hf_block_activation_bytes,
+    hf_block_with_lora_bytes,
     is_trainable,
-    lora_activation_delta,
     lora_op_level_delta,
 )
 from fsdp2gen.plan_layout import AC_MODES, layout_module, request_shard_numel
@@ -281,7 +280,7 @@ def stage_output_bytes(request: Any) -> int:
 def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range, held: int, last: bool) -> int:
     """stage_activation_bytes of an hf model's stage (pipeline_stages.py: the model's own forward, its other stages'
     parts stand-ins): per micro-batch in flight its blocks' saved tensors as transformers' blocks save them
-    (hf_block_activation_bytes, with LoRA's change: lora_activation_delta; selective AC: each block's input and the
+    (hf_block_with_lora_bytes: with LoRA's change; selective AC: each block's input and the
     matmul outputs op_level_kept_bytes counts, routed_kept_bytes' in a routed block, with LoRA's: lora_op_level_delta)
     and the rotary cos and sin every stage computes once per forward (compute dtype); one recomputed block under AC.
     The last stage: lm_head's whole logits (training.loss_chunks is 1 under PP), which the stage outputs in the root's
@@ -294,12 +293,7 @@ def hf_stage_activation_bytes(request: Any, compute: int, ac: str, blocks: range
     model, batch, seq, tp = request.model, request.batch, request.local_seq_len, request.tp
     tokens = batch * seq
     split = {i: [tp_share_saved(part, tp) for part in hf_tp_split_bytes(model, tokens, compute, i)] for i in blocks}
-    one = [
-        hf_block_activation_bytes(model, batch, seq, compute, i)
-        + lora_activation_delta(model, batch, seq, compute, i)
-        - split[i][0]
-        for i in blocks
-    ]
+    one = [hf_block_with_lora_bytes(model, batch, seq, compute, i) - split[i][0] for i in blocks]
     block_input = compute * tokens * model.dim
     if ac == "none":
         kept = sum(one)

@@ -28,6 +28,7 @@ from torch.futures import Future as WriteFuture
 from checkpoint_common import CheckpointerBase, TrainState, checkpoint_info, publish, save_failed
 from checkpoint_files import file_record
 from errors import reason, stop, stop_if_rank0_failed
+from model import state_names
 
 # LoRA checkpoints: the trainable adapters (and their optimizer state), not the frozen pretrained weights, which
 # come from the pretrained files on every start. strict=False lets a load leave those frozen weights alone (DCP
@@ -72,9 +73,8 @@ def without_tied_frozen(model: nn.Module, model_state: dict) -> dict:
     """model_state without the frozen weights that ignore_frozen_params leaves in it (torch 2.13): it drops a frozen
     parameter under the one name named_parameters gives it, so a tied weight's other name stays (lm_head.weight,
     where the output layer shares the embedding's matrix): a whole frozen matrix in every checkpoint, which
-    scripts/export.py would take for an adapter. Named as get_state_dict names them (without the wrappers' parts)."""
-    frozen = {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-              for name, tensor in model.state_dict(keep_vars=True).items() if not tensor.requires_grad}  # fmt: skip
+    scripts/export.py would take for an adapter. Named as get_state_dict names them (model.state_names)."""
+    frozen = {name for tensor, name in state_names(model) if not tensor.requires_grad}
     return {name: value for name, value in model_state.items() if name not in frozen}
 
 
